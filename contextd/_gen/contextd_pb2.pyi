@@ -1,0 +1,620 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PageState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAGE_STATE_UNSPECIFIED: _ClassVar[PageState]
+    HOT: _ClassVar[PageState]
+    COLD: _ClassVar[PageState]
+    PINNED: _ClassVar[PageState]
+    DROPPED: _ClassVar[PageState]
+    CORRUPT: _ClassVar[PageState]
+PAGE_STATE_UNSPECIFIED: PageState
+HOT: PageState
+COLD: PageState
+PINNED: PageState
+DROPPED: PageState
+CORRUPT: PageState
+
+class SessionRef(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class Session(_message.Message):
+    __slots__ = ("session_id", "model_id", "fingerprint", "budget_tokens", "closed", "created_unix", "updated_unix", "turn", "attention_tokens", "counters", "labels", "pages")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    model_id: str
+    fingerprint: str
+    budget_tokens: int
+    closed: bool
+    created_unix: float
+    updated_unix: float
+    turn: int
+    attention_tokens: int
+    counters: _containers.ScalarMap[str, int]
+    labels: _containers.ScalarMap[str, str]
+    pages: PageCounts
+    def __init__(self, session_id: _Optional[str] = ..., model_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., budget_tokens: _Optional[int] = ..., closed: _Optional[bool] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., turn: _Optional[int] = ..., attention_tokens: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., labels: _Optional[_Mapping[str, str]] = ..., pages: _Optional[_Union[PageCounts, _Mapping]] = ...) -> None: ...
+
+class PageCounts(_message.Message):
+    __slots__ = ("hot", "cold", "pinned", "dropped", "corrupt", "hot_tokens", "cold_tokens", "pinned_tokens", "bytes_on_disk")
+    HOT_FIELD_NUMBER: _ClassVar[int]
+    COLD_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    HOT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COLD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_ON_DISK_FIELD_NUMBER: _ClassVar[int]
+    hot: int
+    cold: int
+    pinned: int
+    dropped: int
+    corrupt: int
+    hot_tokens: int
+    cold_tokens: int
+    pinned_tokens: int
+    bytes_on_disk: int
+    def __init__(self, hot: _Optional[int] = ..., cold: _Optional[int] = ..., pinned: _Optional[int] = ..., dropped: _Optional[int] = ..., corrupt: _Optional[int] = ..., hot_tokens: _Optional[int] = ..., cold_tokens: _Optional[int] = ..., pinned_tokens: _Optional[int] = ..., bytes_on_disk: _Optional[int] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("session_id", "model_id", "fingerprint", "budget_tokens", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    model_id: str
+    fingerprint: str
+    budget_tokens: int
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, session_id: _Optional[str] = ..., model_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., budget_tokens: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class UpdateSessionRequest(_message.Message):
+    __slots__ = ("session_id", "fingerprint", "turn", "attention_tokens", "counters", "budget_tokens")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    fingerprint: str
+    turn: int
+    attention_tokens: int
+    counters: _containers.ScalarMap[str, int]
+    budget_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., turn: _Optional[int] = ..., attention_tokens: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., budget_tokens: _Optional[int] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ("include_closed",)
+    INCLUDE_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    include_closed: bool
+    def __init__(self, include_closed: _Optional[bool] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[Session]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[Session, _Mapping]]] = ...) -> None: ...
+
+class DeleteSessionResponse(_message.Message):
+    __slots__ = ("pages_deleted", "bytes_freed")
+    PAGES_DELETED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    pages_deleted: int
+    bytes_freed: int
+    def __init__(self, pages_deleted: _Optional[int] = ..., bytes_freed: _Optional[int] = ...) -> None: ...
+
+class Page(_message.Message):
+    __slots__ = ("page_id", "index", "token_start", "token_end", "original_position", "state", "locator", "byte_size", "checksum", "dtype", "layer_view", "block_id", "updated_unix", "last_used_turn")
+    PAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_END_FIELD_NUMBER: _ClassVar[int]
+    ORIGINAL_POSITION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LOCATOR_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_VIEW_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_TURN_FIELD_NUMBER: _ClassVar[int]
+    page_id: str
+    index: int
+    token_start: int
+    token_end: int
+    original_position: int
+    state: PageState
+    locator: str
+    byte_size: int
+    checksum: str
+    dtype: str
+    layer_view: str
+    block_id: str
+    updated_unix: float
+    last_used_turn: int
+    def __init__(self, page_id: _Optional[str] = ..., index: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., original_position: _Optional[int] = ..., state: _Optional[_Union[PageState, str]] = ..., locator: _Optional[str] = ..., byte_size: _Optional[int] = ..., checksum: _Optional[str] = ..., dtype: _Optional[str] = ..., layer_view: _Optional[str] = ..., block_id: _Optional[str] = ..., updated_unix: _Optional[float] = ..., last_used_turn: _Optional[int] = ...) -> None: ...
+
+class UpsertPagesRequest(_message.Message):
+    __slots__ = ("session_id", "pages")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    pages: _containers.RepeatedCompositeFieldContainer[Page]
+    def __init__(self, session_id: _Optional[str] = ..., pages: _Optional[_Iterable[_Union[Page, _Mapping]]] = ...) -> None: ...
+
+class PageStateChange(_message.Message):
+    __slots__ = ("page_id", "state", "last_used_turn")
+    PAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_TURN_FIELD_NUMBER: _ClassVar[int]
+    page_id: str
+    state: PageState
+    last_used_turn: int
+    def __init__(self, page_id: _Optional[str] = ..., state: _Optional[_Union[PageState, str]] = ..., last_used_turn: _Optional[int] = ...) -> None: ...
+
+class SetPageStatesRequest(_message.Message):
+    __slots__ = ("session_id", "changes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    changes: _containers.RepeatedCompositeFieldContainer[PageStateChange]
+    def __init__(self, session_id: _Optional[str] = ..., changes: _Optional[_Iterable[_Union[PageStateChange, _Mapping]]] = ...) -> None: ...
+
+class QueryPagesRequest(_message.Message):
+    __slots__ = ("session_id", "states", "start_after", "limit")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    START_AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    states: _containers.RepeatedScalarFieldContainer[PageState]
+    start_after: str
+    limit: int
+    def __init__(self, session_id: _Optional[str] = ..., states: _Optional[_Iterable[_Union[PageState, str]]] = ..., start_after: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class QueryPagesResponse(_message.Message):
+    __slots__ = ("pages", "next_after")
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    pages: _containers.RepeatedCompositeFieldContainer[Page]
+    next_after: str
+    def __init__(self, pages: _Optional[_Iterable[_Union[Page, _Mapping]]] = ..., next_after: _Optional[str] = ...) -> None: ...
+
+class PageRef(_message.Message):
+    __slots__ = ("session_id", "page_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    page_id: str
+    def __init__(self, session_id: _Optional[str] = ..., page_id: _Optional[str] = ...) -> None: ...
+
+class WritePageDataRequest(_message.Message):
+    __slots__ = ("session_id", "page_id", "data", "dtype", "layer_view")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_VIEW_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    page_id: str
+    data: bytes
+    dtype: str
+    layer_view: str
+    def __init__(self, session_id: _Optional[str] = ..., page_id: _Optional[str] = ..., data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., layer_view: _Optional[str] = ...) -> None: ...
+
+class PageData(_message.Message):
+    __slots__ = ("page", "data")
+    PAGE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    page: Page
+    data: bytes
+    def __init__(self, page: _Optional[_Union[Page, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReportCorruptRequest(_message.Message):
+    __slots__ = ("session_id", "page_id", "reason")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    page_id: str
+    reason: str
+    def __init__(self, session_id: _Optional[str] = ..., page_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReclaimRequest(_message.Message):
+    __slots__ = ("bytes_needed",)
+    BYTES_NEEDED_FIELD_NUMBER: _ClassVar[int]
+    bytes_needed: int
+    def __init__(self, bytes_needed: _Optional[int] = ...) -> None: ...
+
+class ReclaimResponse(_message.Message):
+    __slots__ = ("bytes_freed", "dropped", "free_bytes", "reserve_bytes")
+    BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes_freed: int
+    dropped: _containers.RepeatedCompositeFieldContainer[PageRef]
+    free_bytes: int
+    reserve_bytes: int
+    def __init__(self, bytes_freed: _Optional[int] = ..., dropped: _Optional[_Iterable[_Union[PageRef, _Mapping]]] = ..., free_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ...) -> None: ...
+
+class Block(_message.Message):
+    __slots__ = ("block_id", "kind", "parent_id", "page_ids", "child_ids", "token_count", "summary", "usefulness")
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHILD_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    USEFULNESS_FIELD_NUMBER: _ClassVar[int]
+    block_id: str
+    kind: str
+    parent_id: str
+    page_ids: _containers.RepeatedScalarFieldContainer[str]
+    child_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_count: int
+    summary: str
+    usefulness: float
+    def __init__(self, block_id: _Optional[str] = ..., kind: _Optional[str] = ..., parent_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[str]] = ..., child_ids: _Optional[_Iterable[str]] = ..., token_count: _Optional[int] = ..., summary: _Optional[str] = ..., usefulness: _Optional[float] = ...) -> None: ...
+
+class UpsertBlocksRequest(_message.Message):
+    __slots__ = ("session_id", "blocks")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    blocks: _containers.RepeatedCompositeFieldContainer[Block]
+    def __init__(self, session_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ...) -> None: ...
+
+class QueryBlocksRequest(_message.Message):
+    __slots__ = ("session_id", "kind")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    kind: str
+    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
+
+class QueryBlocksResponse(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[Block]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ...) -> None: ...
+
+class Tag(_message.Message):
+    __slots__ = ("block_id", "tag")
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    block_id: str
+    tag: str
+    def __init__(self, block_id: _Optional[str] = ..., tag: _Optional[str] = ...) -> None: ...
+
+class SetTagsRequest(_message.Message):
+    __slots__ = ("session_id", "add", "remove")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    add: _containers.RepeatedCompositeFieldContainer[Tag]
+    remove: _containers.RepeatedCompositeFieldContainer[Tag]
+    def __init__(self, session_id: _Optional[str] = ..., add: _Optional[_Iterable[_Union[Tag, _Mapping]]] = ..., remove: _Optional[_Iterable[_Union[Tag, _Mapping]]] = ...) -> None: ...
+
+class QueryTagsRequest(_message.Message):
+    __slots__ = ("session_id", "tag", "block_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tag: str
+    block_id: str
+    def __init__(self, session_id: _Optional[str] = ..., tag: _Optional[str] = ..., block_id: _Optional[str] = ...) -> None: ...
+
+class QueryTagsResponse(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedCompositeFieldContainer[Tag]
+    def __init__(self, tags: _Optional[_Iterable[_Union[Tag, _Mapping]]] = ...) -> None: ...
+
+class Pin(_message.Message):
+    __slots__ = ("page_id", "kind")
+    PAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    page_id: str
+    kind: str
+    def __init__(self, page_id: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
+
+class SetPinsRequest(_message.Message):
+    __slots__ = ("session_id", "add", "remove")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    add: _containers.RepeatedCompositeFieldContainer[Pin]
+    remove: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., add: _Optional[_Iterable[_Union[Pin, _Mapping]]] = ..., remove: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class QueryPinsResponse(_message.Message):
+    __slots__ = ("pins",)
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    pins: _containers.RepeatedCompositeFieldContainer[Pin]
+    def __init__(self, pins: _Optional[_Iterable[_Union[Pin, _Mapping]]] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("page_id", "until_turn", "expires_unix")
+    PAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_TURN_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_FIELD_NUMBER: _ClassVar[int]
+    page_id: str
+    until_turn: int
+    expires_unix: float
+    def __init__(self, page_id: _Optional[str] = ..., until_turn: _Optional[int] = ..., expires_unix: _Optional[float] = ...) -> None: ...
+
+class SetLeasesRequest(_message.Message):
+    __slots__ = ("session_id", "add", "remove")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    add: _containers.RepeatedCompositeFieldContainer[Lease]
+    remove: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., add: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., remove: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class QueryLeasesResponse(_message.Message):
+    __slots__ = ("leases",)
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    leases: _containers.RepeatedCompositeFieldContainer[Lease]
+    def __init__(self, leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ...) -> None: ...
+
+class Score(_message.Message):
+    __slots__ = ("page_id", "usefulness")
+    PAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    USEFULNESS_FIELD_NUMBER: _ClassVar[int]
+    page_id: str
+    usefulness: float
+    def __init__(self, page_id: _Optional[str] = ..., usefulness: _Optional[float] = ...) -> None: ...
+
+class SetScoresRequest(_message.Message):
+    __slots__ = ("session_id", "scores")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    scores: _containers.RepeatedCompositeFieldContainer[Score]
+    def __init__(self, session_id: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[Score, _Mapping]]] = ...) -> None: ...
+
+class QueryScoresResponse(_message.Message):
+    __slots__ = ("scores",)
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedCompositeFieldContainer[Score]
+    def __init__(self, scores: _Optional[_Iterable[_Union[Score, _Mapping]]] = ...) -> None: ...
+
+class LedgerEntry(_message.Message):
+    __slots__ = ("seq", "turn", "tool_name", "call_id", "token_start", "token_end", "page_id")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_END_FIELD_NUMBER: _ClassVar[int]
+    PAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    turn: int
+    tool_name: str
+    call_id: str
+    token_start: int
+    token_end: int
+    page_id: str
+    def __init__(self, seq: _Optional[int] = ..., turn: _Optional[int] = ..., tool_name: _Optional[str] = ..., call_id: _Optional[str] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., page_id: _Optional[str] = ...) -> None: ...
+
+class AppendLedgerRequest(_message.Message):
+    __slots__ = ("session_id", "entries")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    entries: _containers.RepeatedCompositeFieldContainer[LedgerEntry]
+    def __init__(self, session_id: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ...) -> None: ...
+
+class QueryLedgerResponse(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[LedgerEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ...) -> None: ...
+
+class Snapshot(_message.Message):
+    __slots__ = ("slot", "token_count", "fingerprint", "locator", "byte_size", "checksum", "created_unix")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LOCATOR_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    slot: str
+    token_count: int
+    fingerprint: str
+    locator: str
+    byte_size: int
+    checksum: str
+    created_unix: float
+    def __init__(self, slot: _Optional[str] = ..., token_count: _Optional[int] = ..., fingerprint: _Optional[str] = ..., locator: _Optional[str] = ..., byte_size: _Optional[int] = ..., checksum: _Optional[str] = ..., created_unix: _Optional[float] = ...) -> None: ...
+
+class PutSnapshotRequest(_message.Message):
+    __slots__ = ("session_id", "snapshot", "data")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    snapshot: Snapshot
+    data: bytes
+    def __init__(self, session_id: _Optional[str] = ..., snapshot: _Optional[_Union[Snapshot, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class QuerySnapshotsResponse(_message.Message):
+    __slots__ = ("snapshots",)
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    snapshots: _containers.RepeatedCompositeFieldContainer[Snapshot]
+    def __init__(self, snapshots: _Optional[_Iterable[_Union[Snapshot, _Mapping]]] = ...) -> None: ...
+
+class WriteAck(_message.Message):
+    __slots__ = ("commit_seq", "applied", "commit_ms")
+    COMMIT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_MS_FIELD_NUMBER: _ClassVar[int]
+    commit_seq: int
+    applied: int
+    commit_ms: float
+    def __init__(self, commit_seq: _Optional[int] = ..., applied: _Optional[int] = ..., commit_ms: _Optional[float] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("session_id", "include_closed")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    include_closed: bool
+    def __init__(self, session_id: _Optional[str] = ..., include_closed: _Optional[bool] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("commit_seq", "last_commit_ms", "store_bytes", "free_bytes", "reserve_bytes", "quota_bytes", "sync_mode", "root", "pid", "uptime_s", "sessions", "schema_version")
+    COMMIT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAST_COMMIT_MS_FIELD_NUMBER: _ClassVar[int]
+    STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SYNC_MODE_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    commit_seq: int
+    last_commit_ms: float
+    store_bytes: int
+    free_bytes: int
+    reserve_bytes: int
+    quota_bytes: int
+    sync_mode: str
+    root: str
+    pid: int
+    uptime_s: float
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionStatus]
+    schema_version: int
+    def __init__(self, commit_seq: _Optional[int] = ..., last_commit_ms: _Optional[float] = ..., store_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., sync_mode: _Optional[str] = ..., root: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., schema_version: _Optional[int] = ...) -> None: ...
+
+class SessionStatus(_message.Message):
+    __slots__ = ("session_id", "model_id", "budget_tokens", "attention_tokens", "turn", "pages", "snapshots", "closed", "counters")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    model_id: str
+    budget_tokens: int
+    attention_tokens: int
+    turn: int
+    pages: PageCounts
+    snapshots: int
+    closed: bool
+    counters: _containers.ScalarMap[str, int]
+    def __init__(self, session_id: _Optional[str] = ..., model_id: _Optional[str] = ..., budget_tokens: _Optional[int] = ..., attention_tokens: _Optional[int] = ..., turn: _Optional[int] = ..., pages: _Optional[_Union[PageCounts, _Mapping]] = ..., snapshots: _Optional[int] = ..., closed: _Optional[bool] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class GcRequest(_message.Message):
+    __slots__ = ("dry_run",)
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    dry_run: bool
+    def __init__(self, dry_run: _Optional[bool] = ...) -> None: ...
+
+class GcReply(_message.Message):
+    __slots__ = ("orphan_files_removed", "temp_files_removed", "leases_expired", "bytes_freed")
+    ORPHAN_FILES_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    TEMP_FILES_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    orphan_files_removed: int
+    temp_files_removed: int
+    leases_expired: int
+    bytes_freed: int
+    def __init__(self, orphan_files_removed: _Optional[int] = ..., temp_files_removed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., bytes_freed: _Optional[int] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class VerifyReply(_message.Message):
+    __slots__ = ("pages_checked", "pages_ok", "corrupt", "snapshots_checked", "bytes_read")
+    PAGES_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    PAGES_OK_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    pages_checked: int
+    pages_ok: int
+    corrupt: _containers.RepeatedCompositeFieldContainer[PageRef]
+    snapshots_checked: int
+    bytes_read: int
+    def __init__(self, pages_checked: _Optional[int] = ..., pages_ok: _Optional[int] = ..., corrupt: _Optional[_Iterable[_Union[PageRef, _Mapping]]] = ..., snapshots_checked: _Optional[int] = ..., bytes_read: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,169 @@
+"""The canonical K/V store: immutable payload files, never database rows.
+
+A payload is written to a temporary name in its session's folder, fsynced, renamed to a name
+that carries its checksum, and the folder is fsynced, so a reader sees either no file or the
+whole file. A payload is never rewritten in place: new bytes get a new name. Every read checks
+the byte size and the xxh3-128 checksum recorded in the manifest; a missing or mismatched file
+raises DataCorrupt and is never handed out.
+
+The free-space reserve and the optional quota are checked here (`shortfall`); what to drop
+when space runs short is the daemon's decision, not this module's.
+
+Used by the daemon and, for the fast path that avoids copying payloads through the socket, by
+an engine on the same host (it writes and reads files directly, then records them through the
+daemon). Depends on xxhash and contextd.errors / contextd.ids.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from contextd.errors import DataCorrupt, InvalidArgument
+from contextd.ids import check_id
+from contextd.store import fsync_dir
+
+TEMP_PREFIX = ".tmp-"
+_LOCATOR = re.compile(r"[A-Za-z0-9_:\-][A-Za-z0-9._:\-]{0,127}/[A-Za-z0-9_:\-][A-Za-z0-9._:\-]{0,200}")
+
+
+def checksum(data: bytes | bytearray | memoryview) -> str:
+    """xxh3-128 of a payload as 32 lowercase hex digits."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+@dataclass(frozen=True)
+class StoredBlob:
+    locator: str
+    byte_size: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """Space the store must leave free on its filesystem, and an optional cap on its own size.
+
+    The reserve is the larger of `bytes` and `percent` of the filesystem's size; a quota of 0
+    means no cap beyond the reserve.
+    """
+
+    bytes: int = 1 << 30
+    percent: float = 0.0
+    quota_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.bytes < 0 or self.quota_bytes < 0:
+            raise InvalidArgument("reserve and quota must not be negative")
+        if not 0.0 <= self.percent < 100.0:
+            raise InvalidArgument(f"reserve percent {self.percent} is outside [0, 100)")
+
+
+class BlobStore:
+    """Payload files under `root`, one folder per session."""
+
+    def __init__(self, root: Path, reserve: Reserve | None = None) -> None:
+        self.root = root
+        self.reserve = reserve or Reserve()
+        root.mkdir(parents=True, exist_ok=True)
+
+    def locator(self, session_id: str, name: str, digest: str, suffix: str) -> str:
+        check_id(session_id, "session_id")
+        check_id(name, "payload name")
+        return f"{session_id}/{name}.{digest[:16]}.{suffix}"
+
+    def path(self, locator: str) -> Path:
+        if _LOCATOR.fullmatch(locator) is None or "/." in locator:
+            raise InvalidArgument(f"locator {locator[:60]!r} is not a store-relative payload name")
+        return self.root / locator
+
+    def write(self, session_id: str, name: str, data: bytes | bytearray | memoryview,
+              suffix: str = "kv") -> StoredBlob:
+        """Write a payload durably under a fresh immutable name; return where it went."""
+        digest = checksum(data)
+        locator = self.locator(session_id, name, digest, suffix)
+        final = self.path(locator)
+        folder = final.parent
+        folder.mkdir(parents=True, exist_ok=True)
+        temp = folder / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            temp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        os.replace(temp, final)
+        fsync_dir(folder)
+        return StoredBlob(locator, len(data), digest)
+
+    def read(self, locator: str, expected_checksum: str, expected_size: int) -> bytes:
+        """The payload's bytes, after checking size and checksum; DataCorrupt otherwise."""
+        path = self.path(locator)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise DataCorrupt(f"payload {locator} is missing from the store") from None
+        if len(data) != expected_size:
+            raise DataCorrupt(f"payload {locator} has {len(data)} bytes, the manifest says {expected_size}")
+        actual = checksum(data)
+        if actual != expected_checksum:
+            raise DataCorrupt(f"payload {locator} failed its checksum ({actual} != {expected_checksum})")
+        return data
+
+    def exists(self, locator: str, size: int) -> bool:
+        try:
+            return self.path(locator).stat().st_size == size
+        except FileNotFoundError:
+            return False
+
+    def delete(self, locator: str) -> int:
+        """Remove a payload; return the bytes freed (0 when it was already gone)."""
+        path = self.path(locator)
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return 0
+        return size
+
+    def delete_session(self, session_id: str) -> int:
+        folder = self.root / check_id(session_id, "session_id")
+        if not folder.exists():
+            return 0
+        freed = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        shutil.rmtree(folder)
+        return freed
+
+    def files(self) -> Iterator[tuple[str, Path]]:
+        """Every file in the store as (locator, path), temporary files included."""
+        for folder in sorted(self.root.iterdir()):
+            if folder.is_dir():
+                for path in sorted(folder.iterdir()):
+                    if path.is_file():
+                        yield f"{folder.name}/{path.name}", path
+
+    def free_bytes(self) -> int:
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
+    def reserve_bytes(self) -> int:
+        st = os.statvfs(self.root)
+        return max(self.reserve.bytes, int(st.f_blocks * st.f_frsize * self.reserve.percent / 100.0))
+
+    def shortfall(self, incoming: int, store_bytes: int) -> int:
+        """Bytes that must be freed before `incoming` more can be written (0: go ahead)."""
+        short_of_reserve = self.reserve_bytes() + incoming - self.free_bytes()
+        over_quota = store_bytes + incoming - self.reserve.quota_bytes if self.reserve.quota_bytes else 0
+        return max(0, short_of_reserve, over_quota)

@@ -1,0 +1,63 @@
+"""Typed contextd failures, shared by the daemon and its clients.
+
+Each error maps to one gRPC status code at the socket, and the client maps the code back, so a
+caller catches the same class on either side. Depends on nothing of ours.
+"""
+
+from __future__ import annotations
+
+
+class ContextdError(Exception):
+    """Base class; `code` names the gRPC status code it travels as."""
+
+    code = "UNKNOWN"
+
+
+class InvalidArgument(ContextdError):
+    """The request is malformed: a bad identifier, a negative or inverted range, a missing field."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(ContextdError):
+    """A session, page or block named by the request does not exist."""
+
+    code = "NOT_FOUND"
+
+
+class FailedPrecondition(ContextdError):
+    """The request is well formed but not allowed now (e.g. a page marked cold with no payload)."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class StoreFull(ContextdError):
+    """The canonical store cannot take the write without eating into the free-space reserve,
+    and nothing more can be dropped. Nothing already stored was touched."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class DataCorrupt(ContextdError):
+    """A stored payload is missing or failed its checksum; it is marked corrupt and never served."""
+
+    code = "DATA_LOSS"
+
+
+class DaemonUnavailable(ContextdError):
+    """No daemon answers on the socket."""
+
+    code = "UNAVAILABLE"
+
+
+class AlreadyRunning(ContextdError):
+    """Another daemon already serves this root."""
+
+    code = "ALREADY_EXISTS"
+
+
+BY_CODE: dict[str, type[ContextdError]] = {
+    cls.code: cls
+    for cls in (InvalidArgument, NotFound, FailedPrecondition, StoreFull, DataCorrupt, DaemonUnavailable,
+                AlreadyRunning)
+}
