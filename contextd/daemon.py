@@ -51,13 +51,16 @@ def _empty_counts() -> Record:
     return {k: 0 for k in COUNT_KEYS}
 
 
+_TOKEN_KEYS = {HOT: "hot_tokens", COLD: "cold_tokens", PINNED: "pinned_tokens"}
+
+
 def _account(counts: Record, page: Record, sign: int) -> None:
     """Add (sign=1) or remove (sign=-1) one page's contribution to a session's aggregates."""
     state = page["state"]
-    name = STATE_NAMES[state]
-    counts[name] += sign
-    if state in (HOT, COLD, PINNED):
-        counts[f"{name}_tokens"] += sign * (page["token_end"] - page["token_start"])
+    counts[STATE_NAMES[state]] += sign
+    tokens_key = _TOKEN_KEYS.get(state)
+    if tokens_key is not None:
+        counts[tokens_key] += sign * (page["token_end"] - page["token_start"])
     if page["locator"]:
         counts["bytes_on_disk"] += sign * page["byte_size"]
 
@@ -304,9 +307,9 @@ class Daemon:
                         page_id = state_key.rsplit(b"\x00", 1)[1].decode()
                         if start_after and page_id <= start_after:
                             continue
-                        page = txn.get("kv_manifest", key(session_id, page_id))
-                        assert page is not None, "page_state index points at a missing page"
-                        pages.append(page)
+                        indexed = txn.get("kv_manifest", key(session_id, page_id))
+                        assert indexed is not None, "page_state index points at a missing page"
+                        pages.append(indexed)
                 pages.sort(key=lambda p: str(p["page_id"]))
         if limit and len(pages) > limit:
             return pages[:limit], str(pages[limit - 1]["page_id"])

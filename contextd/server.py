@@ -98,7 +98,7 @@ def serve(config: DaemonConfig, socket_path: Path, announce: IO[str] = sys.stder
     service = ContextdService(daemon)
     server = grpc.server(ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="contextd"),
                          options=grpc_options(), maximum_concurrent_rpcs=WORKERS * 4)
-    pb_grpc.add_ContextdServicer_to_server(service, server)
+    pb_grpc.add_ContextdServicer_to_server(service, server)  # type: ignore[no-untyped-call]
     if server.add_insecure_port(target(socket_path)) == 0:
         raise InvalidArgument(f"cannot listen on {socket_path}")
     server.start()

@@ -36,8 +36,14 @@ R = TypeVar("R")
 
 
 def _fields(msg: Any, names: tuple[str, ...]) -> Record:
-    return {name: (list(v) if not isinstance(v := getattr(msg, name), (str, int, float, bool, bytes)) else v)
-            for name in names}
+    return {name: getattr(msg, name) for name in names}
+
+
+def _fields_with_lists(msg: Any, names: tuple[str, ...], lists: tuple[str, ...]) -> Record:
+    record = _fields(msg, names)
+    for name in lists:
+        record[name] = list(record[name])
+    return record
 
 
 def _page(record: Record) -> pb.Page:
@@ -66,7 +72,7 @@ def _status(record: Record) -> pb.StatusReply:
     return pb.StatusReply(**scalars, sessions=sessions)
 
 
-class ContextdService(pb_grpc.ContextdServicer):  # type: ignore[misc]
+class ContextdService(pb_grpc.ContextdServicer):
     """Each method: validate, call the daemon, convert; errors become gRPC statuses."""
 
     def __init__(self, daemon: Daemon) -> None:
@@ -165,7 +171,7 @@ class ContextdService(pb_grpc.ContextdServicer):  # type: ignore[misc]
     # blocks, tags
 
     def UpsertBlocks(self, request: pb.UpsertBlocksRequest, context: grpc.ServicerContext) -> pb.WriteAck:
-        blocks = [_fields(b, BLOCK_FIELDS) for b in request.blocks]
+        blocks = [_fields_with_lists(b, BLOCK_FIELDS, ("page_ids", "child_ids")) for b in request.blocks]
         return self._call(context, lambda: _ack(self.daemon.upsert_blocks(request.session_id, blocks), len(blocks)))
 
     def QueryBlocks(self, request: pb.QueryBlocksRequest, context: grpc.ServicerContext) -> pb.QueryBlocksResponse:
