@@ -1,0 +1,339 @@
+"""Pages, states, budget, watermarks, pins, the ledger, the tail and leases: free of tensors.
+
+The pager decides *which* 128-token pages of a session are in attention; the engine carries
+the decisions out on a backend and records them in contextd. Everything here is arithmetic over
+page indices, so it is tested without a model.
+
+Rules, in the order they win:
+  1. hard pins (system prompt, tool schemas, opening objective) never leave; together they are
+     capped at `pin_cap_fraction` of the budget (1/4), pages past the cap stay evictable and a
+     warning is logged;
+  2. the ledger: the pages holding tool-call boundaries stay, the most recent first, up to
+     `ledger_cap_fraction` of the budget;
+  3. the recent tail (`tail_tokens`, and the open page being written) stays;
+  4. restored pages hold a lease for `lease_turns` turns;
+  5. above the high watermark, evict until at or under the low one: first in the order of a valid
+     plan, then the default retention (oldest unpinned first).
+Depends on nothing of ours.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import xxhash
+
+log = logging.getLogger("kv_elision.pager")
+
+PAGE_TOKENS = 128
+
+
+class PageState(Enum):
+    HOT = "hot"
+    COLD = "cold"
+    PINNED = "pinned"
+
+
+class PinKind(Enum):
+    SYSTEM = "system"
+    TOOLS = "tools"
+    OBJECTIVE = "objective"
+    LEDGER = "ledger"
+
+
+@dataclass(frozen=True)
+class PagerConfig:
+    """Budget and policy knobs; validated so a bad configuration fails at start, not mid-session."""
+
+    budget_tokens: int
+    high_watermark: float = 1.0
+    low_watermark: float = 0.875
+    tail_tokens: int = 512
+    pin_cap_fraction: float = 0.25
+    ledger_cap_fraction: float = 0.125
+    lease_turns: int = 2
+    page_tokens: int = PAGE_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.page_tokens <= 0:
+            raise ValueError("page_tokens must be positive")
+        if self.budget_tokens < 4 * self.page_tokens:
+            raise ValueError(f"budget of {self.budget_tokens} tokens is under 4 pages of {self.page_tokens}")
+        if not 0.0 < self.low_watermark < self.high_watermark <= 1.0:
+            raise ValueError("watermarks must satisfy 0 < low < high <= 1")
+        if not 0.0 <= self.pin_cap_fraction <= 0.5 or not 0.0 <= self.ledger_cap_fraction <= 0.5:
+            raise ValueError("pin and ledger caps are fractions of the budget in [0, 0.5]")
+        if self.tail_tokens < 0 or self.lease_turns < 0:
+            raise ValueError("tail_tokens and lease_turns must not be negative")
+        reserved = (self.pin_cap_fraction + self.ledger_cap_fraction) * self.budget_tokens + self.tail_tokens
+        if reserved + 2 * self.page_tokens > self.low_watermark * self.budget_tokens:
+            raise ValueError(
+                f"pins ({self.pin_cap_fraction:.0%}), ledger ({self.ledger_cap_fraction:.0%}) and the tail "
+                f"({self.tail_tokens} tokens) leave no room under the low watermark of a {self.budget_tokens}-token budget")
+
+    @property
+    def high_tokens(self) -> int:
+        return int(self.high_watermark * self.budget_tokens)
+
+    @property
+    def low_tokens(self) -> int:
+        return int(self.low_watermark * self.budget_tokens)
+
+
+def chain_key(previous: int, token_ids: Sequence[int]) -> int:
+    """A page's identity: xxh64 over the previous page's key and this page's token ids.
+
+    Equal keys mean equal pages *and* equal history before them, so matching a transcript
+    against a session is a walk down the chain until the first difference.
+    """
+    h = xxhash.xxh64(previous.to_bytes(8, "little"))
+    h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids))
+    return h.intdigest()
+
+
+@dataclass
+class Page:
+    index: int
+    token_start: int
+    token_end: int
+    state: PageState = PageState.HOT
+    pin: PinKind | None = None
+    lease_until_turn: int = 0
+    last_used_turn: int = 0
+    stored: bool = False
+    key: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.token_end - self.token_start
+
+    @property
+    def resident(self) -> bool:
+        return self.state is not PageState.COLD
+
+    @property
+    def page_id(self) -> str:
+        return f"p{self.index:07d}-{self.key:016x}"
+
+
+@dataclass
+class Plan:
+    """Advice in page indices (the unit layer turns opaque unit IDs into these)."""
+
+    restore: list[int] = field(default_factory=list)
+    pin: list[int] = field(default_factory=list)
+    evict_first: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Decision:
+    """What the engine must do now, in this order: evict, then restore."""
+
+    evict: list[int]
+    restore: list[int]
+    plan_used: bool
+    plan_rejected: str = ""
+
+
+class Pager:
+    """One session's pages. `append` grows the timeline; `decide` says what to move."""
+
+    def __init__(self, config: PagerConfig) -> None:
+        self.config = config
+        self.pages: list[Page] = []
+        self.turn = 0
+        self.ledger: list[int] = []  # page indices of tool-call boundaries, oldest first
+        self.plan_pins: set[int] = set()
+        self.warnings: list[str] = []
+
+    # ------------------------------------------------------------------ timeline
+
+    @property
+    def total_tokens(self) -> int:
+        return self.pages[-1].token_end if self.pages else 0
+
+    @property
+    def hot_tokens(self) -> int:
+        return sum(p.tokens for p in self.pages if p.resident)
+
+    def counts(self) -> dict[str, int]:
+        out = {"hot": 0, "cold": 0, "pinned": 0}
+        for p in self.pages:
+            out[self.effective_state(p).value] += 1
+        return out
+
+    def effective_state(self, page: Page) -> PageState:
+        if page.state is PageState.COLD:
+            return PageState.COLD
+        return PageState.PINNED if self._pinned(page) else PageState.HOT
+
+    def append(self, token_ids: Sequence[int], pin: PinKind | None = None) -> list[int]:
+        """Add tokens at the end of the timeline; return the indices of pages that changed.
+
+        With `pin`, every page the tokens touch is hard-pinned while the pin cap allows.
+        """
+        changed: list[int] = []
+        pos = 0
+        size = self.config.page_tokens
+        while pos < len(token_ids):
+            if not self.pages or self.pages[-1].tokens == size:
+                start = self.total_tokens
+                self.pages.append(Page(index=len(self.pages), token_start=start, token_end=start,
+                                       last_used_turn=self.turn))
+            page = self.pages[-1]
+            take = min(size - page.tokens, len(token_ids) - pos)
+            page.token_end += take
+            pos += take
+            if pin is not None and page.pin is None:
+                self._pin(page, pin)
+            if not changed or changed[-1] != page.index:
+                changed.append(page.index)
+        return changed
+
+    def seal_keys(self, token_ids: Sequence[int]) -> None:
+        """Recompute chained keys of full pages from the session's token ids (timeline order)."""
+        previous = 0
+        for page in self.pages:
+            page.key = chain_key(previous, token_ids[page.token_start:page.token_end])
+            previous = page.key
+
+    def _pin(self, page: Page, kind: PinKind) -> None:
+        cap = int(self.config.pin_cap_fraction * self.config.budget_tokens)
+        pinned = sum(p.tokens for p in self.pages if p.pin is not None and p is not page)
+        if pinned + self.config.page_tokens > cap:
+            message = (f"hard pins would exceed {self.config.pin_cap_fraction:.0%} of the budget ({cap} tokens); "
+                       f"page {page.index} ({kind.value}) stays evictable")
+            log.warning(message)
+            self.warnings.append(message)
+            return
+        page.pin = kind
+
+    def mark_ledger(self, page_index: int) -> None:
+        """Record a tool-call boundary on this page (kept in attention while the ledger cap allows)."""
+        if page_index not in self.ledger:
+            self.ledger.append(page_index)
+
+    # ------------------------------------------------------------------ protections
+
+    def _ledger_pinned(self) -> set[int]:
+        cap = int(self.config.ledger_cap_fraction * self.config.budget_tokens)
+        kept: set[int] = set()
+        used = 0
+        for index in reversed(self.ledger):
+            page = self.pages[index]
+            if page.pin is not None:
+                continue
+            if used + self.config.page_tokens > cap:
+                break
+            kept.add(index)
+            used += self.config.page_tokens
+        return kept
+
+    def _pinned(self, page: Page) -> bool:
+        return page.pin is not None or page.index in self._ledger_pinned() or page.index in self.plan_pins
+
+    def _tail(self) -> set[int]:
+        """The open page plus the newest pages covering `tail_tokens`."""
+        kept: set[int] = set()
+        covered = 0
+        for page in reversed(self.pages):
+            if covered >= self.config.tail_tokens and page.tokens == self.config.page_tokens:
+                break
+            kept.add(page.index)
+            covered += page.tokens
+        return kept
+
+    def _hard_protected(self) -> set[int]:
+        """What never leaves, leases and plan pins aside: hard pins, the ledger, the tail."""
+        return {p.index for p in self.pages if p.pin is not None} | self._ledger_pinned() | self._tail()
+
+    def protected(self) -> set[int]:
+        """Everything the default retention must not evict now."""
+        leased = {p.index for p in self.pages if p.lease_until_turn > self.turn}
+        return self._hard_protected() | self.plan_pins | leased
+
+    # ------------------------------------------------------------------ decisions
+
+    def begin_turn(self) -> None:
+        self.turn += 1
+
+    def validate(self, plan: Plan) -> tuple[Plan, str]:
+        """Drop unknown, duplicate and conflicting indices; reject a plan that breaks the budget.
+
+        Returns the cleaned plan and a reason when the plan as a whole is rejected ("" if not).
+        """
+        known = range(len(self.pages))
+        seen: set[int] = set()
+
+        def clean(indices: Iterable[int]) -> list[int]:
+            out = []
+            for i in indices:
+                if isinstance(i, int) and i in known and i not in seen:
+                    seen.add(i)
+                    out.append(i)
+            return out
+
+        pin = clean(plan.pin)
+        restore = [i for i in clean(plan.restore) if self.pages[i].state is PageState.COLD]
+        hard = {p.index for p in self.pages if p.pin is not None} | set(pin)
+        evict_first = [i for i in clean(plan.evict_first) if i not in hard]
+        cleaned = Plan(restore=restore, pin=pin, evict_first=evict_first)
+        # Room the plan may fill: everything under the low watermark that protections do not hold.
+        held = sum(self.pages[i].tokens for i in self.protected() | set(pin) if self.pages[i].resident)
+        want = sum(self.pages[i].tokens for i in restore) + sum(
+            self.pages[i].tokens for i in pin if not self.pages[i].resident)
+        if held + want > self.config.low_tokens:
+            return Plan(), (f"plan asks for {want} tokens of restores and pins with {held} tokens already held; "
+                            f"the low watermark is {self.config.low_tokens}")
+        return cleaned, ""
+
+    def decide(self, plan: Plan | None = None, incoming_tokens: int = 0) -> Decision:
+        """Pages to evict and restore so that attention plus `incoming_tokens` fits the budget.
+
+        A valid plan's restores and pins are honoured and its eviction order goes first; an
+        invalid plan is ignored whole (nothing is evicted because of it).
+        """
+        cleaned, rejected = self.validate(plan) if plan is not None else (Plan(), "")
+        used = plan is not None and not rejected
+        self.plan_pins = set(cleaned.pin) if used else set()
+        restore = cleaned.restore + [i for i in cleaned.pin if not self.pages[i].resident] if used else []
+        restore = sorted(set(restore))
+
+        after_restore = self.hot_tokens + sum(self.pages[i].tokens for i in restore) + incoming_tokens
+        evict: list[int] = []
+        if after_restore > self.config.high_tokens:
+            target = self.config.low_tokens
+            order = (cleaned.evict_first if used else []) + [p.index for p in self.pages]
+            # Leases and plan pins yield only when nothing else is left: the budget always wins.
+            for protected in (self.protected() | set(restore), self._hard_protected() | set(restore)):
+                for index in order:
+                    if after_restore <= target:
+                        break
+                    page = self.pages[index]
+                    if index in evict or index in protected or not page.resident:
+                        continue
+                    evict.append(index)
+                    after_restore -= page.tokens
+        return Decision(evict=evict, restore=restore, plan_used=used, plan_rejected=rejected)
+
+    def must_evict_for(self, incoming_tokens: int) -> bool:
+        return self.hot_tokens + incoming_tokens > self.config.high_tokens
+
+    def apply(self, decision: Decision) -> None:
+        """Record that the engine carried the decision out."""
+        for index in decision.evict:
+            page = self.pages[index]
+            assert page.stored, f"page {index} left attention without a stored payload"
+            page.state = PageState.COLD
+        for index in decision.restore:
+            page = self.pages[index]
+            page.state = PageState.HOT
+            page.lease_until_turn = self.turn + self.config.lease_turns
+            page.last_used_turn = self.turn
+
+    def logical_start(self, index: int) -> int:
+        """Where page `index` sits (or would sit) among the tokens held in attention."""
+        return sum(p.tokens for p in self.pages[:index] if p.resident)

@@ -1,0 +1,130 @@
+"""The pager's rules, tensor-free: budget and watermarks, pins and their cap, ledger, tail, leases, plans."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.pager import PAGE_TOKENS, Decision, Pager, PagerConfig, PageState, PinKind, Plan, chain_key
+
+
+def grow(pager: Pager, tokens: int, pin: PinKind | None = None) -> None:
+    pager.append(list(range(tokens)), pin=pin)
+
+
+def run_turn(pager: Pager, tokens: int, plan: Plan | None = None, chunk: int = 256) -> list[Decision]:
+    """Feed tokens the way the engine does: decide before each chunk, store and evict, then append."""
+    pager.begin_turn()
+    decisions = []
+    left = tokens
+    first = True
+    while left:
+        take = min(chunk, left)
+        decision = pager.decide(plan if first else None, incoming_tokens=take)
+        first = False
+        for i in decision.evict:
+            pager.pages[i].stored = True
+        pager.apply(decision)
+        grow(pager, take)
+        assert pager.hot_tokens <= pager.config.budget_tokens
+        decisions.append(decision)
+        left -= take
+    return decisions
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="watermarks"):
+        PagerConfig(budget_tokens=4096, high_watermark=0.5, low_watermark=0.8)
+    with pytest.raises(ValueError, match="under 4 pages"):
+        PagerConfig(budget_tokens=256)
+    with pytest.raises(ValueError, match="no room"):
+        PagerConfig(budget_tokens=1024, tail_tokens=900)
+
+
+def test_attention_never_exceeds_the_budget_and_evicts_down_to_the_low_watermark() -> None:
+    pager = Pager(PagerConfig(budget_tokens=4096))
+    grow(pager, 600, pin=PinKind.SYSTEM)
+    peak = 0
+    for _ in range(60):
+        decisions = run_turn(pager, 1000)
+        peak = max(peak, pager.hot_tokens)
+        for d in decisions:
+            if d.evict:
+                assert pager.hot_tokens <= pager.config.budget_tokens
+    assert peak <= 4096
+    assert pager.total_tokens == 60_600
+    counts = pager.counts()
+    assert counts["cold"] > 400 and counts["pinned"] == 5
+    # every page that left attention was stored first
+    assert all(p.stored for p in pager.pages if p.state is PageState.COLD)
+
+
+def test_hard_pins_hold_under_pressure_and_are_capped_at_a_quarter_of_the_budget() -> None:
+    pager = Pager(PagerConfig(budget_tokens=4096))
+    grow(pager, 1500, pin=PinKind.SYSTEM)  # 12 pages wanted, cap 1024 tokens = 8 pages
+    assert sum(1 for p in pager.pages if p.pin is not None) == 8
+    assert any("stays evictable" in w for w in pager.warnings)
+    run_turn(pager, 20_000)
+    pinned = [p for p in pager.pages if p.pin is not None]
+    assert all(p.state is PageState.HOT for p in pinned)
+    assert pager.pages[10].state is PageState.COLD  # past the cap: evicted like any other page
+
+
+def test_the_recent_tail_and_the_open_page_stay() -> None:
+    pager = Pager(PagerConfig(budget_tokens=2048, tail_tokens=512))
+    run_turn(pager, 10_000 + 17)
+    tail = pager.pages[-5:]
+    assert all(p.state is PageState.HOT for p in tail)
+    assert pager.pages[-1].tokens == (10_017 % PAGE_TOKENS)
+
+
+def test_ledger_pages_stay_newest_first_within_their_cap() -> None:
+    pager = Pager(PagerConfig(budget_tokens=4096))  # ledger cap 512 tokens = 4 pages
+    for _ in range(10):
+        run_turn(pager, 700)
+        pager.mark_ledger(len(pager.pages) - 2)
+    run_turn(pager, 8000)
+    kept = [i for i in pager.ledger if pager.pages[i].state is PageState.HOT]
+    assert kept == pager.ledger[-4:]
+    assert all(pager.effective_state(pager.pages[i]) is PageState.PINNED for i in kept)
+
+
+def test_restored_pages_hold_their_lease_then_become_evictable() -> None:
+    pager = Pager(PagerConfig(budget_tokens=2048, lease_turns=2))
+    run_turn(pager, 6000)
+    target = 3
+    assert pager.pages[target].state is PageState.COLD
+    run_turn(pager, 300, plan=Plan(restore=[target]))
+    assert pager.pages[target].state is PageState.HOT
+    run_turn(pager, 1500)  # pressure during the lease: the page stays
+    assert pager.pages[target].state is PageState.HOT
+    run_turn(pager, 3000)
+    run_turn(pager, 3000)
+    assert pager.pages[target].state is PageState.COLD  # lease over: oldest-first retention took it
+
+
+def test_a_plan_naming_unknown_or_pinned_pages_changes_nothing_it_should_not() -> None:
+    pager = Pager(PagerConfig(budget_tokens=2048))
+    grow(pager, 256, pin=PinKind.TOOLS)
+    run_turn(pager, 4000)
+    before = [(p.state, p.pin) for p in pager.pages]
+    plan = Plan(restore=[10_000, -1, 5, 5], pin=[], evict_first=[0, 1, 99_999])  # 0, 1 are hard-pinned
+    cleaned, reason = pager.validate(plan)
+    assert reason == "" and cleaned.restore == [5] and cleaned.evict_first == []
+    decision = pager.decide(plan, incoming_tokens=0)
+    assert 0 not in decision.evict and 1 not in decision.evict
+    assert [(p.state, p.pin) for p in pager.pages][:2] == before[:2]
+
+
+def test_a_plan_over_budget_is_rejected_whole_and_evicts_nothing_because_of_it() -> None:
+    pager = Pager(PagerConfig(budget_tokens=2048))
+    run_turn(pager, 8000)
+    cold = [p.index for p in pager.pages if p.state is PageState.COLD]
+    decision = pager.decide(Plan(restore=cold[:20], evict_first=cold[20:]))
+    assert not decision.plan_used and "low watermark" in decision.plan_rejected
+    assert decision.evict == [] and decision.restore == []
+
+
+def test_chain_keys_identify_a_page_and_its_whole_history() -> None:
+    a = chain_key(0, [1, 2, 3])
+    assert a == chain_key(0, [1, 2, 3])
+    assert chain_key(a, [4]) != chain_key(chain_key(0, [1, 2, 9]), [4])
