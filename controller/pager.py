@@ -116,7 +116,7 @@ class Page:
 
     @property
     def page_id(self) -> str:
-        return f"p{self.index:07d}-{self.key:016x}"
+        return f"p{self.index:07d}"
 
 
 @dataclass
@@ -186,12 +186,29 @@ class Pager:
             page = self.pages[-1]
             take = min(size - page.tokens, len(token_ids) - pos)
             page.token_end += take
+            page.stored = False  # its payload (if any) no longer covers the whole page
             pos += take
             if pin is not None and page.pin is None:
                 self._pin(page, pin)
             if not changed or changed[-1] != page.index:
                 changed.append(page.index)
         return changed
+
+    def truncate(self, tokens: int) -> list[int]:
+        """Cut the timeline back to `tokens`; return indices of resident pages that lost tokens
+        (whole or in part) so the engine can take those tokens out of attention."""
+        if not 0 <= tokens <= self.total_tokens:
+            raise ValueError(f"cannot truncate {self.total_tokens} tokens to {tokens}")
+        touched = [p.index for p in self.pages if p.token_end > tokens and p.resident]
+        while self.pages and self.pages[-1].token_start >= tokens:
+            self.pages.pop()
+        if self.pages and self.pages[-1].token_end > tokens:
+            last = self.pages[-1]
+            last.token_end = tokens
+            last.stored = False
+        self.ledger = [i for i in self.ledger if i < len(self.pages)]
+        self.plan_pins = {i for i in self.plan_pins if i < len(self.pages)}
+        return touched
 
     def seal_keys(self, token_ids: Sequence[int]) -> None:
         """Recompute chained keys of full pages from the session's token ids (timeline order)."""

@@ -1,0 +1,113 @@
+"""The `kv-elision` command: `serve` runs the OpenAI-compatible server on a model.
+
+`kv-elision serve --model smollm2-135m --budget 4096 --root DIR --port 8088` connects to the
+contextd on `--socket` when one answers there, and otherwise starts one (as a child process that
+lives and dies with the server) with its data under `DIR/contextd`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from contextd.client import Client
+from contextd.errors import DaemonUnavailable
+from contextd.paths import default_root, default_socket
+
+log = logging.getLogger("kv_elision")
+
+
+def _connect_or_start_contextd(root: Path, socket_path: Path) -> tuple[Client, subprocess.Popen[bytes] | None]:
+    client = Client(socket_path)
+    try:
+        client.wait_ready(timeout=0.5)
+        log.info("using the contextd already serving %s", socket_path)
+        return client, None
+    except DaemonUnavailable:
+        pass
+    command = [sys.executable, "-m", "contextd.cli", "serve", "--root", str(root / "contextd"),
+               "--socket", str(socket_path)]
+    child = subprocess.Popen(command)
+    try:
+        client.wait_ready(timeout=30.0)
+    except DaemonUnavailable:
+        child.kill()
+        raise
+    log.info("started contextd (pid %d) on %s", child.pid, socket_path)
+    return client, child
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from backends import load_backend
+    from backends.engine import Engine, EngineConfig
+    from backends.server import Server
+    from backends.transcript import ChatFormat
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    root = Path(args.root)
+    socket_path = Path(args.socket) if args.socket else default_socket(root / "contextd")
+    config = EngineConfig(budget_tokens=args.budget, max_new_tokens=args.max_new_tokens,
+                          tail_tokens=args.tail_tokens, lease_turns=args.lease_turns)
+    client, child = _connect_or_start_contextd(root, socket_path)
+    try:
+        backend = load_backend(args.backend, args.model, device=args.device, dtype=args.dtype,
+                               capacity=args.budget + 256)
+        engine = Engine(backend, ChatFormat(backend.tokenizer), client, config)
+        server = Server(engine, args.model, args.host, args.port, str(socket_path))
+        stop = threading.Event()
+
+        def on_signal(signum: int, _frame: object) -> None:
+            stop.set()
+            threading.Thread(target=server.shutdown, daemon=True).start()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        print(f"kv-elision: serving {args.model} ({args.backend}/{args.device}) on http://{args.host}:{server.port}/v1 "
+              f"with a {args.budget}-token attention budget; contextd at {socket_path}", file=sys.stderr, flush=True)
+        server.serve_forever()
+    finally:
+        client.close()
+        if child is not None:
+            child.terminate()
+            child.wait(timeout=30)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kv-elision", description="a local model server whose context never compacts")
+    sub = parser.add_subparsers(dest="verb", required=True)
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible API")
+    serve.add_argument("--model", default="smollm2-135m", help="model name, local HF folder or .gguf path")
+    serve.add_argument("--backend", default="torch", choices=["torch", "mlx"])
+    serve.add_argument("--device", default="cpu", help="cpu or cuda (torch)")
+    serve.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    serve.add_argument("--budget", type=int, default=4096, help="attention budget in tokens")
+    serve.add_argument("--tail-tokens", type=int, default=512, help="recent tokens that always stay in attention")
+    serve.add_argument("--lease-turns", type=int, default=2, help="turns a restored page stays in attention")
+    serve.add_argument("--max-new-tokens", type=int, default=1024, help="cap on tokens generated per turn")
+    serve.add_argument("--root", default=str(default_root()), help="data folder (contextd lives under ROOT/contextd)")
+    serve.add_argument("--socket", default=os.environ.get("KV_ELISION_SOCKET"), help="contextd socket")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8088)
+    serve.set_defaults(run=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.run(args)
+        return code
+    except (DaemonUnavailable, ValueError, OSError) as exc:
+        print(f"kv-elision {args.verb}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

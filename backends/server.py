@@ -1,0 +1,382 @@
+"""The OpenAI-compatible HTTP server (`kv-elision serve`): one worker thread owns the model.
+
+Routes:
+  POST /v1/chat/completions   streaming (SSE) or not, `usage` included, tools passed to the template
+  GET  /v1/models             the served model, with its attention budget
+  GET  /v1/kv/stats[?session=ID]   one session's counters, page states and budget; else the totals
+  GET  /health
+
+Request threads parse and validate; the single worker runs turns in arrival order and streams
+events back through a queue. Session identity: the `X-KV-Session` header, else a digest of the
+transcript's first messages. Response headers say what the server did: `X-KV-Session`,
+`X-KV-Prefilled-Tokens`, and `X-KV-Rebuilt` / `X-KV-Sampled` with a reason when it had to.
+
+Bad requests get a 4xx with an OpenAI-style error body; nothing a client sends crashes the worker.
+Depends on backends.engine, backends.transcript and contextd.errors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+from backends.engine import ChatRequest, Engine, TurnResult
+from backends.transcript import TOOL_CALL_OPEN, TranscriptError, digest
+from contextd.errors import ContextdError, DaemonUnavailable, StoreFull
+
+log = logging.getLogger("kv_elision.server")
+
+MAX_BODY_BYTES = 32 << 20
+ADVERTISED_CONTEXT_WINDOW = 1_000_000  # the addressable session, not the attention budget
+
+
+class RequestError(Exception):
+    def __init__(self, status: HTTPStatus, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+@dataclass
+class _Job:
+    request: ChatRequest
+    events: queue.Queue[tuple[str, Any]]
+
+
+class Worker(threading.Thread):
+    """The one thread that touches the engine (and so the model)."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(name="kv-elision-worker", daemon=True)
+        self.engine = engine
+        self.jobs: queue.Queue[_Job | None] = queue.Queue()
+        self.lock = threading.Lock()  # held while a turn runs; stats readers take it briefly
+
+    def submit(self, request: ChatRequest) -> queue.Queue[tuple[str, Any]]:
+        events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.jobs.put(_Job(request, events))
+        return events
+
+    def run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            with self.lock:
+                try:
+                    for event in self.engine.chat(job.request):
+                        if event.final is not None:
+                            job.events.put(("final", event.final))
+                        elif event.prepared is not None:
+                            job.events.put(("prepared", event.prepared))
+                        else:
+                            job.events.put(("delta", event.delta))
+                except (TranscriptError, ValueError) as exc:
+                    job.events.put(("error", RequestError(HTTPStatus.BAD_REQUEST, str(exc))))
+                except StoreFull as exc:
+                    job.events.put(("error", RequestError(HTTPStatus.INSUFFICIENT_STORAGE, str(exc), "store_full")))
+                except DaemonUnavailable as exc:
+                    job.events.put(("error", RequestError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "contextd_down")))
+                except ContextdError as exc:
+                    job.events.put(("error", RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc), "contextd_error")))
+                except Exception as exc:  # noqa: BLE001 - the worker must outlive any one turn
+                    log.exception("turn failed")
+                    self.engine.forget_active()
+                    job.events.put(("error", RequestError(HTTPStatus.INTERNAL_SERVER_ERROR,
+                                                          f"{type(exc).__name__}: {exc}", "server_error")))
+
+
+def _thinking(body: dict[str, Any], context: dict[str, Any] | None) -> str:
+    if context is not None and isinstance(context.get("thinking"), str):
+        return str(context["thinking"])
+    effort = body.get("reasoning_effort")
+    if isinstance(effort, str):
+        return effort
+    thinking = body.get("thinking") or body.get("enable_thinking")
+    if isinstance(thinking, bool):
+        return "on" if thinking else "off"
+    if isinstance(thinking, dict):
+        return str(thinking.get("type", "default"))
+    return "default"
+
+
+def parse_chat(body: Any, headers: Any, model_id: str) -> tuple[ChatRequest, bool, bool]:
+    """Validate a chat body; return the engine request, whether to stream, whether to add usage."""
+    if not isinstance(body, dict):
+        raise RequestError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
+    model = body.get("model", model_id)
+    if model != model_id:
+        raise RequestError(HTTPStatus.NOT_FOUND, f"model {model!r} is not served here; this server serves {model_id!r}",
+                           "model_not_found")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise RequestError(HTTPStatus.BAD_REQUEST, "messages must be a non-empty list of objects")
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise RequestError(HTTPStatus.BAD_REQUEST, "tools must be a list of objects")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise RequestError(HTTPStatus.BAD_REQUEST, "max_tokens must be a positive integer")
+    temperature = body.get("temperature", 0.0)
+    if not isinstance(temperature, int | float) or isinstance(temperature, bool) or not 0.0 <= temperature <= 2.0:
+        raise RequestError(HTTPStatus.BAD_REQUEST, "temperature must be a number in [0, 2]")
+    seed = body.get("seed")
+    if seed is not None and not isinstance(seed, int):
+        raise RequestError(HTTPStatus.BAD_REQUEST, "seed must be an integer")
+    context = None
+    raw_context = headers.get("X-KV-Context")
+    if raw_context:
+        try:
+            context = json.loads(raw_context)
+        except json.JSONDecodeError:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "X-KV-Context is not JSON") from None
+        if not isinstance(context, dict) or not isinstance(context.get("messages", []), list):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "X-KV-Context must be an object with a messages list")
+    session_id = headers.get("X-KV-Session") or ""
+    if not session_id:
+        opening = [m for m in messages if m.get("role") in ("system", "developer")][:1] + \
+                  [m for m in messages if m.get("role") == "user"][:1]
+        session_id = "auto-" + digest(opening)
+    session_id = "".join(c if c.isalnum() or c in "._:-" else "-" for c in str(session_id))[:128].lstrip(".") or "x"
+    stream = bool(body.get("stream", False))
+    options = body.get("stream_options") or {}
+    include_usage = not stream or bool(isinstance(options, dict) and options.get("include_usage"))
+    hashes = [str(h) for h in context["messages"]] if context and "messages" in context else None
+    request = ChatRequest(session_id=session_id, messages=messages, tools=tools or None,
+                          thinking=_thinking(body, context), max_tokens=max_tokens, temperature=float(temperature),
+                          seed=seed, message_hashes=hashes)
+    return request, stream, include_usage
+
+
+def _usage(result: TurnResult) -> dict[str, Any]:
+    cached = result.prompt_tokens - result.prefilled_tokens
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+            "total_tokens": result.prompt_tokens + result.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": max(0, cached)}}
+
+
+class _ContentFilter:
+    """Streams content but holds back anything that may be the start of a tool call, since tool
+    calls go out as structured `tool_calls`, not text."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.sent = 0
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        cut = self.text.find(TOOL_CALL_OPEN)
+        safe = len(self.text) if cut < 0 else cut
+        for k in range(min(len(TOOL_CALL_OPEN) - 1, len(self.text)), 0, -1):
+            if cut < 0 and TOOL_CALL_OPEN.startswith(self.text[-k:]):
+                safe = len(self.text) - k
+                break
+        out = self.text[self.sent:safe] if safe > self.sent else ""
+        self.sent = max(self.sent, safe)
+        return out
+
+    def finish(self, content: str) -> str:
+        """What is left to send once the final content (tool calls removed) is known."""
+        return content[self.sent:] if content.startswith(self.text[:self.sent]) else ""
+
+
+def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_tokens: int,
+                 contextd_socket: str) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "kv-elision"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("%s " + format, self.address_string(), *args)
+
+        def _json(self, status: HTTPStatus, payload: Any, headers: dict[str, str] | None = None) -> None:
+            data = json.dumps(payload, ensure_ascii=False).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _error(self, error: RequestError) -> None:
+            self._json(error.status, {"error": {"message": str(error), "type": error.kind, "code": error.status.value}})
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            url = urlparse(self.path)
+            try:
+                if url.path == "/health":
+                    self._json(HTTPStatus.OK, {"status": "ok", "model": model_id, "contextd_socket": contextd_socket,
+                                               "queued_turns": worker.jobs.qsize()})
+                elif url.path == "/v1/models":
+                    self._json(HTTPStatus.OK, {"object": "list", "data": [{
+                        "id": model_id, "object": "model", "owned_by": "kv-elision", "created": 0,
+                        "context_window": ADVERTISED_CONTEXT_WINDOW, "budget_tokens": budget_tokens,
+                        "max_output_tokens": max_new_tokens}]})
+                elif url.path == "/v1/kv/stats":
+                    session = parse_qs(url.query).get("session", [None])[0]
+                    with worker.lock:
+                        try:
+                            stats = worker.engine.stats(session)
+                        except KeyError:
+                            raise RequestError(HTTPStatus.NOT_FOUND, f"no session {session!r} on this server",
+                                               "session_not_found") from None
+                    self._json(HTTPStatus.OK, stats)
+                else:
+                    raise RequestError(HTTPStatus.NOT_FOUND, f"no route {url.path}", "not_found")
+            except RequestError as exc:
+                self._error(exc)
+
+        def do_POST(self) -> None:  # noqa: N802
+            try:
+                if urlparse(self.path).path != "/v1/chat/completions":
+                    raise RequestError(HTTPStatus.NOT_FOUND, f"no route {self.path}", "not_found")
+                length = int(self.headers.get("Content-Length") or 0)
+                if length > MAX_BODY_BYTES:
+                    raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {MAX_BODY_BYTES} bytes")
+                try:
+                    body = json.loads(self.rfile.read(length) or b"null")
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    raise RequestError(HTTPStatus.BAD_REQUEST, "the request body is not valid JSON") from None
+                request, stream, include_usage = parse_chat(body, self.headers, model_id)
+            except RequestError as exc:
+                self._error(exc)
+                return
+            except ValueError:
+                self._error(RequestError(HTTPStatus.BAD_REQUEST, "bad Content-Length"))
+                return
+            events = worker.submit(request)
+            if stream:
+                self._stream(request, events, include_usage)
+            else:
+                self._complete(request, events)
+
+        def _wait_prepared(self, events: queue.Queue[tuple[str, Any]]) -> tuple[str, Any]:
+            kind, value = events.get()
+            while kind == "delta":  # cannot happen before "prepared", kept defensive
+                kind, value = events.get()
+            return kind, value
+
+        def _headers_for(self, request: ChatRequest, prepared: dict[str, Any]) -> dict[str, str]:
+            headers = {"X-KV-Session": request.session_id,
+                       "X-KV-Prefilled-Tokens": str(prepared["prefilled_tokens"])}
+            if prepared["rebuilt"]:
+                headers["X-KV-Rebuilt"] = prepared["rebuilt"]
+            return headers
+
+        def _complete(self, request: ChatRequest, events: queue.Queue[tuple[str, Any]]) -> None:
+            kind, value = self._wait_prepared(events)
+            if kind == "error":
+                self._error(value)
+                return
+            headers = self._headers_for(request, value)
+            while True:
+                kind, value = events.get()
+                if kind == "error":
+                    self._error(value)
+                    return
+                if kind == "final":
+                    break
+            result: TurnResult = value
+            if result.sampled:
+                headers["X-KV-Sampled"] = result.sampled
+            message: dict[str, Any] = {"role": "assistant", "content": result.content or None}
+            if result.tool_calls:
+                message["tool_calls"] = result.tool_calls
+            self._json(HTTPStatus.OK, {
+                "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": model_id, "choices": [{"index": 0, "message": message,
+                                                "finish_reason": result.finish_reason}],
+                "usage": _usage(result), "kv": result.counters}, headers)
+
+        def _stream(self, request: ChatRequest, events: queue.Queue[tuple[str, Any]], include_usage: bool) -> None:
+            kind, value = self._wait_prepared(events)
+            if kind == "error":
+                self._error(value)
+                return
+            self.send_response(HTTPStatus.OK)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")
+            for name, header in self._headers_for(request, value).items():
+                self.send_header(name, header)
+            self.end_headers()
+            self.close_connection = True
+            ident = f"chatcmpl-{uuid.uuid4().hex}"
+            created = int(time.time())
+
+            def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> None:
+                payload = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model_id,
+                           "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+                self.wfile.write(f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode())
+                self.wfile.flush()
+
+            content = _ContentFilter()
+            try:
+                chunk({"role": "assistant", "content": ""})
+                while True:
+                    kind, value = events.get()
+                    if kind == "delta":
+                        text = content.feed(value)
+                        if text:
+                            chunk({"content": text})
+                    elif kind == "error":
+                        error = {"error": {"message": str(value), "type": value.kind, "code": value.status.value}}
+                        self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
+                        break
+                    elif kind == "final":
+                        result: TurnResult = value
+                        rest = content.finish(result.content)
+                        if rest:
+                            chunk({"content": rest})
+                        if result.tool_calls:
+                            chunk({"tool_calls": [dict(call, index=n) for n, call in enumerate(result.tool_calls)]})
+                        chunk({}, result.finish_reason, kv=result.counters,
+                              **({"x_kv_sampled": result.sampled} if result.sampled else {}))
+                        if include_usage:
+                            payload = {"id": ident, "object": "chat.completion.chunk", "created": created,
+                                       "model": model_id, "choices": [], "usage": _usage(result)}
+                            self.wfile.write(f"data: {json.dumps(payload)}\n\n".encode())
+                        break
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                log.info("client left session %s mid-stream; the turn still completes", request.session_id)
+                while kind not in ("final", "error"):
+                    kind, value = events.get()
+
+    return Handler
+
+
+class Server:
+    """The HTTP server and its worker, started and stopped together."""
+
+    def __init__(self, engine: Engine, model_id: str, host: str, port: int, contextd_socket: str) -> None:
+        self.worker = Worker(engine)
+        handler = make_handler(self.worker, model_id, engine.config.budget_tokens, engine.config.max_new_tokens,
+                               contextd_socket)
+        self.http = ThreadingHTTPServer((host, port), handler)
+        self.http.daemon_threads = True
+
+    @property
+    def port(self) -> int:
+        return int(self.http.server_address[1])
+
+    def serve_forever(self) -> None:
+        self.worker.start()
+        self.http.serve_forever(poll_interval=0.2)
+
+    def shutdown(self) -> None:
+        self.http.shutdown()
+        self.worker.jobs.put(None)
+        self.worker.join(timeout=60)
+        self.http.server_close()

@@ -1,0 +1,282 @@
+"""The chat transcript as the model sees it: rendering, alignment with the cache, fingerprints.
+
+The client (Pi) owns the transcript and sends all of it every turn. The cache holds tokens that
+spell one exact text: the rendered prompts of earlier turns plus the raw text the model generated.
+Each turn we render the new transcript and check that the cached text is a prefix of it; only the
+rest is tokenized and prefilled.
+
+The trap this module exists for: the client sends the assistant's reply back as *text* (or as
+parsed tool calls), and re-tokenizing that text need not give the generated ids. So the cache's
+own record of what was generated is substituted for the client's copy of that message before
+rendering, whenever the two agree, and the generated tokens are never prefilled again.
+
+Fail closed: the cache is trusted only while the tokenizer, the chat template, the tool schemas
+and the thinking mode are those that built it and the cached text is a prefix of the new render.
+Otherwise `align` says how much can be kept (whole segments before the first difference) and why.
+
+Depends on xxhash and a tokenizer object (encode / decode / apply_chat_template).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(\{.*?\})\s*" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
+
+
+class TranscriptError(ValueError):
+    """The request's messages cannot be rendered (a 400 for the client, never a crash)."""
+
+
+def digest(value: Any) -> str:
+    """16 hex digits of xxh64 over a canonical JSON form."""
+    return xxhash.xxh64_hexdigest(json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode())
+
+
+def _text_of(content: Any, where: str) -> str:
+    """OpenAI content: a string, null, or a list of parts of which only text is supported."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        pieces = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise TranscriptError(f"{where}: content part of type {kind!r} is not supported (text only)")
+            pieces.append(str(part.get("text", "")))
+        return "".join(pieces)
+    raise TranscriptError(f"{where}: content must be a string or a list of text parts")
+
+
+def tool_call_text(call: dict[str, Any]) -> str:
+    """One tool call in the format the model is taught to emit (and this module parses back)."""
+    fn = call.get("function", call)
+    arguments = fn.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            pass
+    body = json.dumps({"name": fn.get("name", ""), "arguments": arguments}, ensure_ascii=False)
+    return f"{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}"
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """Split generated text into plain content and OpenAI-style tool calls."""
+    calls = []
+    for n, match in enumerate(_TOOL_CALL.finditer(text)):
+        try:
+            body = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            continue
+        arguments = body.get("arguments", {})
+        calls.append({"id": f"call_{xxhash.xxh64_hexdigest(text.encode())[:8]}_{n}", "type": "function",
+                      "function": {"name": body["name"],
+                                   "arguments": arguments if isinstance(arguments, str)
+                                   else json.dumps(arguments, ensure_ascii=False)}})
+    content = _TOOL_CALL.sub("", text).strip() if calls else text
+    return content, calls
+
+
+def assistant_key(content: str, tool_calls: list[dict[str, Any]]) -> str:
+    """Identity of an assistant message as the client will send it back (whitespace-insensitive)."""
+    names = [(c.get("function", c).get("name", ""), _normal_arguments(c.get("function", c).get("arguments", "")))
+             for c in tool_calls]
+    return digest({"content": content.strip(), "calls": names})
+
+
+def _normal_arguments(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Everything besides the messages that decides what the cached tokens mean."""
+
+    tokenizer: str
+    template: str
+    tools: str
+    thinking: str
+
+    def differences(self, other: Fingerprint) -> list[str]:
+        names = ("tokenizer", "template", "tools", "thinking")
+        return [f"{n} changed" for n in names if getattr(self, n) != getattr(other, n)]
+
+    def combined(self) -> str:
+        return digest([self.tokenizer, self.template, self.tools, self.thinking])
+
+
+@dataclass
+class Segment:
+    """A run of cached tokens and the exact text they spell (a prompt suffix or a generation)."""
+
+    text: str
+    ids: list[int]
+    generated: bool = False
+
+
+@dataclass
+class Alignment:
+    keep_segments: int      # segments of the cache that stay valid
+    keep_tokens: int
+    new_text: str           # text to tokenize and prefill after the kept segments
+    reason: str = ""        # why anything was dropped ("" when the cache simply extends)
+
+    @property
+    def rebuild(self) -> bool:
+        return bool(self.reason)
+
+
+@dataclass
+class Transcript:
+    """The cache's side of the conversation for one session."""
+
+    fingerprint: Fingerprint
+    segments: list[Segment] = field(default_factory=list)
+    generated: dict[str, str] = field(default_factory=dict)  # assistant_key -> raw generated text
+    message_hashes: list[str] = field(default_factory=list)  # the client's per-message hashes, if sent
+
+    @property
+    def text(self) -> str:
+        return "".join(s.text for s in self.segments)
+
+    @property
+    def ids(self) -> list[int]:
+        return [t for s in self.segments for t in s.ids]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s.ids) for s in self.segments)
+
+    def to_record(self) -> dict[str, Any]:
+        return {"fingerprint": [self.fingerprint.tokenizer, self.fingerprint.template, self.fingerprint.tools,
+                                self.fingerprint.thinking],
+                "segments": [[s.text, s.ids, s.generated] for s in self.segments],
+                "generated": self.generated, "message_hashes": self.message_hashes}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Transcript:
+        return cls(fingerprint=Fingerprint(*record["fingerprint"]),
+                   segments=[Segment(t, list(i), bool(g)) for t, i, g in record["segments"]],
+                   generated=dict(record["generated"]), message_hashes=list(record["message_hashes"]))
+
+
+class ChatFormat:
+    """Renders OpenAI chat messages with the model's own chat template."""
+
+    def __init__(self, tokenizer: Any, template: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.template = template or getattr(tokenizer, "chat_template", None)
+        if not self.template:
+            raise TranscriptError("the tokenizer has no chat template; pass one explicitly")
+        vocab = sorted(tokenizer.get_vocab().items())
+        self.tokenizer_id = digest([vocab, getattr(tokenizer, "all_special_tokens", [])])
+        self.template_id = digest(self.template)
+        # Templates that know nothing of tools get the tool schemas in the system message instead.
+        self.native_tools = "tools" in self.template
+
+    def fingerprint(self, tools: list[dict[str, Any]] | None, thinking: str) -> Fingerprint:
+        return Fingerprint(self.tokenizer_id, self.template_id, digest(tools or []), thinking)
+
+    def normalize(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                  generated: dict[str, str]) -> list[dict[str, str]]:
+        """Flatten content parts, write tool calls as text, and put back the cache's own copy of
+        every assistant message the model generated."""
+        if not isinstance(messages, list) or not messages:
+            raise TranscriptError("messages must be a non-empty list")
+        out: list[dict[str, str]] = []
+        for n, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise TranscriptError(f"messages[{n}] is not an object")
+            role = message.get("role")
+            if role == "developer":
+                role = "system"
+            if role not in ("system", "user", "assistant", "tool"):
+                raise TranscriptError(f"messages[{n}]: unsupported role {role!r}")
+            text = _text_of(message.get("content"), f"messages[{n}]")
+            if role == "assistant":
+                calls = message.get("tool_calls") or []
+                if not isinstance(calls, list):
+                    raise TranscriptError(f"messages[{n}].tool_calls must be a list")
+                raw = generated.get(assistant_key(text, calls))
+                if raw is not None:
+                    text = raw
+                elif calls:
+                    text = "\n".join([text.strip()] * bool(text.strip()) + [tool_call_text(c) for c in calls])
+            out.append({"role": role, "content": text})
+        if tools and not self.native_tools:
+            listing = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
+            preamble = ("You can call tools. Available tools, one JSON schema per line:\n" + listing +
+                        f"\nTo call a tool, answer with {TOOL_CALL_OPEN}{{\"name\": ..., \"arguments\": {{...}}}}"
+                        f"{TOOL_CALL_CLOSE}.")
+            if out[0]["role"] == "system":
+                out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + preamble}
+            else:
+                out.insert(0, {"role": "system", "content": preamble})
+        return out
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, thinking: str,
+               generated: dict[str, str]) -> str:
+        normal = self.normalize(messages, tools, generated)
+        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": normal[-1]["role"] != "assistant"}
+        if self.native_tools and tools:
+            kwargs["tools"] = tools
+        if thinking in ("on", "off"):
+            kwargs["enable_thinking"] = thinking == "on"
+        try:
+            text = self.tokenizer.apply_chat_template(normal, chat_template=self.template, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
+            raise TranscriptError(f"the chat template could not render these messages: {exc}") from None
+        return str(text)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+
+def align(transcript: Transcript, fingerprint: Fingerprint, rendered: str,
+          message_hashes: list[str] | None = None) -> Alignment:
+    """How much of the cache a new render keeps, and the text still to prefill."""
+    if not transcript.segments:
+        return Alignment(0, 0, rendered)
+    changed = transcript.fingerprint.differences(fingerprint)
+    if changed:
+        return Alignment(0, 0, rendered, reason=", ".join(changed))
+    if message_hashes is not None and transcript.message_hashes:
+        seen = transcript.message_hashes
+        if message_hashes[:len(seen)] != seen:
+            at = next(i for i, (a, b) in enumerate(zip(seen, message_hashes + [""] * len(seen), strict=False)) if a != b)
+            reason = f"client history changed at message {at}"
+            return _keep_common_prefix(transcript, rendered, reason)
+    cached = transcript.text
+    if rendered.startswith(cached):
+        return Alignment(len(transcript.segments), transcript.tokens, rendered[len(cached):])
+    return _keep_common_prefix(transcript, rendered, "transcript changed before the cached end")
+
+
+def _keep_common_prefix(transcript: Transcript, rendered: str, reason: str) -> Alignment:
+    kept_chars = kept_tokens = 0
+    keep = 0
+    for segment in transcript.segments:
+        end = kept_chars + len(segment.text)
+        if rendered[kept_chars:end] != segment.text:
+            break
+        kept_chars, kept_tokens, keep = end, kept_tokens + len(segment.ids), keep + 1
+    return Alignment(keep, kept_tokens, rendered[kept_chars:], reason=reason)
