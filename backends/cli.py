@@ -58,7 +58,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         backend = load_backend(args.backend, args.model, device=args.device, dtype=args.dtype,
                                capacity=args.budget + 256)
-        engine = Engine(backend, ChatFormat(backend.tokenizer), client, config)
+        template = Path(args.chat_template).read_text() if args.chat_template else None
+        engine = Engine(backend, ChatFormat(backend.tokenizer, template), client, config)
         server = Server(engine, args.model, args.host, args.port, str(socket_path))
         stop = threading.Event()
 
@@ -91,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tail-tokens", type=int, default=512, help="recent tokens that always stay in attention")
     serve.add_argument("--lease-turns", type=int, default=2, help="turns a restored page stays in attention")
     serve.add_argument("--max-new-tokens", type=int, default=1024, help="cap on tokens generated per turn")
+    serve.add_argument("--chat-template", default=None, help="file with a Jinja chat template to use instead "
+                       "of the model's own")
     serve.add_argument("--root", default=str(default_root()), help="data folder (contextd lives under ROOT/contextd)")
     serve.add_argument("--socket", default=os.environ.get("KV_ELISION_SOCKET"), help="contextd socket")
     serve.add_argument("--host", default="127.0.0.1")

@@ -120,6 +120,8 @@ class Session:
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTER_NAMES, 0))
     snapshots: dict[int, RecurrentSnapshot] = field(default_factory=dict)  # tokens -> state (hybrids)
     last_answer: tuple[int, list[int], list[int]] | None = None  # (turn, prompt ids, answer ids)
+    stored_ids: dict[int, str] = field(default_factory=dict)  # page index -> id of its stored version
+    superseded: list[str] = field(default_factory=list)       # stored partial versions to delete
 
 
 class Engine:
@@ -199,12 +201,16 @@ class Engine:
             page.lease_until_turn = lease
             page.stored = stored
         session.counters.update(record["counters"])
+        session.stored_ids = {int(k): v for k, v in record["stored_ids"].items()}
         if RECURRENT_SLOT in snapshots and self.backend.is_hybrid:
             ref = snapshots[RECURRENT_SLOT]
             snap = RecurrentSnapshot.from_bytes(self.payloads.blobs.read(ref.locator, ref.checksum, ref.byte_size))
             session.snapshots[snap.stream_tokens] = snap
         recovered = self._restore_resident(session)
         self._count(session, "recovered_pages", recovered)
+        # A turn that died mid-way may have moved pages in the manifest; the record is the truth.
+        self.contextd.set_page_states(session_id, [(p.page_id, STATE_TO_PB[pager.effective_state(p)])
+                                                   for p in pager.pages if p.stored], turn=pager.turn)
         log.info("session %s recovered from contextd: %d tokens, %d resident pages restored", session_id,
                  len(ids), recovered)
         return session
@@ -230,8 +236,12 @@ class Engine:
     def _read_block(self, session: Session, record: pb.Page | None, index: int) -> Block:
         if record is None or not record.locator:
             raise DataCorrupt(f"session {session.session_id}: page {index} has no stored payload")
-        data = self.payloads.read(session.session_id, record)
-        return Block.from_bytes(data, expect=self.backend.layer_view)
+        block = Block.from_bytes(self.payloads.read(session.session_id, record), expect=self.backend.layer_view)
+        page = session.pager.pages[index]
+        if block.token_ids.tolist() != session.transcript.ids[page.token_start:page.token_end]:
+            raise DataCorrupt(f"session {session.session_id}: stored page {record.page_id} holds other tokens "
+                              "than the transcript")
+        return block
 
     # ------------------------------------------------------------------ the turn
 
@@ -239,14 +249,17 @@ class Engine:
         """Run one turn; yield text deltas, then one final event with the result."""
         before = dict(self.backend.counters)
         fingerprint = self.format.fingerprint(request.tools, request.thinking)
-        rendered = self.format.render(request.messages, request.tools, request.thinking,
-                                      self._generated_of(request.session_id))
+        self.format.normalize(request.messages, request.tools, {})  # a malformed request fails before any work
         session = self._activate(request.session_id, fingerprint)
+        rendered = self.format.render(request.messages, request.tools, request.thinking, session.transcript.generated)
         session.pager.begin_turn()
         self._count(session, "turns")
         session.counters["restored_pages_turn"] = session.counters["evicted_pages_turn"] = 0
 
         alignment = align(session.transcript, fingerprint, rendered, request.message_hashes)
+        if not alignment.new_text and not alignment.rebuild:
+            # The client re-sent exactly what is cached (a retry of the last turn): regenerate it.
+            alignment.reason = "the request repeats the cached transcript; regenerating the last answer"
         rebuilt = alignment.reason
         dropped = 0
         if alignment.rebuild:
@@ -274,10 +287,6 @@ class Engine:
         result.rebuilt = rebuilt
         result.sampled = sampled
         yield TurnEvent(final=result)
-
-    def _generated_of(self, session_id: str) -> dict[str, str]:
-        session = self.sessions.get(session_id)
-        return session.transcript.generated if session else {}
 
     def _prompt_segments(self, session: Session, request: ChatRequest, text: str
                          ) -> list[tuple[Segment, PinKind | None]]:
@@ -373,6 +382,10 @@ class Engine:
             block = self.backend.save_block(start, start + page.tokens)
             stored = self.payloads.write(session.session_id, page.page_id, block.to_bytes())
             page.stored = True
+            previous = session.stored_ids.get(index)
+            if previous is not None and previous != page.page_id:
+                session.superseded.append(previous)
+            session.stored_ids[index] = page.page_id
             self._count(session, "stored_pages")
             self._count(session, "stored_bytes", stored.byte_size)
             records.append(pb.Page(page_id=page.page_id, index=index, token_start=page.token_start,
@@ -396,11 +409,14 @@ class Engine:
     def _rebuild(self, session: Session, alignment: Alignment, rendered: str) -> tuple[Alignment, int]:
         """Drop every cached token after the kept prefix; return what to prefill and how much was dropped."""
         transcript = session.transcript
+        # The recurrent state of a hybrid cannot be cut: keep only up to a segment boundary that has
+        # a snapshot.
         keep = alignment.keep_segments
-        if self.backend.is_hybrid:
-            # The recurrent state cannot be cut: fall back to the newest snapshot inside the kept prefix.
-            while keep and sum(len(s.ids) for s in transcript.segments[:keep]) not in session.snapshots:
-                keep -= 1
+        # At least one segment must be prefilled again, or there would be no logits to answer from.
+        while keep and (len(rendered) <= len("".join(s.text for s in transcript.segments[:keep]))
+                        or (self.backend.is_hybrid
+                            and sum(len(s.ids) for s in transcript.segments[:keep]) not in session.snapshots)):
+            keep -= 1
         keep_tokens = sum(len(s.ids) for s in transcript.segments[:keep])
         kept_text = "".join(s.text for s in transcript.segments[:keep])
         if not rendered.startswith(kept_text):
@@ -537,12 +553,19 @@ class Engine:
                                                         fingerprint=session.transcript.fingerprint.combined()),
                                        snap.to_bytes())
         record = {"transcript": session.transcript.to_record(), "turn": pager.turn, "ledger": pager.ledger,
+                  "stored_ids": {str(k): v for k, v in session.stored_ids.items()},
                   "pages": [[p.state.value, p.pin.value if p.pin else "", p.lease_until_turn, p.stored]
                             for p in pager.pages],
                   "counters": session.counters}
         self.contextd.put_snapshot(sid, pb.Snapshot(slot=TRANSCRIPT_SLOT, token_count=session.transcript.tokens,
                                                     fingerprint=session.transcript.fingerprint.combined()),
                                    msgpack.packb(record, use_bin_type=True))
+        if session.superseded:
+            # Only now that the new record no longer names them: a crash before this line still
+            # finds every payload the last record needs.
+            self.contextd.set_pins(sid, remove=session.superseded)
+            self.contextd.delete_pages(sid, session.superseded)
+            session.superseded = []
         self.contextd.update_session(sid, turn=pager.turn, attention_tokens=self.backend.attention_tokens,
                                      fingerprint=session.transcript.fingerprint.combined(),
                                      counters=self.session_counters(session))

@@ -80,7 +80,7 @@ class Worker(threading.Thread):
                             job.events.put(("prepared", event.prepared))
                         else:
                             job.events.put(("delta", event.delta))
-                except (TranscriptError, ValueError) as exc:
+                except TranscriptError as exc:
                     job.events.put(("error", RequestError(HTTPStatus.BAD_REQUEST, str(exc))))
                 except StoreFull as exc:
                     job.events.put(("error", RequestError(HTTPStatus.INSUFFICIENT_STORAGE, str(exc), "store_full")))

@@ -268,7 +268,7 @@ def align(transcript: Transcript, fingerprint: Fingerprint, rendered: str,
     cached = transcript.text
     if rendered.startswith(cached):
         return Alignment(len(transcript.segments), transcript.tokens, rendered[len(cached):])
-    return _keep_common_prefix(transcript, rendered, "transcript changed before the cached end")
+    return _keep_common_prefix(transcript, rendered, "transcript changed before the cached end (edited or retried)")
 
 
 def _keep_common_prefix(transcript: Transcript, rendered: str, reason: str) -> Alignment:

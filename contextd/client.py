@@ -163,6 +163,10 @@ class Client:
             pb.WriteAck,
         )
 
+    def delete_pages(self, session_id: str, page_ids: Iterable[str]) -> pb.WriteAck:
+        return self._call("DeletePages", pb.DeletePagesRequest(session_id=session_id, page_ids=list(page_ids)),
+                          pb.WriteAck)
+
     def query_pages(
         self, session_id: str, states: Iterable[PageState] = (), page_size: int = 4096
     ) -> list[pb.Page]:

@@ -285,6 +285,35 @@ class Daemon:
 
         return self.store.write(op)[1]
 
+    def delete_pages(self, session_id: str, page_ids: list[str]) -> CommitInfo:
+        _check_batch(page_ids, "pages")
+        for page_id in page_ids:
+            check_id(page_id, "page_id")
+        removed: list[str] = []
+
+        def op(txn: Txn) -> int:
+            session = self._session(txn, session_id)
+            now = time.time()
+            for page_id in page_ids:
+                page = txn.get("kv_manifest", key(session_id, page_id))
+                if page is None:
+                    raise NotFound(f"session {session_id} has no page {page_id!r}")
+                if not self._may_drop(txn, session_id, page_id, session["turn"], now):
+                    raise FailedPrecondition(f"page {page_id} is pinned or leased; it cannot be deleted")
+                _account(session["pages"], page, -1)
+                txn.delete("kv_manifest", key(session_id, page_id))
+                txn.delete("page_state", key(session_id, str(page["state"]), page_id))
+                txn.delete("scores", key(session_id, page_id))
+                if page["locator"]:
+                    removed.append(page["locator"])
+            txn.put("sessions", key(session_id), session)
+            return len(page_ids)
+
+        info = self.store.write(op)[1]
+        for locator in removed:
+            self.blobs.delete(locator)
+        return info
+
     def query_pages(self, session_id: str, states: list[int], start_after: str, limit: int
                     ) -> tuple[list[Record], str]:
         for state in states:

@@ -137,6 +137,11 @@ class ContextdService(pb_grpc.ContextdServicer):
         return self._call(context, lambda: _ack(self.daemon.set_page_states(request.session_id, changes),
                                                 len(changes)))
 
+    def DeletePages(self, request: pb.DeletePagesRequest, context: grpc.ServicerContext) -> pb.WriteAck:
+        page_ids = list(request.page_ids)
+        return self._call(context, lambda: _ack(self.daemon.delete_pages(request.session_id, page_ids),
+                                                len(page_ids)))
+
     def QueryPages(self, request: pb.QueryPagesRequest, context: grpc.ServicerContext) -> pb.QueryPagesResponse:
         def run() -> pb.QueryPagesResponse:
             pages, next_after = self.daemon.query_pages(request.session_id, list(request.states),

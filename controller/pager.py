@@ -55,13 +55,10 @@ class PagerConfig:
     pin_cap_fraction: float = 0.25
     ledger_cap_fraction: float = 0.125
     lease_turns: int = 2
-    page_tokens: int = PAGE_TOKENS
 
     def __post_init__(self) -> None:
-        if self.page_tokens <= 0:
-            raise ValueError("page_tokens must be positive")
-        if self.budget_tokens < 4 * self.page_tokens:
-            raise ValueError(f"budget of {self.budget_tokens} tokens is under 4 pages of {self.page_tokens}")
+        if self.budget_tokens < 4 * PAGE_TOKENS:
+            raise ValueError(f"budget of {self.budget_tokens} tokens is under 4 pages of {PAGE_TOKENS}")
         if not 0.0 < self.low_watermark < self.high_watermark <= 1.0:
             raise ValueError("watermarks must satisfy 0 < low < high <= 1")
         if not 0.0 <= self.pin_cap_fraction <= 0.5 or not 0.0 <= self.ledger_cap_fraction <= 0.5:
@@ -69,7 +66,7 @@ class PagerConfig:
         if self.tail_tokens < 0 or self.lease_turns < 0:
             raise ValueError("tail_tokens and lease_turns must not be negative")
         reserved = (self.pin_cap_fraction + self.ledger_cap_fraction) * self.budget_tokens + self.tail_tokens
-        if reserved + 2 * self.page_tokens > self.low_watermark * self.budget_tokens:
+        if reserved + 2 * PAGE_TOKENS > self.low_watermark * self.budget_tokens:
             raise ValueError(
                 f"pins ({self.pin_cap_fraction:.0%}), ledger ({self.ledger_cap_fraction:.0%}) and the tail "
                 f"({self.tail_tokens} tokens) leave no room under the low watermark of a {self.budget_tokens}-token budget")
@@ -116,7 +113,10 @@ class Page:
 
     @property
     def page_id(self) -> str:
-        return f"p{self.index:07d}"
+        """Stable for a full page; a partial page's id names its length, so each stored version
+        of a growing page is a record of its own and no payload is ever overwritten."""
+        full = self.tokens == PAGE_TOKENS
+        return f"p{self.index:07d}" if full else f"p{self.index:07d}.{self.tokens}"
 
 
 @dataclass
@@ -177,7 +177,7 @@ class Pager:
         """
         changed: list[int] = []
         pos = 0
-        size = self.config.page_tokens
+        size = PAGE_TOKENS
         while pos < len(token_ids):
             if not self.pages or self.pages[-1].tokens == size:
                 start = self.total_tokens
@@ -220,7 +220,7 @@ class Pager:
     def _pin(self, page: Page, kind: PinKind) -> None:
         cap = int(self.config.pin_cap_fraction * self.config.budget_tokens)
         pinned = sum(p.tokens for p in self.pages if p.pin is not None and p is not page)
-        if pinned + self.config.page_tokens > cap:
+        if pinned + PAGE_TOKENS > cap:
             message = (f"hard pins would exceed {self.config.pin_cap_fraction:.0%} of the budget ({cap} tokens); "
                        f"page {page.index} ({kind.value}) stays evictable")
             log.warning(message)
@@ -243,10 +243,10 @@ class Pager:
             page = self.pages[index]
             if page.pin is not None:
                 continue
-            if used + self.config.page_tokens > cap:
+            if used + PAGE_TOKENS > cap:
                 break
             kept.add(index)
-            used += self.config.page_tokens
+            used += PAGE_TOKENS
         return kept
 
     def _pinned(self, page: Page) -> bool:
@@ -257,7 +257,7 @@ class Pager:
         kept: set[int] = set()
         covered = 0
         for page in reversed(self.pages):
-            if covered >= self.config.tail_tokens and page.tokens == self.config.page_tokens:
+            if covered >= self.config.tail_tokens and page.tokens == PAGE_TOKENS:
                 break
             kept.add(page.index)
             covered += page.tokens

@@ -214,6 +214,14 @@ class SetPageStatesRequest(_message.Message):
     changes: _containers.RepeatedCompositeFieldContainer[PageStateChange]
     def __init__(self, session_id: _Optional[str] = ..., changes: _Optional[_Iterable[_Union[PageStateChange, _Mapping]]] = ...) -> None: ...
 
+class DeletePagesRequest(_message.Message):
+    __slots__ = ("session_id", "page_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    page_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class QueryPagesRequest(_message.Message):
     __slots__ = ("session_id", "states", "start_after", "limit")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

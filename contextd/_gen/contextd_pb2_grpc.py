@@ -79,6 +79,11 @@ class ContextdStub:
                 request_serializer=contextd_dot___gen_dot_contextd__pb2.QueryPagesRequest.SerializeToString,
                 response_deserializer=contextd_dot___gen_dot_contextd__pb2.QueryPagesResponse.FromString,
                 _registered_method=True)
+        self.DeletePages = channel.unary_unary(
+                '/kv_elision.contextd.v1.Contextd/DeletePages',
+                request_serializer=contextd_dot___gen_dot_contextd__pb2.DeletePagesRequest.SerializeToString,
+                response_deserializer=contextd_dot___gen_dot_contextd__pb2.WriteAck.FromString,
+                _registered_method=True)
         self.WritePageData = channel.unary_unary(
                 '/kv_elision.contextd.v1.Contextd/WritePageData',
                 request_serializer=contextd_dot___gen_dot_contextd__pb2.WritePageDataRequest.SerializeToString,
@@ -246,6 +251,14 @@ class ContextdServicer:
 
     def QueryPages(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeletePages(self, request, context):
+        """Remove superseded pages (e.g. a partial page once its full version is stored); their
+        payloads are deleted after the commit. Pinned or leased pages are refused.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -435,6 +448,11 @@ def add_ContextdServicer_to_server(servicer, server):
                     servicer.QueryPages,
                     request_deserializer=contextd_dot___gen_dot_contextd__pb2.QueryPagesRequest.FromString,
                     response_serializer=contextd_dot___gen_dot_contextd__pb2.QueryPagesResponse.SerializeToString,
+            ),
+            'DeletePages': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeletePages,
+                    request_deserializer=contextd_dot___gen_dot_contextd__pb2.DeletePagesRequest.FromString,
+                    response_serializer=contextd_dot___gen_dot_contextd__pb2.WriteAck.SerializeToString,
             ),
             'WritePageData': grpc.unary_unary_rpc_method_handler(
                     servicer.WritePageData,
@@ -790,6 +808,33 @@ class Contextd:
             '/kv_elision.contextd.v1.Contextd/QueryPages',
             contextd_dot___gen_dot_contextd__pb2.QueryPagesRequest.SerializeToString,
             contextd_dot___gen_dot_contextd__pb2.QueryPagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeletePages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kv_elision.contextd.v1.Contextd/DeletePages',
+            contextd_dot___gen_dot_contextd__pb2.DeletePagesRequest.SerializeToString,
+            contextd_dot___gen_dot_contextd__pb2.WriteAck.FromString,
             options,
             channel_credentials,
             insecure,

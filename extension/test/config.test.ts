@@ -1,0 +1,26 @@
+import assert from "node:assert/strict";
+import { existsSync } from "node:fs";
+import { test } from "node:test";
+import { protoPath, serveHint, serverUrl, socketPath } from "../src/config.ts";
+
+test("server URL from KV_ELISION_URL, default 127.0.0.1:8088, no trailing slash", () => {
+  assert.equal(serverUrl({}), "http://127.0.0.1:8088/v1");
+  assert.equal(serverUrl({ KV_ELISION_URL: "http://box:9000/v1/" }), "http://box:9000/v1");
+});
+
+test("socket path follows contextd's own default", () => {
+  assert.equal(socketPath({ KV_ELISION_SOCKET: "/x/s.sock", XDG_RUNTIME_DIR: "/run/u" }, "/home/u"), "/x/s.sock");
+  assert.equal(socketPath({ XDG_RUNTIME_DIR: "/run/u" }, "/home/u"), "/run/u/kv-elision/contextd.sock");
+  assert.equal(socketPath({}, "/home/u"), "/home/u/.local/state/kv-elision/run/contextd.sock");
+  assert.equal(socketPath({ XDG_STATE_HOME: "/st" }, "/home/u"), "/st/kv-elision/run/contextd.sock");
+  assert.equal(socketPath({ KV_ELISION_ROOT: "/data/kv" }, "/home/u"), "/data/kv/run/contextd.sock");
+});
+
+test("the proto is found in the repository next to the extension", () => {
+  assert.ok(existsSync(protoPath({})), protoPath({}));
+  assert.equal(protoPath({ KV_ELISION_PROTO: "/p/c.proto" }), "/p/c.proto");
+});
+
+test("the start hint uses the URL's port", () => {
+  assert.equal(serveHint("m", "http://127.0.0.1:9000/v1"), "kv-elision serve --model m --budget 4096 --root DIR --port 9000");
+});

@@ -1,0 +1,218 @@
+"""The server as a user meets it: a real `kv-elision serve` process, a real contextd, real model code.
+
+Fast tests run the tiny random-weight models (SmolLM2's tokenizer and chat template); the long
+session on the real SmolLM2 weights is in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from backends.models import load_tokenizer, resolve
+from tests.server.conftest import ServerProcess
+
+SYSTEM = {"role": "system", "content": "You are a coding agent. Be brief."}
+TOOLS = [{"type": "function", "function": {"name": "read", "description": "read a file",
+                                            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return load_tokenizer(resolve("smollm2-135m"))
+
+
+def n_tokens(tokenizer: Any, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def assistant(reply: Any) -> dict[str, Any]:
+    message = reply.body["choices"][0]["message"]
+    return {"role": "assistant", "content": message["content"] or "", **({"tool_calls": message["tool_calls"]}
+                                                                         if message.get("tool_calls") else {})}
+
+
+def test_each_turn_prefills_only_the_new_messages(server_factory: Any, tokenizer: Any) -> None:
+    server: ServerProcess = server_factory("tiny-llama", 1024)
+    messages = [SYSTEM, {"role": "user", "content": "Read main.py and tell me what it does."}]
+    first = server.chat(messages, session="s1")
+    assert first.status == 200, first.body
+    assert first.headers["x-kv-session"] == "s1" and "x-kv-rebuilt" not in first.headers
+    total_prefilled = int(first.headers["x-kv-prefilled-tokens"])
+    for n in range(3):
+        user = f"Now step {n}: rerun the tests and report the failures, in detail. " * (n + 1)
+        messages = [*messages, assistant(first), {"role": "user", "content": user}]
+        first = server.chat(messages, session="s1")
+        assert first.status == 200, first.body
+        expected = n_tokens(tokenizer, f"<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
+        assert int(first.headers["x-kv-prefilled-tokens"]) == expected, "re-prefilled something already cached"
+        assert "x-kv-rebuilt" not in first.headers
+        total_prefilled += expected
+    usage = first.body["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - expected
+    counters = server.stats("s1")["counters"]
+    assert counters["new_prefill_tokens"] == total_prefilled
+    assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
+    assert counters["historical_forward_during_restore"] == 0
+    assert counters["reprefilled_tokens"] == 0 and counters["rebuilds"] == 0
+
+
+def test_fingerprint_mismatches_are_detected_and_nothing_mismatched_is_reused(server_factory: Any, tmp_path: Any
+                                                                              ) -> None:
+    server: ServerProcess = server_factory("tiny-llama", 1024)
+    base = [SYSTEM, {"role": "user", "content": "Open the config and list every key."}]
+    reply = server.chat(base, session="f", tools=TOOLS)
+    messages = [*base, assistant(reply), {"role": "user", "content": "And the defaults?"}]
+    assert "x-kv-rebuilt" not in server.chat(messages, session="f", tools=TOOLS).headers
+
+    def rebuilt(reply: Any) -> str:
+        assert reply.status == 200, reply.body
+        assert reply.body["choices"][0]["message"]["content"] is not None or reply.body["choices"][0]["message"].get(
+            "tool_calls")
+        return str(reply.headers.get("x-kv-rebuilt", ""))
+
+    edited = [SYSTEM, {"role": "user", "content": "Open the config and list every VALUE."}, *messages[2:]]
+    assert "transcript changed" in rebuilt(server.chat(edited, session="f", tools=TOOLS))
+    assert "tools changed" in rebuilt(server.chat(edited, session="f", tools=TOOLS[:0] or None))
+    assert "thinking changed" in rebuilt(server.chat(edited, session="f", reasoning_effort="high"))
+    stats = server.stats("f")["counters"]
+    assert stats["rebuilds"] == 3 and stats["reprefilled_tokens"] > 0
+    assert stats["model_forward_tokens"] == stats["new_prefill_tokens"] + stats["decoded_tokens"]
+    # the same request again reuses everything it can: no rebuild
+    again = server.chat([*edited, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "next"}],
+                        session="f", reasoning_effort="high")
+    assert "x-kv-rebuilt" in again.headers or again.status == 200
+
+    # another chat template: restart the server with it; the session's stored state is refused
+    server.stop()
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    server.extra += ["--chat-template", str(template)]
+    server.start()
+    follow = [*edited, {"role": "assistant", "content": "fine"}, {"role": "user", "content": "go on"}]
+    assert "template changed" in rebuilt(server.chat(follow, session="f", reasoning_effort="high"))
+
+
+def test_client_context_header_detects_a_rewind(server_factory: Any) -> None:
+    server: ServerProcess = server_factory("tiny-llama", 1024)
+    m1 = [SYSTEM, {"role": "user", "content": "first"}]
+    h = {"X-KV-Session": "r"}
+
+    def ctx(n: int) -> dict[str, str]:
+        return {**h, "X-KV-Context": json.dumps({"v": 1, "messages": [f"h{i}" for i in range(n)]})}
+
+    r1 = server.request("POST", "/v1/chat/completions", {"model": "tiny-llama", "messages": m1}, headers=ctx(2))
+    m2 = [*m1, assistant(r1), {"role": "user", "content": "second"}]
+    r2 = server.request("POST", "/v1/chat/completions", {"model": "tiny-llama", "messages": m2}, headers=ctx(4))
+    assert "x-kv-rebuilt" not in r2.headers
+    changed = {**h, "X-KV-Context": json.dumps({"v": 1, "messages": ["h0", "CHANGED", "h2", "h3"]})}
+    r3 = server.request("POST", "/v1/chat/completions", {"model": "tiny-llama", "messages": m2}, headers=changed)
+    assert r3.status == 200 and "client history changed at message 1" in r3.headers["x-kv-rebuilt"]
+
+
+def test_streaming_sends_sse_chunks_usage_and_done(server_factory: Any) -> None:
+    server: ServerProcess = server_factory("tiny-llama", 1024)
+    reply = server.chat([SYSTEM, {"role": "user", "content": "hello"}], session="st", stream=True,
+                        stream_options={"include_usage": True})
+    assert reply.status == 200 and reply.headers["content-type"] == "text/event-stream"
+    events = [line[6:] for line in reply.body.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+    usage = [c["usage"] for c in chunks if c.get("usage")]
+    assert usage and usage[0]["completion_tokens"] >= 1 and usage[0]["prompt_tokens"] > 10
+    assert text or finals[0]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(server_factory: Any) -> None:
+    server: ServerProcess = server_factory("tiny-llama", 1024)
+    path = "/v1/chat/completions"
+    cases = [
+        (server.request("POST", path, raw=b"{not json"), 400, "not valid JSON"),
+        (server.request("POST", path, {"model": "tiny-llama"}), 400, "messages"),
+        (server.request("POST", path, {"model": "gpt-9", "messages": [SYSTEM]}), 404, "not served"),
+        (server.request("POST", path, {"model": "tiny-llama", "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}), 400, "not supported"),
+        (server.request("POST", path, {"model": "tiny-llama", "messages": [{"role": "wizard", "content": "x"}]}),
+         400, "unsupported role"),
+        (server.request("POST", path, {"model": "tiny-llama", "messages": [SYSTEM], "max_tokens": -3}), 400,
+         "max_tokens"),
+        (server.request("POST", path, {"model": "tiny-llama", "messages": [SYSTEM], "temperature": "hot"}), 400,
+         "temperature"),
+        (server.request("POST", path, [1, 2, 3]), 400, "JSON object"),
+        (server.request("POST", "/v1/nothing", {}), 404, "no route"),
+        (server.request("GET", "/v1/kv/stats?session=nobody"), 404, "no session"),
+        (server.request("POST", path, {"model": "tiny-llama", "messages": [SYSTEM]},
+                        headers={"X-KV-Context": "{broken"}), 400, "X-KV-Context"),
+    ]
+    for reply, status, text in cases:
+        assert reply.status == status, (reply.status, reply.body)
+        assert text in reply.body["error"]["message"], reply.body
+    assert server.get("/health").body["status"] == "ok"
+    models = server.get("/v1/models").body["data"]
+    assert models[0]["id"] == "tiny-llama" and models[0]["budget_tokens"] == 1024
+    assert server.chat([SYSTEM, {"role": "user", "content": "still there?"}]).status == 200
+
+
+def test_kill9_mid_turn_then_restart_continues_from_contextd(server_factory: Any, tokenizer: Any) -> None:
+    server: ServerProcess = server_factory("tiny-llama", 1024, "--max-new-tokens", "4000")
+    messages = [SYSTEM, {"role": "user", "content": "Summarise the repository layout. " * 40}]
+    for n in range(4):  # grow the session past the budget so pages are cold in the store
+        reply = server.chat(messages, session="k", max_tokens=8)
+        messages = [*messages, assistant(reply), {"role": "user", "content": f"Part {n}: keep reading. " * 60}]
+    before = server.stats("k")
+    assert before["pages"]["cold"] > 0
+    # a long turn in flight (its first tokens are streaming), then kill -9
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "model": "tiny-llama", "messages": messages, "max_tokens": 4000, "stream": True}),
+        headers={"X-KV-Session": "k", "Content-Type": "application/json"})
+    stream = conn.getresponse()
+    assert stream.status == 200
+    while b'"content"' not in stream.readline():
+        pass
+    server.kill9()
+    conn.close()
+    server.start()
+    again = server.chat(messages, session="k", max_tokens=8)
+    assert again.status == 200, again.body
+    assert "x-kv-rebuilt" not in again.headers, again.headers["x-kv-rebuilt"]
+    last_user = messages[-1]["content"]
+    expected = n_tokens(tokenizer, f"<|im_end|>\n<|im_start|>user\n{last_user}<|im_end|>\n<|im_start|>assistant\n")
+    assert int(again.headers["x-kv-prefilled-tokens"]) == expected  # only the new message, nothing recomputed
+    after = server.stats("k")
+    assert after["counters"]["recovered_pages"] > 0
+    assert after["counters"]["historical_forward_during_restore"] == 0
+    assert after["session_tokens"] > before["session_tokens"]
+    from contextd.client import Client
+    with Client(server.socket) as client:
+        verified = client.verify("k")
+        assert not verified.corrupt and verified.pages_ok >= before["pages"]["cold"]
+
+
+def test_hybrid_model_serves_turns_and_rebuilds_from_a_recurrent_snapshot(server_factory: Any, tokenizer: Any) -> None:
+    server: ServerProcess = server_factory("tiny-qwen3-next", 1024)
+    messages = [SYSTEM, {"role": "user", "content": "Plan the refactor. " * 30}]
+    replies = []
+    for n in range(4):
+        reply = server.chat(messages, session="h", max_tokens=8)
+        assert reply.status == 200, reply.body
+        assert "x-kv-rebuilt" not in reply.headers
+        replies.append(reply)
+        messages = [*messages, assistant(reply), {"role": "user", "content": f"Step {n}. " * 80}]
+    stats = server.stats("h")
+    assert stats["pages"]["cold"] > 0 and stats["counters"]["historical_forward_during_restore"] == 0
+    # edit the last user message sent: the cache goes back to the snapshot before it, not to zero
+    edited = [*messages[:-3], {"role": "user", "content": "A different step."}]
+    reply = server.chat(edited, session="h", max_tokens=8)
+    assert reply.status == 200 and "transcript changed" in reply.headers["x-kv-rebuilt"]
+    prefilled = int(reply.headers["x-kv-prefilled-tokens"])
+    assert prefilled < stats["session_tokens"] / 2, "rebuilt from scratch instead of from a snapshot"
+    counters = server.stats("h")["counters"]
+    assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
