@@ -263,7 +263,6 @@ class Engine:
         rebuilt = alignment.reason
         dropped = 0
         if alignment.rebuild:
-            rendered = self.format.render(request.messages, request.tools, request.thinking, {})
             alignment, dropped = self._rebuild(session, alignment, rendered)
             session.transcript.fingerprint = fingerprint
             self._count(session, "rebuilds")
@@ -271,12 +270,14 @@ class Engine:
             session.transcript.message_hashes = list(request.message_hashes)
 
         plan = request.plan or (self.planner(session, request) if self.planner else None)
-        segments = self._prompt_segments(session, request, alignment.new_text)
-        prompt_ids = [t for segment, _ in segments for t in segment.ids]
+        segments = self._prompt_segments(session, request, rendered, alignment.new_text)
+        prompt_ids = [t for segment, _, _ in segments for t in segment.ids]
         if not prompt_ids:
             raise TranscriptError("the request adds nothing after the cached transcript; send the next message")
-        for n, (segment, pin) in enumerate(segments):
+        for n, (segment, pin, tool_call) in enumerate(segments):
             self._prefill(session, segment, pin, plan if n == 0 else None)
+            if tool_call:
+                session.pager.mark_ledger(len(session.pager.pages) - 1)
         self._count(session, "reprefilled_tokens", min(dropped, len(prompt_ids)))
         yield TurnEvent(prepared={"rebuilt": rebuilt, "prefilled_tokens": len(prompt_ids)})
 
@@ -288,32 +289,30 @@ class Engine:
         result.sampled = sampled
         yield TurnEvent(final=result)
 
-    def _prompt_segments(self, session: Session, request: ChatRequest, text: str
-                         ) -> list[tuple[Segment, PinKind | None]]:
-        """Tokenize the new text. On a fresh session the opening (system prompt, tool schemas and
-        the first user message, i.e. the objective) is a segment of its own and hard-pinned."""
+    def _prompt_segments(self, session: Session, request: ChatRequest, rendered: str, text: str
+                         ) -> list[tuple[Segment, PinKind | None, bool]]:
+        """Tokenize the new text in one segment per message, so a later edit keeps every message
+        before it. Returns (segment, hard pin, ends a tool call). On a fresh session everything up
+        to the end of the first user message (system prompt, tool schemas, objective) is pinned."""
         if not text:
             return []
-        if session.transcript.tokens:
-            return [(Segment(text, self.format.encode(text)), None)]
-        first_user = next((i for i, m in enumerate(request.messages) if m.get("role") == "user"), None)
-        opening = ""
-        if first_user is not None and first_user + 1 < len(request.messages):
-            opening = self.format.render(request.messages[:first_user + 1], request.tools, request.thinking, {})
-            opening = opening[:len(opening) - len(self._generation_prompt())]
-        if not opening or not text.startswith(opening):
-            return [(Segment(text, self.format.encode(text)), PinKind.OBJECTIVE)]
-        rest = text[len(opening):]
-        return [(Segment(opening, self.format.encode(opening)), PinKind.OBJECTIVE),
-                (Segment(rest, self.format.encode(rest)), None)]
-
-    def _generation_prompt(self) -> str:
-        probe = [{"role": "user", "content": "x"}]
-        with_prompt = self.format.tokenizer.apply_chat_template(probe, chat_template=self.format.template,
-                                                                tokenize=False, add_generation_prompt=True)
-        without = self.format.tokenizer.apply_chat_template(probe, chat_template=self.format.template,
-                                                            tokenize=False, add_generation_prompt=False)
-        return str(with_prompt)[len(str(without)):]
+        start = len(rendered) - len(text)
+        ends = self.format.message_ends(request.messages, request.tools, request.thinking,
+                                        session.transcript.generated, rendered, start)
+        first_user = next((i for i, m in enumerate(request.messages) if m.get("role") == "user"), -1)
+        fresh = session.transcript.tokens == 0
+        segments: list[tuple[Segment, PinKind | None, bool]] = []
+        cut = start
+        for offset, index in [*ends, (len(rendered), len(request.messages))]:
+            piece = rendered[cut:offset]
+            if not piece:
+                continue
+            message = request.messages[index] if index < len(request.messages) else {}
+            pin = PinKind.OBJECTIVE if fresh and index <= first_user else None
+            tool_call = message.get("role") == "assistant" and bool(message.get("tool_calls"))
+            segments.append((Segment(piece, self.format.encode(piece)), pin, tool_call))
+            cut = offset
+        return segments
 
     def _prefill(self, session: Session, segment: Segment, pin: PinKind | None, plan: Plan | None) -> None:
         chunk = self.config.prefill_chunk

@@ -244,6 +244,28 @@ class ChatFormat:
             raise TranscriptError(f"the chat template could not render these messages: {exc}") from None
         return str(text)
 
+    def message_ends(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, thinking: str,
+                     generated: dict[str, str], rendered: str, after: int) -> list[tuple[int, int]]:
+        """(character offset in `rendered`, message index) where each message after offset `after`
+        ends, newest last. Only offsets where the template renders prefixes stably are returned."""
+        ends: list[tuple[int, int]] = []
+        for count in range(len(messages) - 1, 0, -1):
+            normal = self.normalize(messages[:count], tools, generated)
+            kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": False}
+            if self.native_tools and tools:
+                kwargs["tools"] = tools
+            if thinking in ("on", "off"):
+                kwargs["enable_thinking"] = thinking == "on"
+            try:
+                prefix = str(self.tokenizer.apply_chat_template(normal, chat_template=self.template, **kwargs))
+            except Exception:  # noqa: BLE001 - a prefix the template refuses is simply not a boundary
+                continue
+            if len(prefix) <= after:
+                break
+            if rendered.startswith(prefix) and len(prefix) < len(rendered):
+                ends.append((len(prefix), count - 1))
+        return sorted(ends)
+
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
