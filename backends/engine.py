@@ -581,12 +581,20 @@ class Engine:
     def session_counters(self, session: Session) -> dict[str, int]:
         return {name: session.counters[name] for name in COUNTER_NAMES}
 
+    def kv_bytes_per_token(self) -> int:
+        """Attention K/V resident per held token: rotated keys, canonical rotary keys, values."""
+        view = self.backend.layer_view
+        itemsize = 4 if view.dtype == "float32" else 2
+        return len(view.attention_layers) * view.num_kv_heads * (
+            view.head_dim + view.rotary_dim + view.value_head_dim) * itemsize
+
     def stats(self, session_id: str | None) -> dict[str, Any]:
         """Counters, page states and budget of one session, or the server's totals."""
         if session_id is None:
             return {"counters": dict(self.totals), "sessions": sorted(self.sessions),
                     "budget_tokens": self.config.budget_tokens, "active_session": self.active,
-                    "attention_tokens": self.backend.attention_tokens}
+                    "attention_tokens": self.backend.attention_tokens,
+                    "kv_bytes_per_token": self.kv_bytes_per_token()}
         session = self.sessions.get(session_id)
         if session is None:
             raise KeyError(session_id)
@@ -595,7 +603,8 @@ class Engine:
                 "session_tokens": session.transcript.tokens, "hot_tokens": pager.hot_tokens,
                 "budget_tokens": self.config.budget_tokens, "turn": pager.turn,
                 "attention_tokens": self.backend.attention_tokens if self.active == session_id else pager.hot_tokens,
-                "fingerprint": session.transcript.fingerprint.combined()}
+                "fingerprint": session.transcript.fingerprint.combined(),
+                "kv_bytes_per_token": self.kv_bytes_per_token()}
 
 
 def _sample(logits: Any, temperature: float, seed: int) -> int:

@@ -1,0 +1,45 @@
+"""A session of more than 60,000 tokens through SmolLM2 (real weights, CPU) with a 4,096-token budget."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from benchmarks.agent import AgentRun, ServerProcess
+from benchmarks.workload import evidence_files
+from contextd.client import Client, pb
+
+BUDGET = 4096
+SESSION_TOKENS = 60_000
+
+
+@pytest.mark.slow
+def test_sixty_thousand_tokens_through_a_4096_token_budget() -> None:
+    root = Path(tempfile.mkdtemp(prefix="kvl-", dir="/tmp"))
+    server = ServerProcess(root=root, budget=BUDGET, extra=("--max-new-tokens", "8")).start()
+    try:
+        run = AgentRun(server, "long", max_tokens=8)
+        run.run(evidence_files(80, tokens_per_file=1100), until_tokens=SESSION_TOKENS)
+        last = run.turns[-1]
+        counters = last.counters
+        assert last.session_tokens >= SESSION_TOKENS
+        assert max(t.attention_tokens for t in run.turns) <= BUDGET
+        assert 0 < counters["peak_attention_tokens"] <= BUDGET
+        assert counters["historical_forward_during_restore"] == 0
+        assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
+        assert counters["reprefilled_tokens"] == 0 and counters["rebuilds"] == 0
+        # every turn prefilled only what it added
+        assert counters["new_prefill_tokens"] == sum(t.prefilled for t in run.turns)
+        assert last.cold > 400 and counters["evicted_pages"] >= last.cold
+        with Client(server.socket) as client:
+            cold = client.query_pages("long", [pb.COLD])
+            assert len(cold) == last.cold
+            assert all(p.locator and len(p.checksum) == 32 and p.byte_size > 0 for p in cold)
+            verified = client.verify("long")
+            assert not verified.corrupt and verified.pages_ok >= len(cold)
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
