@@ -19,6 +19,8 @@ from pathlib import Path
 from contextd.client import Client
 from contextd.errors import DaemonUnavailable
 from contextd.paths import default_root, default_socket
+from controller.models import LocalControllerModel, RemoteControllerModel
+from controller.selectors import ControllerModel, Selector, make_selector
 
 log = logging.getLogger("kv_elision")
 
@@ -43,6 +45,17 @@ def _connect_or_start_contextd(root: Path, socket_path: Path) -> tuple[Client, s
     return client, child
 
 
+def _selector(args: argparse.Namespace) -> Selector:
+    controller: ControllerModel | None = None
+    if args.selector == "controller":
+        if args.controller_url:
+            controller = RemoteControllerModel(args.controller_url, args.controller_model)
+        else:
+            controller = LocalControllerModel(args.controller_model)
+    return make_selector(args.selector, controller, **({"deadline_s": args.controller_deadline}
+                                                        if args.selector == "controller" else {}))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from backends import load_backend
     from backends.engine import Engine, EngineConfig
@@ -59,7 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         backend = load_backend(args.backend, args.model, device=args.device, dtype=args.dtype,
                                capacity=args.budget + 256)
         template = Path(args.chat_template).read_text() if args.chat_template else None
-        engine = Engine(backend, ChatFormat(backend.tokenizer, template), client, config)
+        engine = Engine(backend, ChatFormat(backend.tokenizer, template), client, config, _selector(args))
         server = Server(engine, args.model, args.host, args.port, str(socket_path))
         stop = threading.Event()
 
@@ -92,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tail-tokens", type=int, default=512, help="recent tokens that always stay in attention")
     serve.add_argument("--lease-turns", type=int, default=2, help="turns a restored page stays in attention")
     serve.add_argument("--max-new-tokens", type=int, default=1024, help="cap on tokens generated per turn")
+    serve.add_argument("--selector", default="attention", choices=["attention", "controller", "recency"],
+                       help="who advises which pages come back (default: attention, model-native)")
+    serve.add_argument("--controller-model", default="smollm2-135m",
+                       help="embedded controller (smollm2-135m, gemma3-270m) or, with --controller-url, its model id")
+    serve.add_argument("--controller-url", default=None, help="OpenAI-compatible endpoint for the controller")
+    serve.add_argument("--controller-deadline", type=float, default=1.0,
+                       help="seconds the turn waits for the controller's plan before running without it")
     serve.add_argument("--chat-template", default=None, help="file with a Jinja chat template to use instead "
                        "of the model's own")
     serve.add_argument("--root", default=str(default_root()), help="data folder (contextd lives under ROOT/contextd)")

@@ -18,7 +18,7 @@ Depends on backends.base (protocol), backends.transcript, controller.pager and c
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,10 +38,14 @@ from backends.transcript import (
 )
 from contextd.client import Client, Payloads, pb
 from contextd.errors import DataCorrupt
-from controller.pager import Decision, Pager, PagerConfig, PageState, PinKind, Plan
+from controller.pager import PAGE_TOKENS, Decision, Pager, PagerConfig, PageState, PinKind, Plan
+from controller.selectors import PageKeys, RecencySelector, SelectionContext, Selector
+from controller.units import Unit, UnitIndex
 
 log = logging.getLogger("kv_elision.engine")
 
+# What a tokenizer decodes a partial UTF-8 sequence to; such text is held back from the stream.
+INCOMPLETE_CHARACTER = chr(0xFFFD)
 TRANSCRIPT_SLOT = "transcript"
 RECURRENT_SLOT = "recurrent"
 STATE_TO_PB = {PageState.HOT: pb.HOT, PageState.COLD: pb.COLD, PageState.PINNED: pb.PINNED}
@@ -72,7 +76,8 @@ class EngineConfig:
 COUNTER_NAMES = ("model_forward_tokens", "new_prefill_tokens", "decoded_tokens", "historical_forward_during_restore",
                  "restored_pages", "evicted_pages", "peak_attention_tokens", "reprefilled_tokens", "rebuilds",
                  "recovered_pages", "stored_pages", "stored_bytes", "reanchored_keys", "compactions",
-                 "fixed_point_resamples", "turns", "restored_pages_turn", "evicted_pages_turn")
+                 "fixed_point_resamples", "turns", "restored_pages_turn", "evicted_pages_turn", "plans_used",
+                 "plans_rejected", "selector_ms")
 
 
 @dataclass
@@ -122,19 +127,23 @@ class Session:
     last_answer: tuple[int, list[int], list[int]] | None = None  # (turn, prompt ids, answer ids)
     stored_ids: dict[int, str] = field(default_factory=dict)  # page index -> id of its stored version
     superseded: list[str] = field(default_factory=list)       # stored partial versions to delete
+    units: UnitIndex = field(default_factory=UnitIndex)
+    message_ends: set[int] = field(default_factory=set)        # pages where a message ends
+    page_keys: dict[int, PageKeys] = field(default_factory=dict)  # key bounds of stored full pages
+    last_selection: str = ""
 
 
 class Engine:
     """Owns the backend. Not thread-safe: the server runs every call on one worker thread."""
 
     def __init__(self, backend: Backend, chat_format: ChatFormat, contextd: Client, config: EngineConfig,
-                 planner: Callable[[Session, ChatRequest], Plan | None] | None = None) -> None:
+                 selector: Selector | None = None) -> None:
         self.backend = backend
         self.format = chat_format
         self.contextd = contextd
         self.payloads: Payloads = contextd.payloads()
         self.config = config
-        self.planner = planner
+        self.selector: Selector = selector or RecencySelector()
         self.sessions: dict[str, Session] = {}
         self.active: str | None = None
         self.totals = dict.fromkeys(COUNTER_NAMES, 0)
@@ -202,6 +211,14 @@ class Engine:
             page.stored = stored
         session.counters.update(record["counters"])
         session.stored_ids = {int(k): v for k, v in record["stored_ids"].items()}
+        session.message_ends = set(record["message_ends"])
+        session.units = UnitIndex(record["unit_salt"])
+        session.units.update(pager, session.message_ends)
+        summaries = {b.block_id: b.summary for b in self.contextd.query_blocks(session_id)}
+        for unit in session.units.units.values():
+            unit.summary = summaries.get(unit.unit_id, "")
+        for cluster in session.units.clusters.values():
+            cluster.summary = summaries.get(cluster.cluster_id, "")
         if RECURRENT_SLOT in snapshots and self.backend.is_hybrid:
             ref = snapshots[RECURRENT_SLOT]
             snap = RecurrentSnapshot.from_bytes(self.payloads.blobs.read(ref.locator, ref.checksum, ref.byte_size))
@@ -269,16 +286,17 @@ class Engine:
         if request.message_hashes is not None:
             session.transcript.message_hashes = list(request.message_hashes)
 
-        plan = request.plan or (self.planner(session, request) if self.planner else None)
         segments = self._prompt_segments(session, request, rendered, alignment.new_text)
         prompt_ids = [t for segment, _, _ in segments for t in segment.ids]
         if not prompt_ids:
             raise TranscriptError("the request adds nothing after the cached transcript; send the next message")
-        for n, (segment, pin, tool_call) in enumerate(segments):
-            self._prefill(session, segment, pin, plan if n == 0 else None)
+        for segment, pin, tool_call in segments:
+            self._prefill(session, segment, pin)
+            session.message_ends.add(len(session.pager.pages) - 1)
             if tool_call:
                 session.pager.mark_ledger(len(session.pager.pages) - 1)
         self._count(session, "reprefilled_tokens", min(dropped, len(prompt_ids)))
+        self._apply_plan(session, request, alignment.new_text, len(prompt_ids))
         yield TurnEvent(prepared={"rebuilt": rebuilt, "prefilled_tokens": len(prompt_ids)})
 
         picked, finish, sampled = yield from self._generate(session, request, prompt_ids)
@@ -314,25 +332,52 @@ class Engine:
             cut = offset
         return segments
 
-    def _prefill(self, session: Session, segment: Segment, pin: PinKind | None, plan: Plan | None) -> None:
+    def _apply_plan(self, session: Session, request: ChatRequest, incoming: str, new_tokens: int) -> None:
+        """Between prefill and decode: the request's own plan, else the selector's, through the
+        pager's rules. Restored pages land at their place in the timeline, before the new text."""
+        pager = session.pager
+        held = sum(pager.pages[i].tokens for i in pager.protected() if pager.pages[i].resident)
+        context = SelectionContext(session.session_id, pager, session.units, incoming,
+                                   queries=self._queries(new_tokens), page_keys=session.page_keys,
+                                   room_tokens=max(0, pager.config.low_tokens - held))
+        if request.plan is not None:
+            plan: Plan | None = request.plan
+            session.last_selection = "plan from the request"
+        else:
+            selection = self.selector.select(context)
+            plan = selection.plan
+            session.last_selection = f"{self.selector.name}: {selection.note} ({selection.decided_ms:.0f} ms)"
+            self._count(session, "selector_ms", int(selection.decided_ms))
+        if plan is None:
+            return
+        decision = pager.decide(plan, incoming_tokens=0)
+        self._count(session, "plans_used" if decision.plan_used else "plans_rejected")
+        if decision.plan_rejected:
+            session.last_selection += f"; rejected: {decision.plan_rejected}"
+        self._execute(session, decision)
+        self._attention_peak(session)
+
+    def _queries(self, new_tokens: int) -> Any:
+        """Pre-rotary queries of the turn's new tokens, for the attention selector (if asked for)."""
+        if self.selector.name != "attention" or not hasattr(self.backend, "recent_queries"):
+            return None
+        return self.backend.recent_queries(min(new_tokens, 256))
+
+    def _prefill(self, session: Session, segment: Segment, pin: PinKind | None) -> None:
         chunk = self.config.prefill_chunk
         for i in range(0, len(segment.ids), chunk):
             part = segment.ids[i:i + chunk]
-            self._make_room(session, len(part), plan if i == 0 else None)
+            self._make_room(session, len(part))
             self.backend.prefill(part)
             session.pager.append(part, pin=pin)
             self._attention_peak(session)
         session.transcript.segments.append(segment)
         self._snapshot_if_hybrid(session)
 
-    def _make_room(self, session: Session, incoming: int, plan: Plan | None) -> None:
+    def _make_room(self, session: Session, incoming: int) -> None:
         pager = session.pager
-        if plan is None and not pager.must_evict_for(incoming):
-            return
-        decision = pager.decide(plan, incoming_tokens=incoming)
-        if decision.plan_rejected:
-            log.info("session %s: plan rejected: %s", session.session_id, decision.plan_rejected)
-        self._execute(session, decision)
+        if pager.must_evict_for(incoming):
+            self._execute(session, pager.decide(None, incoming_tokens=incoming))
 
     def _execute(self, session: Session, decision: Decision) -> None:
         """Store, evict, restore. Pages leave attention only once their payload is durable."""
@@ -380,6 +425,8 @@ class Engine:
             start = pager.logical_start(index)
             block = self.backend.save_block(start, start + page.tokens)
             stored = self.payloads.write(session.session_id, page.page_id, block.to_bytes())
+            if page.tokens == PAGE_TOKENS:
+                session.page_keys[index] = PageKeys.of(block.keys)
             page.stored = True
             previous = session.stored_ids.get(index)
             if previous is not None and previous != page.page_id:
@@ -435,12 +482,19 @@ class Engine:
             self.backend.reset()
             session.pager = Pager(self.config.pager_config())
             session.snapshots.clear()
+            session.units = UnitIndex(session.units.salt)
+            session.message_ends.clear()
+            session.page_keys.clear()
             return
         pager = session.pager
         for page in pager.pages:  # a cold page across the cut comes back whole first
             if page.token_start < tokens < page.token_end and not page.resident:
                 self._execute(session, Decision(evict=[], restore=[page.index], plan_used=False))
         pager.truncate(tokens)
+        session.units.truncate(len(pager.pages))
+        session.message_ends = {i for i in session.message_ends if i < len(pager.pages)}
+        session.page_keys = {i: k for i, k in session.page_keys.items() if i < len(pager.pages)
+                             and pager.pages[i].tokens == PAGE_TOKENS}
         held = sum(p.tokens for p in pager.pages if p.resident)
         if self.backend.attention_tokens > held:
             self.backend.remove_attention_range(held, self.backend.attention_tokens)
@@ -489,7 +543,7 @@ class Engine:
             token = self.backend.decode(greedy=greedy, temperature=temperature, seed=seed)
         else:
             token = first
-            self._make_room(session, 1, None)
+            self._make_room(session, 1)
             next_token = self.backend.decode(token, greedy=greedy, temperature=temperature, seed=seed)
             pager.append([token])
             picked.append(token)
@@ -501,10 +555,10 @@ class Engine:
             picked.append(token)
             holding = hold_while is not None and picked == hold_while[:len(picked)]
             text = self.format.decode(picked)
-            if not holding and not text.endswith("\ufffd") and len(text) > len(emitted):
+            if not holding and not text.endswith(INCOMPLETE_CHARACTER) and len(text) > len(emitted):
                 yield TurnEvent(delta=text[len(emitted):])
                 emitted = text
-            self._make_room(session, 1, None)
+            self._make_room(session, 1)
             token = self.backend.decode(greedy=greedy, temperature=temperature)  # feeds picked[-1]
             pager.append([picked[-1]])
             self._attention_peak(session)
@@ -526,15 +580,40 @@ class Engine:
         transcript.generated[assistant_key(content, calls)] = raw
         if calls and pager.pages:
             pager.mark_ledger(pager.pages[-1].index)
+        if pager.pages:
+            session.message_ends.add(len(pager.pages) - 1)
         self._snapshot_if_hybrid(session)
         after = self.backend.counters
         for name in ("model_forward_tokens", "new_prefill_tokens", "decoded_tokens",
                      "historical_forward_during_restore", "reanchored_keys", "compactions"):
             self._count(session, name, after[name] - before[name])
         self._persist(session)
+        self._index_units(session)
         return TurnResult(content=content, tool_calls=calls, finish_reason="tool_calls" if calls else finish,
                           prompt_tokens=0, prefilled_tokens=0, completion_tokens=len(picked),
                           counters=self.session_counters(session))
+
+    def _index_units(self, session: Session) -> None:
+        """Close new units, record units and clusters (with any summaries written since) in
+        contextd, and hand the new units to the selector for background summaries."""
+        units = session.units
+        closed = units.update(session.pager, session.message_ends)
+        blocks = [pb.Block(block_id=u.unit_id, kind="unit", parent_id=u.cluster_id, summary=u.summary,
+                           page_ids=[session.pager.pages[i].page_id for i in u.pages],
+                           token_count=sum(session.pager.pages[i].tokens for i in u.pages))
+                  for u in units.units.values()]
+        blocks += [pb.Block(block_id=c.cluster_id, kind="cluster", child_ids=c.unit_ids, summary=c.summary)
+                   for c in units.clusters.values()]
+        if blocks:
+            self.contextd.upsert_blocks(session.session_id, blocks)
+        ids = session.transcript.ids
+        pages = session.pager.pages
+
+        def text_of(unit: Unit) -> str:
+            return self.format.decode(ids[pages[unit.pages[0]].token_start:pages[unit.pages[-1]].token_end])
+
+        context = SelectionContext(session.session_id, session.pager, units, "")
+        self.selector.after_turn(context, closed, text_of)
 
     def _persist(self, session: Session) -> None:
         """Write-through at the end of a turn: every resident page not yet stored (the open page
@@ -553,6 +632,7 @@ class Engine:
                                        snap.to_bytes())
         record = {"transcript": session.transcript.to_record(), "turn": pager.turn, "ledger": pager.ledger,
                   "stored_ids": {str(k): v for k, v in session.stored_ids.items()},
+                  "unit_salt": session.units.salt, "message_ends": sorted(session.message_ends),
                   "pages": [[p.state.value, p.pin.value if p.pin else "", p.lease_until_turn, p.stored]
                             for p in pager.pages],
                   "counters": session.counters}

@@ -69,7 +69,8 @@ class PagerConfig:
         if reserved + 2 * PAGE_TOKENS > self.low_watermark * self.budget_tokens:
             raise ValueError(
                 f"pins ({self.pin_cap_fraction:.0%}), ledger ({self.ledger_cap_fraction:.0%}) and the tail "
-                f"({self.tail_tokens} tokens) leave no room under the low watermark of a {self.budget_tokens}-token budget")
+                f"({self.tail_tokens} tokens) leave no room under the low watermark "
+                f"of a {self.budget_tokens}-token budget")
 
     @property
     def high_tokens(self) -> int:

@@ -1,0 +1,258 @@
+"""Selectors: who advises the pager which units to restore, pin and evict first.
+
+  recency     no advice: the pager's default retention (oldest unpinned first) alone.
+  attention   model-native, no second model: every stored page keeps the per-channel minimum and
+              maximum of its canonical (pre-rotary) keys; the queries of the turn's new tokens
+              are scored against them with the Quest bound  sum_d max(q_d kmin_d, q_d kmax_d)  per
+              layer and head, standardised across pages, averaged; the best pages' units come back.
+  controller  a small model reads the cluster and unit summaries and the incoming message and
+              answers a JSON plan (controller.planner); summaries are written after each turn in
+              the background. A plan not ready by its deadline is used on the next turn.
+
+Whatever a selector says goes through controller.planner.validate and the pager's rules. No
+selector, and nothing in the host, looks at the words of the transcript.
+Depends on numpy, controller.pager, controller.units, controller.planner.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from controller.pager import Pager, PageState, Plan
+from controller.planner import (
+    PlanError,
+    UnitPlan,
+    parse_plan,
+    parse_units,
+    plan_prompt,
+    refine_prompt,
+    summary_prompt,
+    validate,
+)
+from controller.units import Unit, UnitIndex
+
+log = logging.getLogger("kv_elision.selectors")
+
+
+@dataclass
+class PageKeys:
+    """Per-channel bounds of one page's canonical keys: [layers, kv_heads, head_dim] each."""
+
+    kmin: np.ndarray
+    kmax: np.ndarray
+
+    @classmethod
+    def of(cls, keys: np.ndarray) -> PageKeys:
+        """keys: [layers, kv_heads, tokens, head_dim] as stored in a Block."""
+        k = keys.astype(np.float32, copy=False)
+        return cls(k.min(axis=2), k.max(axis=2))
+
+
+@dataclass
+class SelectionContext:
+    session_id: str
+    pager: Pager
+    units: UnitIndex
+    incoming: str                          # the turn's new text (the controller reads it; the host never does)
+    queries: np.ndarray | None = None      # [layers, q_heads, tokens, head_dim], pre-rotary, new tokens
+    page_keys: dict[int, PageKeys] = field(default_factory=dict)
+    room_tokens: int = 0                   # what restores may fill under the low watermark
+
+
+@dataclass
+class Selection:
+    plan: Plan | None
+    decided_ms: float
+    note: str = ""
+
+
+class Selector(Protocol):
+    name: str
+
+    def select(self, ctx: SelectionContext) -> Selection: ...
+
+    def after_turn(self, ctx: SelectionContext, closed: list[Unit], text_of: Callable[[Unit], str]) -> None: ...
+
+
+def _fit_units(ranked: list[str], units: UnitIndex, pager: Pager, room: int) -> list[str]:
+    """Take whole units in rank order while their cold pages fit in `room` tokens."""
+    chosen: list[str] = []
+    used = 0
+    for unit_id in ranked:
+        cold = [p for p in units.units[unit_id].pages if pager.pages[p].state is PageState.COLD]
+        need = sum(pager.pages[p].tokens for p in cold)
+        if not cold or used + need > room:
+            continue
+        chosen.append(unit_id)
+        used += need
+    return chosen
+
+
+class RecencySelector:
+    name = "recency"
+
+    def select(self, ctx: SelectionContext) -> Selection:
+        return Selection(None, 0.0, "default retention")
+
+    def after_turn(self, ctx: SelectionContext, closed: list[Unit], text_of: Callable[[Unit], str]) -> None:
+        return None
+
+
+class AttentionSelector:
+    """Scores cold pages in the main model's own attention space; restores the best units."""
+
+    name = "attention"
+
+    def __init__(self, max_units: int = 2) -> None:
+        self.max_units = max_units
+
+    @staticmethod
+    def page_scores(queries: np.ndarray, pages: list[PageKeys]) -> np.ndarray:
+        """One score per page: Quest upper bounds per (layer, q head), max over the new tokens,
+        standardised across pages so no head dominates by scale, then averaged."""
+        layers, q_heads, _, dim = queries.shape
+        kv_heads = pages[0].kmin.shape[1]
+        group = q_heads // kv_heads
+        kmin = np.stack([p.kmin for p in pages])          # [P, L, Hkv, D]
+        kmax = np.stack([p.kmax for p in pages])
+        kmin = np.repeat(kmin, group, axis=2)              # [P, L, Hq, D]
+        kmax = np.repeat(kmax, group, axis=2)
+        q = queries.astype(np.float32)
+        positive, negative = np.maximum(q, 0.0), np.minimum(q, 0.0)
+        # bound[p, l, h, t] = q+ . kmax + q- . kmin
+        bound = np.einsum("lhtd,plhd->plht", positive, kmax) + np.einsum("lhtd,plhd->plht", negative, kmin)
+        best = bound.max(axis=3) / np.sqrt(dim)            # [P, L, Hq]
+        spread = best.std(axis=0, keepdims=True)
+        z = (best - best.mean(axis=0, keepdims=True)) / np.where(spread > 0, spread, 1.0)
+        return np.asarray(z.mean(axis=(1, 2)))
+
+    def select(self, ctx: SelectionContext) -> Selection:
+        started = time.perf_counter()
+        cold = [i for i, p in enumerate(ctx.pager.pages)
+                if p.state is PageState.COLD and i in ctx.page_keys and ctx.units.unit_of_page(i)]
+        if ctx.queries is None or not cold:
+            return Selection(None, (time.perf_counter() - started) * 1000, "nothing to score")
+        scores = self.page_scores(ctx.queries, [ctx.page_keys[i] for i in cold])
+        ranked: list[str] = []
+        for page in (cold[k] for k in np.argsort(-scores)):
+            unit_id = ctx.units.unit_of_page(page)
+            if unit_id is not None and unit_id not in ranked:
+                ranked.append(unit_id)
+        chosen = _fit_units(ranked, ctx.units, ctx.pager, ctx.room_tokens)[:self.max_units]
+        plan = validate(UnitPlan(restore=chosen), ctx.units, ctx.pager).plan
+        return Selection(plan, (time.perf_counter() - started) * 1000, f"restore {len(chosen)} units")
+
+
+class ControllerModel(Protocol):
+    """Anything that completes a prompt: the embedded small model or an OpenAI-compatible URL."""
+
+    name: str
+    tokens_processed: int
+
+    def complete(self, prompt: str, max_tokens: int) -> str: ...
+
+
+class ControllerSelector:
+    """A small model decides; the host validates. Summaries are written in the background."""
+
+    name = "controller"
+
+    def __init__(self, model: ControllerModel, deadline_s: float = 1.0, max_units: int = 2) -> None:
+        self.model = model
+        self.deadline_s = deadline_s
+        self.max_units = max_units
+        # One thread: the controller model runs one call at a time, off the generation path.
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-controller")
+        self.pending: dict[str, Future[UnitPlan]] = {}
+        self.summary_seconds = 0.0
+        self.summaries_written = 0
+
+    def _plan(self, incoming: str, units: UnitIndex) -> UnitPlan:
+        answer = self.model.complete(plan_prompt(incoming, units, self.max_units), max_tokens=96)
+        plan = parse_plan(answer)
+        # A named cluster means "something in here": ask once more, inside it, for the units.
+        for cluster_id in [c for c in plan.restore if c in units.clusters][:1]:
+            refined = parse_units(self.model.complete(refine_prompt(incoming, units, cluster_id, self.max_units),
+                                                      max_tokens=64))
+            plan.restore = [u for u in plan.restore if u != cluster_id] + refined
+        plan.restore = [u for u in plan.restore if u not in units.clusters][:self.max_units]
+        return plan
+
+    def select(self, ctx: SelectionContext) -> Selection:
+        started = time.perf_counter()
+        late = self.pending.pop(ctx.session_id, None)
+        if late is not None and late.done():
+            # Last turn's plan arrived after its deadline: it applies now, re-validated.
+            return self._finish(late, ctx, started, "late plan from the previous turn")
+        if late is not None:
+            self.pending[ctx.session_id] = late
+            return Selection(None, 0.0, "previous plan still running")
+        if not ctx.units.units:
+            return Selection(None, 0.0, "no units yet")
+        future = self.pool.submit(self._plan, ctx.incoming, ctx.units)
+        try:
+            future.result(timeout=self.deadline_s)
+        except TimeoutError:
+            self.pending[ctx.session_id] = future
+            return Selection(None, (time.perf_counter() - started) * 1000, "deadline passed; plan applies next turn")
+        except Exception:  # noqa: BLE001 - the answer is judged in _finish
+            pass
+        return self._finish(future, ctx, started, "")
+
+    def _finish(self, future: Future[UnitPlan], ctx: SelectionContext, started: float, note: str) -> Selection:
+        elapsed = (time.perf_counter() - started) * 1000
+        try:
+            unit_plan = future.result()
+        except PlanError as exc:
+            return Selection(None, elapsed, f"rubbish plan ignored: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a failing controller never fails the turn
+            return Selection(None, elapsed, f"controller failed: {type(exc).__name__}: {exc}")
+        known = [u for u in unit_plan.restore if u in ctx.units.units]
+        unit_plan.restore = _fit_units(known, ctx.units, ctx.pager, ctx.room_tokens) + \
+            [u for u in unit_plan.restore if u not in ctx.units.units]  # unknown ids: validate reports them
+        checked = validate(unit_plan, ctx.units, ctx.pager)
+        detail = f"; dropped {len(checked.dropped)} ids" if checked.dropped else ""
+        return Selection(checked.plan, elapsed, (note or "plan") + detail)
+
+    def after_turn(self, ctx: SelectionContext, closed: list[Unit], text_of: Callable[[Unit], str]) -> None:
+        if not closed:
+            return
+        texts = {u.unit_id: text_of(u) for u in closed}
+        units = ctx.units
+        self.pool.submit(self._summarise, units, closed, texts)
+
+    def _summarise(self, units: UnitIndex, closed: list[Unit], texts: dict[str, str]) -> None:
+        started = time.perf_counter()
+        for unit in closed:
+            unit.summary = self.model.complete(summary_prompt(texts[unit.unit_id]), max_tokens=48).strip()
+            self.summaries_written += 1
+        for cluster_id in {u.cluster_id for u in closed}:
+            cluster = units.clusters.get(cluster_id)
+            if cluster is not None and cluster.closed:
+                joined = "\n".join(units.units[u].summary for u in cluster.unit_ids)
+                cluster.summary = self.model.complete(summary_prompt(joined), max_tokens=48).strip()
+                self.summaries_written += 1
+        self.summary_seconds += time.perf_counter() - started
+
+    def wait_idle(self) -> None:
+        """Block until background summaries queued so far are written (tests and benchmarks)."""
+        self.pool.submit(lambda: None).result()
+
+
+def make_selector(name: str, controller: ControllerModel | None = None, **kw: Any) -> Selector:
+    if name == "recency":
+        return RecencySelector()
+    if name == "attention":
+        return AttentionSelector(**kw)
+    if name == "controller":
+        if controller is None:
+            raise ValueError("the controller selector needs a controller model (--controller-model or --controller-url)")
+        return ControllerSelector(controller, **kw)
+    raise ValueError(f"unknown selector {name!r}: use recency, attention or controller")

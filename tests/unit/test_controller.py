@@ -1,0 +1,198 @@
+"""Host rules around the controller: strict parsing, ID validation, budget, deadlines, no language logic."""
+
+from __future__ import annotations
+
+import ast
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from controller.pager import PAGE_TOKENS, Pager, PagerConfig, PageState, PinKind
+from controller.planner import PlanError, UnitPlan, parse_plan, parse_units, plan_prompt, validate
+from controller.selectors import AttentionSelector, ControllerSelector, PageKeys, SelectionContext
+from controller.units import CLUSTER_UNITS, UnitIndex
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def session(pages: int = 80, budget: int = 2048) -> tuple[Pager, UnitIndex]:
+    pager = Pager(PagerConfig(budget_tokens=budget))
+    pager.append(list(range(256)), pin=PinKind.SYSTEM)
+    pager.append(list(range(pages * PAGE_TOKENS - 256)))
+    for page in pager.pages[2:-8]:
+        page.state, page.stored = PageState.COLD, True
+    units = UnitIndex()
+    units.update(pager, message_end_pages=set(range(0, pages, 7)))
+    return pager, units
+
+
+class ScriptedController:
+    """A controller model that answers what a test needs, to exercise the host's rules against
+    answers a real small model gives only by chance (garbage, hostile ids, lateness)."""
+
+    name = "scripted"
+
+    def __init__(self, answers: list[str], delay_s: float = 0.0) -> None:
+        self.answers = answers
+        self.delay_s = delay_s
+        self.tokens_processed = 0
+        self.prompts: list[str] = []
+
+    def complete(self, prompt: str, max_tokens: int) -> str:
+        self.prompts.append(prompt)
+        time.sleep(self.delay_s)
+        return self.answers.pop(0) if self.answers else "{}"
+
+
+@pytest.mark.parametrize("answer", ["", "restore everything", "{", '{"restore": ["u1"', "[1, 2]", "null",
+                                    '{"restore": "u1"}', '{"restore": [1, 2]}', '{"restore": [], "delete": ["u1"]}',
+                                    '{"restore": [' + ",".join(['"u"'] * 65) + "]}"])
+def test_rubbish_answers_are_refused(answer: str) -> None:
+    with pytest.raises(PlanError):
+        parse_plan(answer)
+
+
+def test_a_plan_wrapped_in_prose_is_read_and_strings_with_braces_survive() -> None:
+    plan = parse_plan('Sure! Here it is: {"restore": ["u{a}"], "pin": [], "evict_first": ["x"]} hope it helps')
+    assert plan.restore == ["u{a}"] and plan.evict_first == ["x"]
+    assert parse_units('{"units": ["a", "b"]}') == ["a", "b"]
+    with pytest.raises(PlanError):
+        parse_units('{"units": ["a"], "more": 1}')
+
+
+def test_ids_are_opaque_and_validated_against_the_session() -> None:
+    pager, units = session()
+    other_pager, other_units = session()
+    assert len(units.units) >= 8 and all(not u[1:].isdigit() for u in units.units)
+    assert set(units.units).isdisjoint(other_units.units)  # salted: another session's ids mean nothing here
+    mine = units.order[1]
+    hard = units.order[0]  # holds the hard-pinned opening pages
+    plan = UnitPlan(restore=[mine, mine, other_units.order[2], "../../x"], pin=[],
+                    evict_first=[hard, units.order[3]])
+    checked = validate(plan, units, pager)
+    assert checked.plan.restore == [p for p in units.units[mine].pages if pager.pages[p].state is PageState.COLD]
+    assert not set(checked.plan.evict_first) & {0, 1}
+    assert any("unknown id" in d for d in checked.dropped) and any("duplicate" in d for d in checked.dropped)
+    assert any("pinned" in d for d in checked.dropped)
+
+
+def test_a_plan_over_budget_evicts_nothing_because_of_it() -> None:
+    pager, units = session()
+    everything = [u for u in units.order if any(pager.pages[p].state is PageState.COLD for p in units.units[u].pages)]
+    plan = validate(UnitPlan(restore=everything), units, pager).plan
+    decision = pager.decide(plan)
+    assert not decision.plan_used and decision.evict == [] and decision.restore == []
+
+
+def test_units_are_whole_pages_about_1024_tokens_in_clusters_of_eight() -> None:
+    pager, units = session(pages=200)
+    sizes = [len(units.units[u].pages) for u in units.order]
+    assert all(6 <= n <= 10 for n in sizes)
+    pages = [p for u in units.order for p in units.units[u].pages]
+    assert pages == sorted(pages) and len(set(pages)) == len(pages)
+    assert all(len(c.unit_ids) <= CLUSTER_UNITS for c in units.clusters.values())
+    assert sum(c.closed for c in units.clusters.values()) == len(units.order) // CLUSTER_UNITS
+
+
+def test_a_late_plan_runs_on_default_retention_then_applies_next_turn() -> None:
+    pager, units = session()
+    target = units.order[2]
+    model = ScriptedController([f'{{"restore": ["{target}"]}}'], delay_s=0.6)
+    selector = ControllerSelector(model, deadline_s=0.1)
+    context = SelectionContext("s", pager, units, "next message", room_tokens=1500)
+    first = selector.select(context)
+    assert first.plan is None and "next turn" in first.note
+    time.sleep(0.8)
+    second = selector.select(context)
+    assert second.plan is not None and "late plan" in second.note
+    assert set(second.plan.restore) == {p for p in units.units[target].pages if pager.pages[p].state is PageState.COLD}
+
+
+def test_a_garbage_or_failing_controller_never_fails_the_turn() -> None:
+    pager, units = session()
+    for answer in ("I think you should restore the config file", '{"restore": ["nope"]}'):
+        selector = ControllerSelector(ScriptedController([answer]), deadline_s=2.0)
+        selection = selector.select(SelectionContext("s", pager, units, "msg", room_tokens=1500))
+        assert selection.plan is None or selection.plan.restore == []
+
+    class Broken(ScriptedController):
+        def complete(self, prompt: str, max_tokens: int) -> str:
+            raise ConnectionError("controller endpoint down")
+
+    selection = ControllerSelector(Broken([]), deadline_s=2.0).select(SelectionContext("s", pager, units, "m",
+                                                                                          room_tokens=1500))
+    assert selection.plan is None and "controller failed" in selection.note
+
+
+LANGUAGE_UNITS = {
+    "en": "The billing service must retry failed charges 5 times.",
+    "ja": "請求サービスは失敗した課金を5回まで再試行しなければならない。",
+    "ar": "يجب أن تعيد خدمة الفوترة محاولة الرسوم الفاشلة 5 مرات.",
+    "es": "El servicio de facturación debe reintentar los cobros fallidos 5 veces.",
+    "ru": "Сервис оплаты должен повторять неудачные списания 5 раз.",
+    "code": "def retry(charge):\n    for attempt in range(5):\n        gateway.charge(charge)",
+}
+
+
+@pytest.mark.parametrize("language", sorted(LANGUAGE_UNITS))
+def test_the_same_host_path_for_every_language(language: str) -> None:
+    pager, units = session()
+    target = units.order[3]
+    units.units[target].summary = LANGUAGE_UNITS[language]
+    calls: list[str] = []
+    model = ScriptedController([f'{{"restore": ["{target}"], "pin": [], "evict_first": []}}'])
+    selector = ControllerSelector(model, deadline_s=5.0)
+    selection = selector.select(SelectionContext("s", pager, units, LANGUAGE_UNITS[language], room_tokens=1500))
+    calls.append(type(selection.plan).__name__)
+    assert selection.plan is not None and selection.plan.restore
+    assert LANGUAGE_UNITS[language] in model.prompts[0]  # the text goes to the model untouched
+    assert plan_prompt(LANGUAGE_UNITS[language], units, 2).count(target) == 1
+
+
+HOST_FILES = [*sorted((REPO / "controller").glob("*.py")), REPO / "backends" / "engine.py",
+              REPO / "backends" / "server.py", REPO / "backends" / "transcript.py"]
+LANGUAGE_MARKERS = {"en", "ja", "ar", "es", "ru", "zh", "english", "japanese", "arabic", "spanish", "russian",
+                    "chinese", "cjk", "hiragana", "katakana", "cyrillic", "latin"}
+
+
+@pytest.mark.parametrize("path", HOST_FILES, ids=lambda p: p.name)
+def test_no_language_specific_branch_anywhere_in_the_host(path: Path) -> None:
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] + [getattr(node, "module", "") or ""]
+            assert not {"unicodedata", "langdetect", "langid", "regex"} & set(names), f"{path.name} imports {names}"
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            assert node.value.isascii(), f"{path.name}:{node.lineno} has a non-ASCII literal {node.value[:20]!r}"
+            assert node.value.lower() not in LANGUAGE_MARKERS, f"{path.name}:{node.lineno} names a language"
+            assert "\\p{" not in node.value and "\\u3040" not in node.value, f"{path.name}:{node.lineno} script range"
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            assert node.func.attr not in ("isalpha", "isascii") or path.name == "server.py", \
+                f"{path.name}:{node.lineno} inspects characters"
+
+
+def test_attention_scores_find_the_page_whose_keys_answer_the_query() -> None:
+    rng = np.random.default_rng(0)
+    layers, kv_heads, q_heads, dim = 4, 2, 4, 16
+    pages = [PageKeys.of(rng.normal(size=(layers, kv_heads, 128, dim)).astype(np.float32)) for _ in range(30)]
+    direction = rng.normal(size=(layers, kv_heads, dim)).astype(np.float32)
+    planted = rng.normal(size=(layers, kv_heads, 128, dim)).astype(np.float32)
+    planted[:, :, 7] = 6.0 * direction  # one token strongly aligned with the query
+    pages[17] = PageKeys.of(planted)
+    queries = np.repeat(direction, q_heads // kv_heads, axis=1)[:, :, None, :]
+    scores = AttentionSelector.page_scores(queries, pages)
+    assert int(np.argmax(scores)) == 17
+
+
+def test_selectors_are_safe_to_call_from_the_worker_while_summaries_run() -> None:
+    pager, units = session()
+    model = ScriptedController(["a summary"] * 40, delay_s=0.01)
+    selector = ControllerSelector(model, deadline_s=1.0)
+    context = SelectionContext("s", pager, units, "")
+    selector.after_turn(context, [units.units[u] for u in units.order[:3]], lambda u: "text")
+    done = threading.Event()
+    threading.Thread(target=lambda: (selector.wait_idle(), done.set())).start()
+    assert done.wait(10) and all(units.units[u].summary == "a summary" for u in units.order[:3])
