@@ -47,6 +47,7 @@ log = logging.getLogger("kv_elision.engine")
 # What a tokenizer decodes a partial UTF-8 sequence to; such text is held back from the stream.
 INCOMPLETE_CHARACTER = chr(0xFFFD)
 TRANSCRIPT_SLOT = "transcript"
+QUERY_WINDOW = 256  # newest tokens whose queries the attention selector scores pages with
 RECURRENT_SLOT = "recurrent"
 STATE_TO_PB = {PageState.HOT: pb.HOT, PageState.COLD: pb.COLD, PageState.PINNED: pb.PINNED}
 
@@ -144,6 +145,8 @@ class Engine:
         self.payloads: Payloads = contextd.payloads()
         self.config = config
         self.selector: Selector = selector or RecencySelector()
+        if self.selector.name == "attention" and hasattr(backend, "capture_queries"):
+            backend.capture_queries(QUERY_WINDOW)
         self.sessions: dict[str, Session] = {}
         self.active: str | None = None
         self.totals = dict.fromkeys(COUNTER_NAMES, 0)
@@ -361,7 +364,7 @@ class Engine:
         """Pre-rotary queries of the turn's new tokens, for the attention selector (if asked for)."""
         if self.selector.name != "attention" or not hasattr(self.backend, "recent_queries"):
             return None
-        return self.backend.recent_queries(min(new_tokens, 256))
+        return self.backend.recent_queries(min(new_tokens, QUERY_WINDOW))
 
     def _prefill(self, session: Session, segment: Segment, pin: PinKind | None) -> None:
         chunk = self.config.prefill_chunk
@@ -648,6 +651,41 @@ class Engine:
         self.contextd.update_session(sid, turn=pager.turn, attention_tokens=self.backend.attention_tokens,
                                      fingerprint=session.transcript.fingerprint.combined(),
                                      counters=self.session_counters(session))
+
+    def probe(self, request: ChatRequest, selectors: list[Selector]) -> dict[str, dict[str, Any]]:
+        """Prefill the request's new messages, ask each selector what it would restore, then take the
+        new tokens back out: nothing is generated and the session is left as it was. For measuring
+        selectors (benchmarks.selectors and the retrieval tests)."""
+        fingerprint = self.format.fingerprint(request.tools, request.thinking)
+        session = self._activate(request.session_id, fingerprint)
+        rendered = self.format.render(request.messages, request.tools, request.thinking, session.transcript.generated)
+        alignment = align(session.transcript, fingerprint, rendered, request.message_hashes)
+        if alignment.rebuild or not alignment.new_text:
+            raise TranscriptError("a probe must extend the cached transcript")
+        segments_before = len(session.transcript.segments)
+        tokens_before = session.transcript.tokens
+        new_tokens = 0
+        for segment, pin, _ in self._prompt_segments(session, request, rendered, alignment.new_text):
+            self._prefill(session, segment, pin)
+            new_tokens += len(segment.ids)
+        pager = session.pager
+        held = sum(pager.pages[i].tokens for i in pager.protected() if pager.pages[i].resident)
+        queries = self.backend.recent_queries(min(new_tokens, QUERY_WINDOW)) \
+            if hasattr(self.backend, "recent_queries") else None
+        context = SelectionContext(session.session_id, pager, session.units, alignment.new_text, queries=queries,
+                                   page_keys=session.page_keys, room_tokens=max(0, pager.config.low_tokens - held))
+        results: dict[str, dict[str, Any]] = {}
+        for selector in selectors:
+            selection = selector.select(context)
+            restore: list[int] = []
+            if selection.plan is not None:
+                cleaned, rejected = pager.validate(selection.plan)
+                restore = [] if rejected else cleaned.restore
+            results[selector.name] = {"restore": restore, "decided_ms": selection.decided_ms, "note": selection.note,
+                                      "resident": [p.index for p in pager.pages if p.resident]}
+        session.transcript.segments = session.transcript.segments[:segments_before]
+        self._truncate(session, tokens_before)
+        return results
 
     def forget_active(self) -> None:
         """After a failed turn the backend's state is unknown: the next turn reloads from contextd."""

@@ -157,7 +157,7 @@ def refine_prompt(incoming: str, units: UnitIndex, cluster_id: str, limit_units:
     cluster = units.clusters[cluster_id]
     lines = [f"unit {u}: {units.units[u].summary or '(no summary yet)'}" for u in cluster.unit_ids]
     return (
-        f"These units belong to one part of a coding agent's session:\n" + "\n".join(lines) +
+        "These units belong to one part of a coding agent's session:\n" + "\n".join(lines) +
         f"\n\nThe next message is:\n{incoming[:2000]}\n\n"
         f"Which of these units does it need (at most {limit_units})? Answer with one JSON object and "
         'nothing else: {"units": ["<unit id>"]}'

@@ -4,7 +4,7 @@
   attention   model-native, no second model: every stored page keeps the per-channel minimum and
               maximum of its canonical (pre-rotary) keys; the queries of the turn's new tokens
               are scored against them with the Quest bound  sum_d max(q_d kmin_d, q_d kmax_d)  per
-              layer and head, standardised across pages, averaged; the best pages' units come back.
+              layer and head, standardised across pages, averaged; the best pages come back.
   controller  a small model reads the cluster and unit summaries and the incoming message and
               answers a JSON plan (controller.planner); summaries are written after each turn in
               the background. A plan not ready by its deadline is used on the next turn.
@@ -110,8 +110,8 @@ class AttentionSelector:
 
     name = "attention"
 
-    def __init__(self, max_units: int = 2) -> None:
-        self.max_units = max_units
+    def __init__(self, max_pages: int = 4) -> None:
+        self.max_pages = max_pages
 
     @staticmethod
     def page_scores(queries: np.ndarray, pages: list[PageKeys]) -> np.ndarray:
@@ -135,19 +135,23 @@ class AttentionSelector:
 
     def select(self, ctx: SelectionContext) -> Selection:
         started = time.perf_counter()
-        cold = [i for i, p in enumerate(ctx.pager.pages)
-                if p.state is PageState.COLD and i in ctx.page_keys and ctx.units.unit_of_page(i)]
+        cold = [i for i, p in enumerate(ctx.pager.pages) if p.state is PageState.COLD and i in ctx.page_keys]
         if ctx.queries is None or not cold:
             return Selection(None, (time.perf_counter() - started) * 1000, "nothing to score")
         scores = self.page_scores(ctx.queries, [ctx.page_keys[i] for i in cold])
-        ranked: list[str] = []
-        for page in (cold[k] for k in np.argsort(-scores)):
-            unit_id = ctx.units.unit_of_page(page)
-            if unit_id is not None and unit_id not in ranked:
-                ranked.append(unit_id)
-        chosen = _fit_units(ranked, ctx.units, ctx.pager, ctx.room_tokens)[:self.max_units]
-        plan = validate(UnitPlan(restore=chosen), ctx.units, ctx.pager).plan
-        return Selection(plan, (time.perf_counter() - started) * 1000, f"restore {len(chosen)} units")
+        # Pages, not whole units: the scores are per page, and a page is what a fact lives in.
+        chosen: list[int] = []
+        used = 0
+        for k in np.argsort(-scores)[:self.max_pages]:
+            page = ctx.pager.pages[cold[k]]
+            if used + page.tokens <= ctx.room_tokens:
+                chosen.append(page.index)
+                used += page.tokens
+        plan = Plan(restore=sorted(chosen))
+        return Selection(plan, (time.perf_counter() - started) * 1000, f"restore {len(chosen)} pages")
+
+    def after_turn(self, ctx: SelectionContext, closed: list[Unit], text_of: Callable[[Unit], str]) -> None:
+        return None
 
 
 class ControllerModel(Protocol):

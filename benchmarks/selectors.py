@@ -1,0 +1,167 @@
+"""Selectors compared on the demo workload: does each bring a planted fact back into attention?
+
+One session is built through the real engine (real contextd process, real SmolLM2 weights) from
+the multilingual agent workload with facts planted in every file, far past the attention budget.
+Then, for every planted fact whose page has gone cold, the question about it is prefilled and
+each selector says what it would restore (`Engine.probe`: the question is taken back out after,
+so every selector sees the same state). A hit: the page holding the fact is in attention after the
+selector's validated plan. The controller's unit and cluster summaries are written first, in the
+background, as in serving; their cost is reported.
+
+    python -m benchmarks.selectors [--files 10] [--facts-per-file 2] [--budget 4096]
+                                   [--controller-model smollm2-135m] [--skip-controller]
+
+Last line: one JSON object keyed by selector: hit_rate, hits, facts, p50_ms, p95_ms (foreground
+decision latency), and for the controller summary_seconds, summaries and controller_tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from backends import load_backend
+from backends.engine import ChatRequest, Engine, EngineConfig
+from backends.transcript import ChatFormat
+from benchmarks.workload import TOOLS, EvidenceFile, Fact, agent_turns, evidence_files, opening_messages
+from contextd.client import Client
+from controller.pager import PageState
+from controller.selectors import AttentionSelector, ControllerSelector, RecencySelector, SelectionContext, Selector
+
+
+def fact_page(engine: Engine, session_id: str, fact: Fact) -> int | None:
+    """The page where the fact's answer starts (harness code: it reads text to find ground truth)."""
+    session = engine.sessions[session_id]
+    ids = session.transcript.ids
+    pages = session.pager.pages
+    for page in pages:
+        here = engine.format.decode(ids[page.token_start:page.token_end])
+        if fact.answer in here:
+            return page.index
+        if page.index + 1 < len(pages):
+            nxt = pages[page.index + 1]
+            both = engine.format.decode(ids[page.token_start:nxt.token_end])
+            if fact.answer in both and fact.answer not in engine.format.decode(ids[nxt.token_start:nxt.token_end]):
+                return page.index
+    return None
+
+
+def build_session(engine: Engine, session_id: str, files: list[EvidenceFile]) -> list[dict[str, Any]]:
+    messages = opening_messages()
+    for added in [[], *agent_turns(files)]:
+        messages.extend(added)
+        final = None
+        for event in engine.chat(ChatRequest(session_id, list(messages), tools=TOOLS, max_tokens=8)):
+            final = event.final or final
+        assert final is not None
+        messages.append({"role": "assistant", "content": final.content,
+                         **({"tool_calls": final.tool_calls} if final.tool_calls else {})})
+    return messages
+
+
+def measure(model: str, files: int, facts_per_file: int, budget: int, controller_model: str | None,
+            deadline_s: float) -> dict[str, Any]:
+    base = Path(tempfile.mkdtemp(prefix="kvb-sel-", dir="/tmp"))
+    socket_path = base / "run" / "c.sock"
+    daemon = subprocess.Popen([sys.executable, "-m", "contextd.cli", "serve", "--root", str(base / "root"),
+                               "--socket", str(socket_path), "--reserve-bytes", "0"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = Client(socket_path)
+        client.wait_ready()
+        backend = load_backend("torch", model, capacity=budget + 256)
+        backend.capture_queries(256)
+        engine = Engine(backend, ChatFormat(backend.tokenizer), client,
+                        EngineConfig(budget_tokens=budget, tail_tokens=512, max_new_tokens=8))
+        evidence = evidence_files(files, tokens_per_file=1000, facts_per_file=facts_per_file)
+        started = time.perf_counter()
+        messages = build_session(engine, "sel", evidence)
+        build_seconds = time.perf_counter() - started
+        session = engine.sessions["sel"]
+        selectors: list[Selector] = [RecencySelector(), AttentionSelector()]
+        controller: ControllerSelector | None = None
+        summary_seconds = 0.0
+        if controller_model:
+            from controller.models import LocalControllerModel
+
+            controller = ControllerSelector(LocalControllerModel(controller_model), deadline_s=deadline_s)
+            units = session.units
+            ids = session.transcript.ids
+            pages = session.pager.pages
+            closed = [units.units[u] for u in units.order]
+            started = time.perf_counter()
+            controller.after_turn(
+                SelectionContext("sel", session.pager, units, ""),
+                closed,
+                lambda u: engine.format.decode(ids[pages[u.pages[0]].token_start:pages[u.pages[-1]].token_end]))
+            controller.wait_idle()
+            summary_seconds = time.perf_counter() - started
+            selectors.append(controller)
+        results: dict[str, dict[str, Any]] = {s.name: {"hits": 0, "facts": 0, "ms": []} for s in selectors}
+        asked = []
+        for fact in (f for file in evidence for f in file.facts):
+            page = fact_page(engine, "sel", fact)
+            if page is None or session.pager.pages[page].state is not PageState.COLD:
+                continue  # only facts that have left attention test retrieval
+            question = [{"role": "user", "content": f"{fact.question} Answer with the value only."}]
+            probe = engine.probe(ChatRequest("sel", messages + question, tools=TOOLS), selectors)
+            asked.append({"fact": fact.answer, "language": fact.language, "page": page,
+                          **{name: page in r["restore"] for name, r in probe.items()}})
+            for name, r in probe.items():
+                results[name]["facts"] += 1
+                results[name]["hits"] += int(page in r["restore"] or page in r["resident"])
+                results[name]["ms"].append(r["decided_ms"])
+        summary: dict[str, Any] = {}
+        for name, r in results.items():
+            ms = sorted(r["ms"]) or [0.0]
+            summary[name] = {"hit_rate": round(r["hits"] / max(1, r["facts"]), 3), "hits": r["hits"],
+                             "facts": r["facts"], "p50_ms": round(statistics.median(ms), 1),
+                             "p95_ms": round(ms[min(len(ms) - 1, int(0.95 * len(ms)))], 1)}
+        summary["attention"]["controller_tokens"] = 0
+        summary["recency"]["controller_tokens"] = 0
+        if controller is not None:
+            summary["controller"].update(summary_seconds=round(summary_seconds, 1),
+                                         summaries=controller.summaries_written,
+                                         controller_tokens=controller.model.tokens_processed,
+                                         deadline_s=deadline_s)
+        summary["_workload"] = {"session_tokens": session.transcript.tokens, "budget_tokens": budget,
+                                "build_seconds": round(build_seconds, 1), "units": len(session.units.units),
+                                "languages": sorted({a["language"] for a in asked})}
+        return summary
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=30)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--files", type=int, default=12)
+    parser.add_argument("--facts-per-file", type=int, default=2)
+    parser.add_argument("--budget", type=int, default=4096)
+    parser.add_argument("--controller-model", default="smollm2-135m")
+    parser.add_argument("--controller-deadline", type=float, default=30.0,
+                        help="generous here, so the measured latency is the controller's own")
+    parser.add_argument("--skip-controller", action="store_true")
+    args = parser.parse_args(argv)
+    summary = measure(args.model, args.files, args.facts_per_file, args.budget,
+                      None if args.skip_controller else args.controller_model, args.controller_deadline)
+    for name, r in summary.items():
+        if not name.startswith("_"):
+            print(f"{name:<11} hit rate {r['hit_rate']:.2f} ({r['hits']}/{r['facts']})  p50 {r['p50_ms']} ms  "
+                  f"p95 {r['p95_ms']} ms")
+    print(json.dumps(summary, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
