@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 import threading
 import warnings
@@ -52,6 +53,7 @@ from .base import (
     BackendError,
     BackendUnavailableError,
     Block,
+    BlockFileReader,
     BlockMismatchError,
     Counters,
     LayerView,
@@ -65,7 +67,7 @@ __all__ = ["TorchBackend", "ATTENTION_IMPLEMENTATION", "load"]
 
 ATTENTION_IMPLEMENTATION = "kv_elision_slots"
 
-# Key elements per step of page work (see _SlotStore._layer_groups).
+# Key elements per step of page work (see _SlotStore.layer_groups).
 _GROUP_ELEMENTS = 1 << 18
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -152,6 +154,17 @@ class _Runtime:
     # kept only when a caller asked for them (the attention selector), so serving pays nothing otherwise.
     query_window: int = 0
     queries: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class _InsertPlan:
+    """Positions for a block insert: the block's own, and the later tokens' before and after."""
+
+    block_pos: np.ndarray
+    later: np.ndarray
+    later_old: np.ndarray
+    later_new: np.ndarray
+    compact: bool
 
 
 class _SlotStore:
@@ -254,7 +267,7 @@ class _SlotStore:
         self.put(self.k_canon[a], self.fwd_slots, k_pre[..., : self.rt.rotary_dim])
 
     # -- page operations ---------------------------------------------------------------------
-    def _layer_groups(self, n_tokens: int) -> Iterator[tuple[int, int]]:
+    def layer_groups(self, n_tokens: int) -> Iterator[tuple[int, int]]:
         """Ranges of attention layers whose slice of a page is about a megabyte: whole-cache
         temporaries made compaction several times slower, and one step per layer made a page
         restore pay per-op overhead thirty times over."""
@@ -272,7 +285,7 @@ class _SlotStore:
         cos, sin = rope.cos_sin_torch(rt.inv_freq, torch.from_numpy(positions), rt.attention_scaling)
         run = _as_run(slots)
         idx = self.index(slots) if run is None else None
-        for a0, a1 in self._layer_groups(int(slots.shape[0])):
+        for a0, a1 in self.layer_groups(int(slots.shape[0])):
             if run is not None:
                 src = self.k_canon[a0:a1, 0, :, run[0]:run[1]]
                 rope.apply_torch(src, cos, sin, out=self.k_rot[a0:a1, 0, :, run[0]:run[1], :r])
@@ -282,31 +295,33 @@ class _SlotStore:
                 self.k_rot[a0:a1, 0, :, :, :r].index_copy_(2, idx, rope.apply_torch(src, cos, sin))
         self.pos[slots] = positions
 
-    def write_block(self, slots: np.ndarray, keys: torch.Tensor, values: torch.Tensor,
-                    positions: np.ndarray | None) -> None:
-        """Store a block's canonical keys and values in `slots` and, with `positions`, rotate its
-        keys there. Goes layer group by layer group so each group's keys are still in cache when
-        they are read a second time for the rotation."""
-        rt = self.rt
-        r = rt.rotary_dim
-        if positions is not None:
-            cos, sin = rope.cos_sin_torch(rt.inv_freq, torch.from_numpy(positions), rt.attention_scaling)
-            self.pos[slots] = positions
+    def write_keys(self, slots: np.ndarray, layers: tuple[int, int], keys: torch.Tensor,
+                   cos_sin: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Store canonical keys [a1 - a0, heads, n, head_dim] of attention layers `layers` in
+        `slots` and, given cos / sin, their rotation at those positions. The keys are read a
+        second time for the rotation while still in cache."""
+        a0, a1 = layers
+        r = self.rt.rotary_dim
+        self.put(self.k_canon[a0:a1, 0], slots, keys[..., :r])
+        if r < self.rt.head_dim:
+            self.put(self.k_rot[a0:a1, 0, :, :, r:], slots, keys[..., r:])
+        if cos_sin is None:
+            return
+        cos, sin = cos_sin
         run = _as_run(slots)
-        idx = self.index(slots) if run is None else None
-        for a0, a1 in self._layer_groups(int(slots.shape[0])):
-            k = keys[a0:a1]
-            self.put(self.k_canon[a0:a1, 0], slots, k[..., :r], idx)
-            if r < rt.head_dim:
-                self.put(self.k_rot[a0:a1, 0, :, :, r:], slots, k[..., r:], idx)
-            self.put(self.v[a0:a1, 0], slots, values[a0:a1], idx)
-            if positions is None:
-                continue
-            if run is not None:
-                rope.apply_torch(k[..., :r], cos, sin, out=self.k_rot[a0:a1, 0, :, run[0]:run[1], :r])
-            else:
-                assert idx is not None
-                self.k_rot[a0:a1, 0, :, :, :r].index_copy_(2, idx, rope.apply_torch(k[..., :r], cos, sin))
+        if run is not None:
+            rope.apply_torch(keys[..., :r], cos, sin, out=self.k_rot[a0:a1, 0, :, run[0]:run[1], :r])
+        else:
+            rotated = rope.apply_torch(keys[..., :r], cos, sin)
+            self.k_rot[a0:a1, 0, :, :, :r].index_copy_(2, self.index(slots), rotated)
+
+    def write_values(self, slots: np.ndarray, layers: tuple[int, int], values: torch.Tensor) -> None:
+        self.put(self.v[layers[0]:layers[1], 0], slots, values)
+
+    def clear(self, slots: np.ndarray) -> None:
+        """Zero `slots` (after an aborted write: free slots must hold finite numbers, see grow)."""
+        for buf in (self.k_rot, self.k_canon, self.v):
+            self.put(buf[:, 0], slots, torch.zeros_like(self.take(buf[:, 0], slots)))
 
 
 def _as_run(slots: np.ndarray) -> tuple[int, int] | None:
@@ -802,44 +817,89 @@ class TorchBackend:
     def insert_block(self, blk: Block, at: int) -> None:
         rt, st = self._rt, self._store
         rt.view.require_same(blk.view)
-        n_held = self.attention_tokens
-        if not 0 <= at <= n_held:
-            raise IndexError(f"insert position {at} is outside 0..{n_held}")
-        n = blk.n_tokens
+        self._check_insert_at(at)
         with self._page_op():
-            prev = int(st.pos[st.order[at - 1]]) if at > 0 else -1
-            later = st.order[at:]
-            later_old = st.pos[later]
-            saved = blk.positions.astype(np.int64)
-            fits_saved = at < n_held and int(saved[0]) > prev and int(saved[-1]) < int(later_old[0])
-            if fits_saved:
-                block_pos = saved.copy()
-            else:
-                block_pos = np.arange(prev + 1, prev + 1 + n, dtype=np.int64)
-            # Later tokens move up only as far as needed: new[j] = max(old[j], new[j-1] + 1), so a
-            # gap further right absorbs the shift and everything after it stays put.
-            seed = int(block_pos[-1]) + 1
-            steps = np.arange(later.shape[0], dtype=np.int64)
-            later_new = steps + np.maximum.accumulate(np.maximum(later_old - steps, seed))
-            compact = bool(later_new.shape[0] and int(later_new[-1]) >= self.position_limit) or (
-                int(block_pos[-1]) >= self.position_limit)
-            slots = st.allocate(n)
+            plan = self._plan_insert(at, blk.positions)
+            slots = st.allocate(blk.n_tokens)
             keys = _tensor_from_np(blk.keys, rt.dtype, rt.device)
             values = _tensor_from_np(blk.values, rt.dtype, rt.device)
-            st.write_block(slots, keys, values, None if compact else block_pos)
-            st.occupied[slots] = True
-            st.tokens[slots] = blk.token_ids
-            st.order = np.concatenate([st.order[:at], slots, later])
-            self._counters.restored_tokens += n
-            if compact:
-                # Positions would leave the allowed range: renumber everything densely instead. The
-                # sentinel marks the block's keys as changed so compaction rotates them too.
-                st.pos[slots] = -1
-                self._compact()
-            else:
-                moved = later_new != later_old
-                st.reanchor(later[moved], later_new[moved])
-                self._counters.reanchored_keys += n + int(moved.sum())
+            cos_sin = None if plan.compact else self._cos_sin(plan.block_pos)
+            for layers in st.layer_groups(blk.n_tokens):
+                st.write_keys(slots, layers, keys[layers[0]:layers[1]], cos_sin)
+                st.write_values(slots, layers, values[layers[0]:layers[1]])
+            self._commit_insert(at, plan, slots, blk.token_ids)
+
+    def insert_block_file(self, path: str | os.PathLike[str], at: int) -> None:
+        """`insert_block(Block.from_file(path), at)`, with the disk read overlapped: keys are copied
+        and rotated layer group by layer group as they arrive. Nothing becomes visible before the
+        whole file has been read and its checksum verified."""
+        rt, st = self._rt, self._store
+        self._check_insert_at(at)
+        with BlockFileReader(path, expect=rt.view) as rd, self._page_op():
+            n = rd.n_tokens
+            rd.wait("positions")
+            plan = self._plan_insert(at, rd.arrays["positions"])
+            slots = st.allocate(n)
+            try:
+                cos_sin = None if plan.compact else self._cos_sin(plan.block_pos)
+                groups = list(st.layer_groups(n))
+                for a0, a1 in groups:
+                    rd.wait("keys", rows=a1)
+                    keys = _tensor_from_np(rd.arrays["keys"][a0:a1], rt.dtype, rt.device)
+                    st.write_keys(slots, (a0, a1), keys, cos_sin)
+                for a0, a1 in groups:
+                    rd.wait("values", rows=a1)
+                    st.write_values(slots, (a0, a1), _tensor_from_np(rd.arrays["values"][a0:a1], rt.dtype, rt.device))
+                blk = rd.finish()
+            except BaseException:
+                st.clear(slots)
+                raise
+            self._commit_insert(at, plan, slots, blk.token_ids)
+
+    def _check_insert_at(self, at: int) -> None:
+        if not 0 <= at <= self.attention_tokens:
+            raise IndexError(f"insert position {at} is outside 0..{self.attention_tokens}")
+
+    def _cos_sin(self, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        rt = self._rt
+        return rope.cos_sin_torch(rt.inv_freq, torch.from_numpy(positions), rt.attention_scaling)
+
+    def _plan_insert(self, at: int, saved_positions: np.ndarray) -> _InsertPlan:
+        """Where a block of len(saved_positions) tokens goes in position space (see Backend)."""
+        st = self._store
+        n = int(saved_positions.shape[0])
+        prev = int(st.pos[st.order[at - 1]]) if at > 0 else -1
+        later = st.order[at:]
+        later_old = st.pos[later]
+        saved = saved_positions.astype(np.int64)
+        if later.shape[0] and int(saved[0]) > prev and int(saved[-1]) < int(later_old[0]):
+            block_pos = saved.copy()
+        else:
+            block_pos = np.arange(prev + 1, prev + 1 + n, dtype=np.int64)
+        # Later tokens move up only as far as needed: new[j] = max(old[j], new[j-1] + 1), so a gap
+        # further right absorbs the shift and everything after it stays put.
+        steps = np.arange(later.shape[0], dtype=np.int64)
+        later_new = steps + np.maximum.accumulate(np.maximum(later_old - steps, int(block_pos[-1]) + 1))
+        top = int(later_new[-1]) if later_new.shape[0] else int(block_pos[-1])
+        return _InsertPlan(block_pos, later, later_old, later_new, compact=top >= self.position_limit)
+
+    def _commit_insert(self, at: int, plan: _InsertPlan, slots: np.ndarray, token_ids: np.ndarray) -> None:
+        st = self._store
+        n = int(slots.shape[0])
+        st.occupied[slots] = True
+        st.tokens[slots] = token_ids
+        st.order = np.concatenate([st.order[:at], slots, plan.later])
+        self._counters.restored_tokens += n
+        if plan.compact:
+            # Positions would leave the allowed range: renumber everything densely instead. The
+            # sentinel marks the block's keys as changed so compaction rotates them too.
+            st.pos[slots] = -1
+            self._compact()
+        else:
+            st.pos[slots] = plan.block_pos
+            moved = plan.later_new != plan.later_old
+            st.reanchor(plan.later[moved], plan.later_new[moved])
+            self._counters.reanchored_keys += n + int(moved.sum())
 
     def compact_positions(self) -> int:
         with self._page_op():

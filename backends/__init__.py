@@ -1,0 +1,71 @@
+"""Model runtimes behind one protocol (`backends.base.Backend`).
+
+`load_backend(name, model, device, dtype, **kw)` is the single entry point; the runtime modules are
+imported lazily so that a machine without one runtime can still use the others.
+
+Dependency rules: backends know nothing about contextd, the controller or paging policy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .base import (
+    Backend,
+    BackendError,
+    BackendUnavailableError,
+    Block,
+    BlockFormatError,
+    BlockMismatchError,
+    Counters,
+    LayerView,
+    RecurrentSnapshot,
+    UnsupportedModelError,
+)
+
+__all__ = [
+    "Backend",
+    "BackendError",
+    "BackendUnavailableError",
+    "Block",
+    "BlockFormatError",
+    "BlockMismatchError",
+    "Counters",
+    "LayerView",
+    "RecurrentSnapshot",
+    "UnsupportedModelError",
+    "RUNTIMES",
+    "load_backend",
+]
+
+# Runtime name -> (module, the pip distribution that module needs).
+RUNTIMES: dict[str, tuple[str, str]] = {
+    "torch": ("backends.torch", "torch"),
+    "mlx": ("backends.mlx", "mlx"),
+}
+
+
+def load_backend(name: str, model: str, device: str = "cpu", dtype: str = "float32", **kw: Any) -> Backend:
+    """Load `model` on runtime `name` and return a fresh session.
+
+    model: "smollm2-135m", "tiny-llama", "tiny-qwen3", "tiny-qwen3-next", a local Hugging Face
+    folder or a .gguf path. Extra keyword arguments go to the runtime's `load` (for torch:
+    capacity, prefill_chunk, position_limit, seed, model_id).
+    """
+    if name not in RUNTIMES:
+        raise BackendUnavailableError(f"unknown backend {name!r}; known: {', '.join(RUNTIMES)}")
+    module_name, dist = RUNTIMES[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        missing = e.name or "?"
+        if missing == module_name:
+            raise BackendUnavailableError(
+                f"backend {name!r} is not part of this build ({module_name} is missing)"
+            ) from e
+        raise BackendUnavailableError(
+            f"backend {name!r} needs the package {dist!r}, which is not importable here (missing module {missing!r})"
+        ) from e
+    backend: Backend = module.load(model, device=device, dtype=dtype, **kw)
+    return backend

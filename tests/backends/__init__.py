@@ -1,0 +1,1 @@
+"""Backend suite: the same tests for every runtime (see conftest.py)."""

@@ -1,0 +1,381 @@
+"""The protocol's contract: loading and refusal, the block format, session semantics, accounting."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import struct
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from backends import (
+    Backend,
+    BackendError,
+    BackendUnavailableError,
+    Block,
+    BlockFormatError,
+    BlockMismatchError,
+    RecurrentSnapshot,
+    UnsupportedModelError,
+    load_backend,
+)
+from backends.base import FORMAT_VERSION, restore_block_file
+
+from .conftest import Harness, Models
+
+TINY = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-next"]
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+def test_backend_satisfies_protocol(models: Models) -> None:
+    be = models.fresh("tiny-llama")
+    assert isinstance(be, Backend)
+    assert be.attention_tokens == 0 and be.stream_tokens == 0 and be.pending_token is None
+
+
+def test_unknown_runtime_and_model_are_refused(backend_name: str, device: str) -> None:
+    with pytest.raises(BackendUnavailableError, match="unknown backend"):
+        load_backend("no-such-runtime", "tiny-llama")
+    if importlib.util.find_spec("mlx") is None:
+        with pytest.raises(BackendUnavailableError, match="mlx"):
+            load_backend("mlx", "tiny-llama")
+    with pytest.raises(UnsupportedModelError, match="unknown model"):
+        load_backend(backend_name, "no-such-model", device=device)
+
+
+def _hf_folder(tmp_path: Path, config: dict[str, object]) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 100}, "gpt2"),
+        ({"model_type": "qwen2", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+          "num_key_value_heads": 1, "intermediate_size": 64, "vocab_size": 100, "use_sliding_window": True,
+          "sliding_window": 16, "max_window_layers": 0}, "sliding"),
+        ({"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+          "num_key_value_heads": 1, "intermediate_size": 64, "vocab_size": 100,
+          "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}, "dynamic"),
+    ],
+)
+def test_unsupported_models_name_what_is_missing(backend_name: str, device: str, tmp_path: Path,
+                                                 config: dict[str, object], named: str) -> None:
+    with pytest.raises(UnsupportedModelError, match=named):
+        load_backend(backend_name, _hf_folder(tmp_path, config), device=device)
+
+
+# -- the block format --------------------------------------------------------------------------
+
+def _block(models: Models, model: str = "tiny-llama") -> tuple[Backend, Block]:
+    be = models.fresh(model)
+    be.prefill(models.tokens[:300])
+    return be, be.save_block(100, 228)
+
+
+def test_block_round_trip_is_exact_and_laid_out_as_documented(models: Models) -> None:
+    be, blk = _block(models, "tiny-qwen3-next")
+    data = blk.to_bytes()
+    magic, version, flags, hlen = struct.unpack_from("<8sHHI", data, 0)
+    assert (magic, version, flags) == (b"KVEBLOCK", FORMAT_VERSION, 0)
+    header = msgpack.unpackb(data[16:16 + hlen])
+    payload = (16 + hlen + 63) // 64 * 64
+    assert len(data) == payload + header["payload_len"]
+    assert [s[0] for s in header["sections"]] == ["positions", "token_ids", "keys", "values"]
+    offset = 0
+    for name, dtype, shape, off, nbytes in header["sections"]:
+        assert off == offset and off % 64 == 0
+        raw = np.frombuffer(data, dtype=dtype, count=int(np.prod(shape)), offset=payload + off).reshape(shape)
+        np.testing.assert_array_equal(raw, getattr(blk, name))
+        offset = (off + nbytes + 63) // 64 * 64
+    assert header["view"] == blk.view.to_dict() and header["n_tokens"] == 128
+    back = Block.from_bytes(data, expect=be.layer_view)
+    assert back.view == blk.view and back.model_name == "tiny-qwen3-next"
+    for name in ("keys", "values", "positions", "token_ids"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(blk, name))
+    np.testing.assert_array_equal(back.token_ids, np.asarray(models.tokens[100:228]))
+    np.testing.assert_array_equal(back.positions, np.arange(100, 228))
+    assert back.keys.shape == (1, 2, 128, 32) and back.nbytes == blk.nbytes
+
+
+def test_block_and_snapshot_files_round_trip(models: Models, tmp_path: Path) -> None:
+    be, blk = _block(models, "tiny-qwen3-next")
+    path = tmp_path / "page.kvblock"
+    assert blk.to_file(path) == len(blk.to_bytes()) == path.stat().st_size
+    assert path.read_bytes() == blk.to_bytes()
+    back = Block.from_file(path, expect=be.layer_view)
+    np.testing.assert_array_equal(back.keys, blk.keys)
+    np.testing.assert_array_equal(back.values, blk.values)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(BlockFormatError, match="checksum"):
+        Block.from_file(path)
+    snap = be.snapshot_recurrent()
+    assert snap is not None
+    snap.to_file(tmp_path / "state.rs")
+    assert RecurrentSnapshot.from_file(tmp_path / "state.rs").equals(snap)
+
+
+def test_streaming_file_restore_equals_insert_and_refuses_corruption(models: Models, tmp_path: Path) -> None:
+    be = models.fresh("tiny-qwen3")
+    be.prefill(models.tokens[:700])
+    ref = be.fork()
+    path = tmp_path / "page.kvblock"
+    be.save_block(256, 384).to_file(path)
+    be.remove_attention_range(256, 384)
+    be.compact_positions()
+    twin = be.fork()
+    twin.insert_block(Block.from_file(path, expect=twin.layer_view), 256)
+    restore_block_file(be, path, 256)
+    np.testing.assert_array_equal(be.rotated_keys(), twin.rotated_keys())
+    np.testing.assert_array_equal(be.rotated_keys(), ref.rotated_keys())
+    assert be.counters == twin.counters
+
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x10
+    path.write_bytes(bytes(data))
+    be.remove_attention_range(256, 384)
+    before = be.fork()
+    with pytest.raises(BlockFormatError, match="checksum"):
+        restore_block_file(be, path, 256)
+    assert be.attention_tokens == before.attention_tokens and be.counters == before.counters
+    assert [be.decode() for _ in range(3)] == [before.decode() for _ in range(3)]
+    with pytest.raises(BlockMismatchError):
+        restore_block_file(models.fresh("tiny-llama"), tmp_path / "page.kvblock", 0)
+
+
+def test_corrupt_or_foreign_bytes_are_refused(models: Models) -> None:
+    _, blk = _block(models)
+    data = bytearray(blk.to_bytes())
+    flipped = bytearray(data)
+    flipped[-300] ^= 0x40
+    with pytest.raises(BlockFormatError, match="checksum"):
+        Block.from_bytes(bytes(flipped))
+    with pytest.raises(BlockFormatError):
+        Block.from_bytes(bytes(data[:-1]))
+    with pytest.raises(BlockFormatError, match="magic"):
+        Block.from_bytes(b"NOTABLOCK" + bytes(data[9:]))
+    newer = bytearray(data)
+    struct.pack_into("<H", newer, 8, FORMAT_VERSION + 1)
+    with pytest.raises(BlockFormatError, match="version"):
+        Block.from_bytes(bytes(newer))
+
+
+def test_block_from_another_model_is_refused(models: Models) -> None:
+    _, blk = _block(models, "tiny-llama")
+    other = models.fresh("tiny-qwen3")
+    other.prefill(models.tokens[:200])
+    with pytest.raises(BlockMismatchError, match="model_id"):
+        other.insert_block(blk, 0)
+    with pytest.raises(BlockMismatchError, match="model_id"):
+        Block.from_bytes(blk.to_bytes(), expect=other.layer_view)
+    assert other.attention_tokens == 200
+
+
+def test_block_with_another_layer_view_is_refused(models: Models) -> None:
+    be, blk = _block(models, "tiny-llama")
+    fewer_layers = dataclasses.replace(blk.view, attention_layers=blk.view.attention_layers[:-1])
+    forged = Block(view=fewer_layers, keys=blk.keys[:-1], values=blk.values[:-1], positions=blk.positions,
+                   token_ids=blk.token_ids)
+    with pytest.raises(BlockMismatchError, match="attention_layers"):
+        be.insert_block(Block.from_bytes(forged.to_bytes()), 0)
+    other_rotary = dataclasses.replace(blk.view, rotary_dim=blk.view.rotary_dim // 2)
+    forged = dataclasses.replace(blk, view=other_rotary)
+    with pytest.raises(BlockMismatchError, match="rotary_dim"):
+        be.insert_block(forged, 0)
+
+
+def test_block_with_another_dtype_is_refused(models: Models) -> None:
+    half = models.fresh("tiny-llama", dtype="bfloat16")
+    half.prefill(models.tokens[:200])
+    blk = half.save_block(0, 128)
+    assert blk.view.dtype == "bfloat16" and blk.keys.dtype == np.uint16
+    full = models.fresh("tiny-llama")
+    full.prefill(models.tokens[:200])
+    with pytest.raises(BlockMismatchError, match="dtype"):
+        full.insert_block(Block.from_bytes(blk.to_bytes()), 0)
+
+
+def test_bfloat16_restore_is_bit_identical(models: Models) -> None:
+    """In bf16 the re-anchoring uses the model's own bf16 arithmetic: keys come back bit for bit."""
+    be = models.fresh("tiny-qwen3", dtype="bfloat16")
+    be.prefill(models.tokens[:512])
+    ref = be.fork()
+    blk = Block.from_bytes(be.save_block(128, 256).to_bytes(), expect=be.layer_view)
+    be.remove_attention_range(128, 256)
+    be.compact_positions()
+    be.insert_block(blk, 128)
+    np.testing.assert_array_equal(be.rotated_keys(), ref.rotated_keys())
+    assert [be.decode() for _ in range(8)] == [ref.decode() for _ in range(8)]
+
+
+# -- session semantics -------------------------------------------------------------------------
+
+def test_fork_is_independent_and_reset_empties(models: Models) -> None:
+    be = models.fresh("tiny-qwen3-next")
+    be.prefill(models.tokens[:256])
+    twin = be.fork()
+    be.remove_attention_range(0, 128)
+    be.prefill(models.tokens[256:300])
+    assert twin.attention_tokens == 256 and twin.stream_tokens == 256
+    assert be.attention_tokens == 172 and be.stream_tokens == 300
+    assert twin.counters["new_prefill_tokens"] == 256
+    be.reset()
+    assert be.attention_tokens == 0 and be.stream_tokens == 0 and be.pending_token is None
+    snap = be.snapshot_recurrent()
+    assert snap is not None and not snap.states
+    with pytest.raises(BackendError):
+        be.decode()
+    be.prefill(models.tokens[:256])
+    assert [be.decode() for _ in range(4)] == [twin.decode() for _ in range(4)]
+
+
+def test_decode_feeds_pending_or_given_token_and_samples_reproducibly(models: Models) -> None:
+    be = models.fresh("tiny-llama")
+    logits = be.prefill(models.tokens[:64])
+    first = be.decode()
+    assert first == int(np.argmax(logits)) and be.pending_token == first
+    assert be.counters["decoded_tokens"] == 0
+    be.decode(token=7)
+    assert be.held_token_ids()[-1] == 7 and be.counters["decoded_tokens"] == 1
+    a, b = be.fork(), be.fork()
+    sa = [a.decode(greedy=False, temperature=0.9, top_k=50, top_p=0.95, seed=11)] + [
+        a.decode(greedy=False, temperature=0.9, top_k=50, top_p=0.95) for _ in range(7)]
+    sb = [b.decode(greedy=False, temperature=0.9, top_k=50, top_p=0.95, seed=11)] + [
+        b.decode(greedy=False, temperature=0.9, top_k=50, top_p=0.95) for _ in range(7)]
+    assert sa == sb
+    c = be.fork()
+    sc = [c.decode(greedy=False, temperature=5.0, seed=12)] + [
+        c.decode(greedy=False, temperature=5.0) for _ in range(7)]
+    assert sc != sa
+    before = be.attention_tokens
+    be.prefill(models.tokens[64:70])
+    # prefill appends exactly its tokens: the pending token is dropped, not fed.
+    assert be.attention_tokens == before + 6 and be.pending_token is None
+
+
+def test_out_of_vocabulary_tokens_are_refused_before_the_model_runs(models: Models) -> None:
+    be = models.fresh("tiny-llama")
+    be.prefill(models.tokens[:32])
+    for bad in (be.vocab_size, -1):
+        with pytest.raises(ValueError, match="vocabulary"):
+            be.prefill([5, bad])
+        with pytest.raises(ValueError, match="vocabulary"):
+            be.decode(token=bad)
+    assert be.attention_tokens == 32 and be.counters["model_forward_tokens"] == 32
+    be.decode(token=5)
+
+
+def test_a_failed_forward_poisons_the_session_until_reset(models: Models, harness: Harness) -> None:
+    be = models.fresh("tiny-qwen3-next")
+    be.prefill(models.tokens[:32])
+    with harness.fail_next_forward(be), pytest.raises(RuntimeError, match="injected"):
+        be.prefill(models.tokens[32:40])
+    with pytest.raises(BackendError, match="reset"):
+        be.decode(token=1)
+    with pytest.raises(BackendError, match="reset"):
+        be.save_block(0, 16)
+    be.reset()
+    be.prefill(models.tokens[:32])
+    assert be.attention_tokens == 32
+
+
+def test_ranges_are_checked(models: Models) -> None:
+    be = models.fresh("tiny-llama")
+    be.prefill(models.tokens[:100])
+    for start, end in ((-1, 10), (10, 5), (90, 101), (5, 5)):
+        with pytest.raises(IndexError):
+            be.save_block(start, end)
+        with pytest.raises(IndexError):
+            be.remove_attention_range(start, end)
+    blk = be.save_block(0, 10)
+    with pytest.raises(IndexError):
+        be.insert_block(blk, 101)
+    with pytest.raises(ValueError):
+        be.prefill([])
+
+
+def test_head_and_tail_pages_restore_in_place(models: Models) -> None:
+    be = models.fresh("tiny-qwen3")
+    be.prefill(models.tokens[:512])
+    ref = be.fork()
+    head, tail = be.save_block(0, 128), be.save_block(384, 512)
+    be.remove_attention_range(384, 512)
+    be.remove_attention_range(0, 128)
+    be.insert_block(head, 0)
+    be.insert_block(tail, be.attention_tokens)
+    np.testing.assert_array_equal(be.positions(), np.arange(512))
+    np.testing.assert_array_equal(be.rotated_keys(), ref.rotated_keys())
+    assert be.counters["reanchored_keys"] == 256
+
+
+@pytest.mark.parametrize("model", TINY)
+def test_accounting_invariant_after_random_mixes(models: Models, harness: Harness, model: str) -> None:
+    """Random prefill / decode / evict / restore / compact, with a small position limit so automatic
+    compaction happens too. After every step the accounting holds and the held tokens are the
+    expected ones; at the end every key equals the model's own rotation at its position."""
+    be = models.fresh(model, position_limit=700)
+    rng = np.random.default_rng(7)
+    stream: list[int] = []  # every token the model has seen, in order
+    held: list[int] = []  # stream indices of the held tokens, in logical order
+    evicted: list[tuple[int, bytes, list[int]]] = []  # LIFO: (at, block bytes, stream indices)
+    text = models.tokens
+    pending: int | None = None  # the token decode returned last, not yet fed
+    with harness.capture_prerope_keys(be) as captured:
+        for _ in range(120):
+            roll = rng.random()
+            if roll < 0.25 or not held:
+                n = int(rng.integers(1, 90))
+                chunk = text[len(stream) % 1000:len(stream) % 1000 + n]
+                be.prefill(chunk)
+                held += list(range(len(stream), len(stream) + len(chunk)))
+                stream += chunk
+                pending = None
+            elif roll < 0.5:
+                for _ in range(int(rng.integers(1, 5))):
+                    if pending is not None:
+                        stream.append(pending)
+                        held.append(len(stream) - 1)
+                    pending = be.decode()
+                if rng.random() < 0.3:
+                    forced = text[len(stream) % 1000]
+                    stream.append(forced)
+                    held.append(len(stream) - 1)
+                    pending = be.decode(token=forced)
+            elif roll < 0.75 and len(held) > 40:
+                n = int(rng.integers(1, 40))
+                at = int(rng.integers(0, len(held) - n))
+                evicted.append((at, be.save_block(at, at + n).to_bytes(), held[at:at + n]))
+                be.remove_attention_range(at, at + n)
+                del held[at:at + n]
+            elif roll < 0.95 and evicted:
+                at, data, indices = evicted.pop()
+                be.insert_block(Block.from_bytes(data, expect=be.layer_view), at)
+                held[at:at] = indices
+            else:
+                be.compact_positions()
+            c = be.counters
+            assert c["model_forward_tokens"] == c["new_prefill_tokens"] + c["decoded_tokens"] == len(stream)
+            assert c["historical_forward_during_restore"] == 0
+            assert be.stream_tokens == len(stream) and be.attention_tokens == len(held)
+            np.testing.assert_array_equal(be.held_token_ids(), np.asarray([stream[i] for i in held]))
+            positions = be.positions()
+            assert bool(np.all(np.diff(positions) > 0))
+            if roll < 0.5:
+                # A forward never hands out a position >= the limit while gaps could be closed.
+                assert positions.max() < 700 or np.array_equal(positions, np.arange(len(held)))
+    while evicted:
+        at, data, indices = evicted.pop()
+        be.insert_block(Block.from_bytes(data, expect=be.layer_view), at)
+        held[at:at] = indices
+    assert be.counters["compactions"] > 0 and be.counters["restored_tokens"] == be.counters["evicted_tokens"]
+    canon = np.stack([np.concatenate(chunks, axis=0) for chunks in captured]).transpose(0, 2, 1, 3)
+    expected = harness.model_rotate(be, canon[:, :, held], be.positions())
+    assert float(np.abs(be.rotated_keys() - expected).max()) <= 1e-5
