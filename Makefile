@@ -59,6 +59,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check contextd backends controller benchmarks tests
 
 test: $(STAMP) $(EXT_STAMP)
+	$(PY) -m ruff check contextd backends controller benchmarks tests
 	$(PY) -m mypy contextd
 	$(PY) -m pytest -q
 	$(MAKE) --no-print-directory test-extension

@@ -87,7 +87,8 @@ class Worker(threading.Thread):
                 except DaemonUnavailable as exc:
                     job.events.put(("error", RequestError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "contextd_down")))
                 except ContextdError as exc:
-                    job.events.put(("error", RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc), "contextd_error")))
+                    job.events.put(("error", RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc),
+                                                          "contextd_error")))
                 except Exception as exc:  # noqa: BLE001 - the worker must outlive any one turn
                     log.exception("turn failed")
                     self.engine.forget_active()

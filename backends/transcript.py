@@ -284,7 +284,8 @@ def align(transcript: Transcript, fingerprint: Fingerprint, rendered: str,
     if message_hashes is not None and transcript.message_hashes:
         seen = transcript.message_hashes
         if message_hashes[:len(seen)] != seen:
-            at = next(i for i, (a, b) in enumerate(zip(seen, message_hashes + [""] * len(seen), strict=False)) if a != b)
+            padded = message_hashes + [""] * len(seen)
+            at = next(i for i, (a, b) in enumerate(zip(seen, padded, strict=False)) if a != b)
             reason = f"client history changed at message {at}"
             return _keep_common_prefix(transcript, rendered, reason)
     cached = transcript.text

@@ -257,6 +257,7 @@ def make_selector(name: str, controller: ControllerModel | None = None, **kw: An
         return AttentionSelector(**kw)
     if name == "controller":
         if controller is None:
-            raise ValueError("the controller selector needs a controller model (--controller-model or --controller-url)")
+            raise ValueError("the controller selector needs a controller model "
+                             "(--controller-model or --controller-url)")
         return ControllerSelector(controller, **kw)
     raise ValueError(f"unknown selector {name!r}: use recency, attention or controller")

@@ -15,8 +15,9 @@ from backends.models import load_tokenizer, resolve
 from tests.server.conftest import ServerProcess
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. Be brief."}
-TOOLS = [{"type": "function", "function": {"name": "read", "description": "read a file",
-                                            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+TOOLS = [{"type": "function", "function": {
+    "name": "read", "description": "read a file",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
 
 
 @pytest.fixture(scope="module")
