@@ -542,15 +542,8 @@ class Engine:
         picked: list[int] = []
         emitted = ""
         finish = "length"
-        if first is None:
-            token = self.backend.decode(greedy=greedy, temperature=temperature, seed=seed)
-        else:
-            token = first
-            self._make_room(session, 1)
-            next_token = self.backend.decode(token, greedy=greedy, temperature=temperature, seed=seed)
-            pager.append([token])
-            picked.append(token)
-            token = next_token
+        token = self.backend.decode(greedy=greedy, temperature=temperature, seed=seed) if first is None else first
+        reseed = seed if first is not None else None  # a given first token was sampled outside: seed what follows
         while True:
             if token in self.stop_ids:
                 finish = "stop"
@@ -562,7 +555,8 @@ class Engine:
                 yield TurnEvent(delta=text[len(emitted):])
                 emitted = text
             self._make_room(session, 1)
-            token = self.backend.decode(greedy=greedy, temperature=temperature)  # feeds picked[-1]
+            token = self.backend.decode(picked[-1], greedy=greedy, temperature=temperature, seed=reseed)
+            reseed = None
             pager.append([picked[-1]])
             self._attention_peak(session)
             if len(picked) >= limit:
