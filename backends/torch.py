@@ -324,6 +324,28 @@ class _SlotStore:
             self.put(buf[:, 0], slots, torch.zeros_like(self.take(buf[:, 0], slots)))
 
 
+@contextlib.contextmanager
+def _single_threaded(device: torch.device) -> Iterator[None]:
+    """Run CPU page operations on one intra-op thread.
+
+    They are short, memory-bound copies. Parallel regions must wait for every worker, so whenever
+    another process holds a core each op waits for a descheduled thread: on a 2-core machine with
+    one busy neighbour a 128-token SmolLM2 restore took 80-200 ms with two threads and 6-8 ms with
+    one. On an idle machine a restore costs the same either way (within ~1 ms of noise); a large
+    compaction takes about twice as long, which its rarity pays for. (torch's thread count is
+    process-wide; the runtime lock is held meanwhile, so this session's forwards are unaffected.)
+    """
+    before = torch.get_num_threads()
+    if device.type != "cpu" or before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _as_run(slots: np.ndarray) -> tuple[int, int] | None:
     """(first, last + 1) when `slots` is a run of consecutive increasing slot numbers."""
     n = slots.shape[0]
@@ -779,7 +801,7 @@ class TorchBackend:
     @contextlib.contextmanager
     def _page_op(self) -> Iterator[None]:
         self._check_usable()
-        with self._rt.lock, torch.no_grad():
+        with self._rt.lock, torch.no_grad(), _single_threaded(self._rt.device):
             self._rt.page_op = self
             try:
                 yield

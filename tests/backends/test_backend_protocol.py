@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -123,7 +124,18 @@ def test_block_and_snapshot_files_round_trip(models: Models, tmp_path: Path) -> 
     assert RecurrentSnapshot.from_file(tmp_path / "state.rs").equals(snap)
 
 
-def test_streaming_file_restore_equals_insert_and_refuses_corruption(models: Models, tmp_path: Path) -> None:
+def _drop_from_page_cache(path: Path, cold: bool) -> None:
+    """With `cold`, make the next read come from the disk (a streaming reader's slow path)."""
+    if cold and hasattr(os, "posix_fadvise"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("cold", [False, True], ids=["cached", "cold"])
+def test_file_restore_equals_insert_and_refuses_corruption(models: Models, tmp_path: Path, cold: bool) -> None:
     be = models.fresh("tiny-qwen3")
     be.prefill(models.tokens[:700])
     ref = be.fork()
@@ -133,6 +145,7 @@ def test_streaming_file_restore_equals_insert_and_refuses_corruption(models: Mod
     be.compact_positions()
     twin = be.fork()
     twin.insert_block(Block.from_file(path, expect=twin.layer_view), 256)
+    _drop_from_page_cache(path, cold)
     restore_block_file(be, path, 256)
     np.testing.assert_array_equal(be.rotated_keys(), twin.rotated_keys())
     np.testing.assert_array_equal(be.rotated_keys(), ref.rotated_keys())
@@ -140,7 +153,11 @@ def test_streaming_file_restore_equals_insert_and_refuses_corruption(models: Mod
 
     data = bytearray(path.read_bytes())
     data[-100] ^= 0x10
-    path.write_bytes(bytes(data))
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+        f.flush()
+        os.fsync(f.fileno())
+    _drop_from_page_cache(path, cold)
     be.remove_attention_range(256, 384)
     before = be.fork()
     with pytest.raises(BlockFormatError, match="checksum"):
