@@ -38,8 +38,9 @@ from backends.transcript import (
 )
 from contextd.client import Client, Payloads, pb
 from contextd.errors import DataCorrupt
+from controller.keyindex import KeyIndex, KeyIndexConfig
 from controller.pager import PAGE_TOKENS, Decision, Pager, PagerConfig, PageState, PinKind, Plan
-from controller.selectors import PageKeys, RecencySelector, SelectionContext, Selector
+from controller.selectors import RecencySelector, SelectionContext, Selector
 from controller.units import Unit, UnitIndex
 
 log = logging.getLogger("kv_elision.engine")
@@ -47,7 +48,6 @@ log = logging.getLogger("kv_elision.engine")
 # What a tokenizer decodes a partial UTF-8 sequence to; such text is held back from the stream.
 INCOMPLETE_CHARACTER = chr(0xFFFD)
 TRANSCRIPT_SLOT = "transcript"
-QUERY_WINDOW = 256  # newest tokens whose queries the attention selector scores pages with
 RECURRENT_SLOT = "recurrent"
 STATE_TO_PB = {PageState.HOT: pb.HOT, PageState.COLD: pb.COLD, PageState.PINNED: pb.PINNED}
 
@@ -62,6 +62,7 @@ class EngineConfig:
     prefill_chunk: int = 256
     max_new_tokens: int = 512
     fixed_point_seed: int = 1234
+    key_index: KeyIndexConfig = field(default_factory=KeyIndexConfig)
 
     def __post_init__(self) -> None:
         if self.prefill_chunk <= 0 or self.max_new_tokens <= 0:
@@ -130,7 +131,7 @@ class Session:
     superseded: list[str] = field(default_factory=list)       # stored partial versions to delete
     units: UnitIndex = field(default_factory=UnitIndex)
     message_ends: set[int] = field(default_factory=set)        # pages where a message ends
-    page_keys: dict[int, PageKeys] = field(default_factory=dict)  # key bounds of stored full pages
+    key_index: KeyIndex | None = None  # the model-native page index, when the selector uses one
     last_selection: str = ""
 
 
@@ -145,8 +146,6 @@ class Engine:
         self.payloads: Payloads = contextd.payloads()
         self.config = config
         self.selector: Selector = selector or RecencySelector()
-        if self.selector.name == "attention" and hasattr(backend, "capture_queries"):
-            backend.capture_queries(QUERY_WINDOW)
         self.sessions: dict[str, Session] = {}
         self.active: str | None = None
         self.totals = dict.fromkeys(COUNTER_NAMES, 0)
@@ -169,7 +168,8 @@ class Engine:
     # ------------------------------------------------------------------ sessions
 
     def _new_session(self, session_id: str, fingerprint: Any) -> Session:
-        session = Session(session_id, Transcript(fingerprint), Pager(self.config.pager_config()))
+        session = Session(session_id, Transcript(fingerprint), Pager(self.config.pager_config()),
+                          key_index=self._key_index())
         self.contextd.open_session(session_id, model_id=self.backend.model_name, fingerprint=fingerprint.combined(),
                                    budget_tokens=self.config.budget_tokens)
         return session
@@ -201,7 +201,7 @@ class Engine:
         record = msgpack.unpackb(self.payloads.blobs.read(record_ref.locator, record_ref.checksum,
                                                           record_ref.byte_size), raw=False)
         session = Session(session_id, Transcript.from_record(record["transcript"]),
-                          Pager(self.config.pager_config()))
+                          Pager(self.config.pager_config()), key_index=self._key_index())
         pager = session.pager
         ids = session.transcript.ids
         pager.append(ids)
@@ -228,12 +228,30 @@ class Engine:
             session.snapshots[snap.stream_tokens] = snap
         recovered = self._restore_resident(session)
         self._count(session, "recovered_pages", recovered)
+        self._index_stored_pages(session)
         # A turn that died mid-way may have moved pages in the manifest; the record is the truth.
         self.contextd.set_page_states(session_id, [(p.page_id, STATE_TO_PB[pager.effective_state(p)])
                                                    for p in pager.pages if p.stored], turn=pager.turn)
         log.info("session %s recovered from contextd: %d tokens, %d resident pages restored", session_id,
                  len(ids), recovered)
         return session
+
+    def _key_index(self, wanted: bool | None = None) -> KeyIndex | None:
+        """A new, empty model-native index when the selector (or the caller) wants one."""
+        if not (self.selector.uses_key_index if wanted is None else wanted):
+            return None
+        return KeyIndex(self.config.key_index, len(self.backend.layer_view.attention_layers))
+
+    def _index_stored_pages(self, session: Session) -> None:
+        """Rebuild the model-native index of a recovered session from the canonical store (each
+        stored full page is read and checked once)."""
+        if session.key_index is None:
+            return
+        manifest = {p.page_id: p for p in self.contextd.query_pages(session.session_id)}
+        for page in session.pager.pages:
+            record = manifest.get(page.page_id)
+            if page.stored and page.tokens == PAGE_TOKENS and record is not None:
+                session.key_index.add(page.index, self._read_block(session, record, page.index).keys)
 
     def _restore_resident(self, session: Session) -> int:
         """Fill an empty backend with the session's resident pages (copies) and recurrent state."""
@@ -341,7 +359,8 @@ class Engine:
         pager = session.pager
         held = sum(pager.pages[i].tokens for i in pager.protected() if pager.pages[i].resident)
         context = SelectionContext(session.session_id, pager, session.units, incoming,
-                                   queries=self._queries(new_tokens), page_keys=session.page_keys,
+                                   incoming_keys=self._incoming_keys(session, new_tokens),
+                                   key_index=session.key_index,
                                    room_tokens=max(0, pager.config.low_tokens - held))
         if request.plan is not None:
             plan: Plan | None = request.plan
@@ -360,11 +379,13 @@ class Engine:
         self._execute(session, decision)
         self._attention_peak(session)
 
-    def _queries(self, new_tokens: int) -> Any:
-        """Pre-rotary queries of the turn's new tokens, for the attention selector (if asked for)."""
-        if self.selector.name != "attention" or not hasattr(self.backend, "recent_queries"):
+    def _incoming_keys(self, session: Session, new_tokens: int) -> Any:
+        """Canonical keys of the turn's newest tokens (still in attention), for the key index."""
+        if session.key_index is None:
             return None
-        return self.backend.recent_queries(min(new_tokens, QUERY_WINDOW))
+        end = self.backend.attention_tokens
+        n = min(new_tokens, self.config.key_index.incoming_tokens, end)
+        return self.backend.save_block(end - n, end).keys if n > 0 else None
 
     def _prefill(self, session: Session, segment: Segment, pin: PinKind | None) -> None:
         chunk = self.config.prefill_chunk
@@ -428,8 +449,8 @@ class Engine:
             start = pager.logical_start(index)
             block = self.backend.save_block(start, start + page.tokens)
             stored = self.payloads.write(session.session_id, page.page_id, block.to_bytes())
-            if page.tokens == PAGE_TOKENS:
-                session.page_keys[index] = PageKeys.of(block.keys)
+            if page.tokens == PAGE_TOKENS and session.key_index is not None:
+                session.key_index.add(index, block.keys)
             page.stored = True
             previous = session.stored_ids.get(index)
             if previous is not None and previous != page.page_id:
@@ -487,7 +508,8 @@ class Engine:
             session.snapshots.clear()
             session.units = UnitIndex(session.units.salt)
             session.message_ends.clear()
-            session.page_keys.clear()
+            if session.key_index is not None:
+                session.key_index.clear()
             return
         pager = session.pager
         for page in pager.pages:  # a cold page across the cut comes back whole first
@@ -496,8 +518,9 @@ class Engine:
         pager.truncate(tokens)
         session.units.truncate(len(pager.pages))
         session.message_ends = {i for i in session.message_ends if i < len(pager.pages)}
-        session.page_keys = {i: k for i, k in session.page_keys.items() if i < len(pager.pages)
-                             and pager.pages[i].tokens == PAGE_TOKENS}
+        if session.key_index is not None:
+            full = sum(1 for p in pager.pages if p.tokens == PAGE_TOKENS)
+            session.key_index.truncate(full)
         held = sum(p.tokens for p in pager.pages if p.resident)
         if self.backend.attention_tokens > held:
             self.backend.remove_attention_range(held, self.backend.attention_tokens)
@@ -664,10 +687,13 @@ class Engine:
             new_tokens += len(segment.ids)
         pager = session.pager
         held = sum(pager.pages[i].tokens for i in pager.protected() if pager.pages[i].resident)
-        queries = self.backend.recent_queries(min(new_tokens, QUERY_WINDOW)) \
-            if hasattr(self.backend, "recent_queries") else None
-        context = SelectionContext(session.session_id, pager, session.units, alignment.new_text, queries=queries,
-                                   page_keys=session.page_keys, room_tokens=max(0, pager.config.low_tokens - held))
+        index = session.key_index
+        if index is None and any(s.uses_key_index for s in selectors):
+            index = session.key_index = self._key_index(wanted=True)
+            self._index_stored_pages(session)
+        context = SelectionContext(session.session_id, pager, session.units, alignment.new_text,
+                                   incoming_keys=self._incoming_keys(session, new_tokens), key_index=index,
+                                   room_tokens=max(0, pager.config.low_tokens - held))
         results: dict[str, dict[str, Any]] = {}
         for selector in selectors:
             selection = selector.select(context)

@@ -408,8 +408,6 @@ class _Runtime:
     active: _SlotStore | None = None
     page_op: MlxBackend | None = None
     tokenizer: Tokenizer | None = None
-    query_window: int = 0
-    queries: list[mx.array | None] = dataclasses.field(default_factory=list)
 
     def head(self, h: mx.array) -> mx.array:
         """The model's output head (tied embedding or lm_head) on hidden states `h`."""
@@ -557,25 +555,9 @@ def _install_taps(rt: _Runtime, key_module: str) -> None:
             store.write_canon(a, k.transpose(0, 2, 1, 3))
         return observe
 
-    first = layers[rt.attention_layers[0]].self_attn
-    query_module = "q_norm" if "q_norm" in first else "q_proj"
-    rt.queries = [None] * len(rt.attention_layers)
-
-    def query_tap(a: int) -> Callable[[mx.array, mx.array], None]:
-        def observe(x: mx.array, out: mx.array) -> None:
-            if not rt.query_window or rt.active is None:
-                return
-            q = out.reshape(*out.shape[:2], -1, head_dim) if query_module == "q_proj" else out
-            q = q[0].transpose(1, 0, 2)  # [q_heads, n, dim]
-            previous = rt.queries[a]
-            joined = q if previous is None else mx.concatenate([previous, q], axis=1)
-            rt.queries[a] = joined[:, -rt.query_window:]
-        return observe
-
     for a, i in enumerate(rt.attention_layers):
         attn = layers[i].self_attn
         setattr(attn, key_module, _Tap(getattr(attn, key_module), key_tap(a)))
-        setattr(attn, query_module, _Tap(getattr(attn, query_module), query_tap(a)))
 
     def count_tokens(x: mx.array, out: mx.array) -> None:
         n = int(x.size)
@@ -895,18 +877,6 @@ class MlxBackend:
     def held_token_ids(self) -> np.ndarray:
         return self._store.tokens[self._store.order].copy()
 
-    def capture_queries(self, window: int) -> None:
-        """Keep the pre-rotary queries of the newest `window` tokens fed (0 turns it off)."""
-        self._rt.query_window = int(window)
-        self._rt.queries = [None] * len(self._rt.attention_layers)
-
-    def recent_queries(self, n: int) -> np.ndarray | None:
-        """Pre-rotary queries of the newest (up to) n tokens: [attention layers, q_heads, n, head_dim]."""
-        queries = self._rt.queries
-        if not self._rt.query_window or any(q is None for q in queries):
-            return None
-        return np.stack([np.array(q[:, -n:].astype(mx.float32)) for q in queries if q is not None])
-
     def last_logits(self) -> np.ndarray:
         if self._last_logits is None:
             raise BackendError("no logits yet: prefill first")
@@ -998,8 +968,7 @@ class MlxBackend:
                 finally:
                     rt.active = None
                 states = [c.cache for c in self._linear_caches()]
-                queries = [q for q in rt.queries if q is not None]
-                mx.eval(logits, st.buffers(), states, queries)
+                mx.eval(logits, st.buffers(), states)
         except BaseException as e:
             # Linear-attention layers before the failure may already have advanced their state, so
             # the session no longer describes any prefix of the stream.

@@ -150,10 +150,6 @@ class _Runtime:
     active: _SlotStore | None = None
     page_op: TorchBackend | None = None
     tokenizer: Tokenizer | None = None
-    # Pre-rotary queries of the newest `query_window` tokens per attention layer, [q_heads, n, dim];
-    # kept only when a caller asked for them (the attention selector), so serving pays nothing otherwise.
-    query_window: int = 0
-    queries: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -560,25 +556,6 @@ def _install_hooks(rt: _Runtime, module_name: str) -> None:
     for a, i in enumerate(rt.attention_layers):
         getattr(layers[i].self_attn, module_name).register_forward_hook(canon_hook(a))
 
-    query_module = "q_norm" if hasattr(layers[rt.attention_layers[0]].self_attn, "q_norm") else "q_proj"
-    rt.queries = [None] * len(rt.attention_layers)
-
-    def query_hook(a: int) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
-            if not rt.query_window or rt.active is None:
-                return
-            q = output
-            if query_module == "q_proj":
-                q = q.view(*q.shape[:-1], -1, head_dim)
-            q = q[0].transpose(0, 1).detach()  # [q_heads, n, dim]
-            previous = rt.queries[a]
-            joined = q if previous is None else torch.cat([previous, q], dim=1)
-            rt.queries[a] = joined[:, -rt.query_window:]
-        return hook
-
-    for a, i in enumerate(rt.attention_layers):
-        getattr(layers[i].self_attn, query_module).register_forward_hook(query_hook(a))
-
     def count_tokens(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         n = int(args[0].numel()) if args and isinstance(args[0], torch.Tensor) else 0
         if rt.page_op is not None:
@@ -673,18 +650,6 @@ class TorchBackend:
 
     def held_token_ids(self) -> np.ndarray:
         return self._store.tokens[self._store.order].copy()
-
-    def capture_queries(self, window: int) -> None:
-        """Keep the pre-rotary queries of the newest `window` tokens fed (0 turns it off)."""
-        self._rt.query_window = int(window)
-        self._rt.queries = [None] * len(self._rt.attention_layers)
-
-    def recent_queries(self, n: int) -> np.ndarray | None:
-        """Pre-rotary queries of the newest (up to) n tokens: [attention layers, q_heads, n, head_dim]."""
-        if not self._rt.query_window or any(q is None for q in self._rt.queries):
-            return None
-        with torch.no_grad():
-            return np.stack([q[:, -n:].float().cpu().numpy() for q in self._rt.queries if q is not None])
 
     def last_logits(self) -> np.ndarray:
         if self._last_logits is None:

@@ -78,7 +78,6 @@ def measure(model: str, files: int, facts_per_file: int, budget: int, controller
         client = Client(socket_path)
         client.wait_ready()
         backend = load_backend("torch", model, capacity=budget + 256)
-        backend.capture_queries(256)
         engine = Engine(backend, ChatFormat(backend.tokenizer), client,
                         EngineConfig(budget_tokens=budget, tail_tokens=512, max_new_tokens=8))
         evidence = evidence_files(files, tokens_per_file=1000, facts_per_file=facts_per_file)

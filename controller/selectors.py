@@ -1,17 +1,16 @@
 """Selectors: who advises the pager which units to restore, pin and evict first.
 
   recency     no advice: the pager's default retention (oldest unpinned first) alone.
-  attention   model-native, no second model: every stored page keeps the per-channel minimum and
-              maximum of its canonical (pre-rotary) keys; the queries of the turn's new tokens
-              are scored against them with the Quest bound  sum_d max(q_d kmin_d, q_d kmax_d)  per
-              layer and head, standardised across pages, averaged; the best pages come back.
+  attention   model-native, no second model: the turn's new tokens are matched against every cold
+              page in the serving model's own key space (controller.keyindex); the best pages
+              that fit the room come back.
   controller  a small model reads the cluster and unit summaries and the incoming message and
               answers a JSON plan (controller.planner); summaries are written after each turn in
               the background. A plan not ready by its deadline is used on the next turn.
 
 Whatever a selector says goes through controller.planner.validate and the pager's rules. No
 selector, and nothing in the host, looks at the words of the transcript.
-Depends on numpy, controller.pager, controller.units, controller.planner.
+Depends on numpy, controller.pager, controller.units, controller.planner, controller.keyindex.
 """
 
 from __future__ import annotations
@@ -20,11 +19,12 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
+from controller.keyindex import KeyIndex
 from controller.pager import Pager, PageState, Plan
 from controller.planner import (
     PlanError,
@@ -42,27 +42,13 @@ log = logging.getLogger("kv_elision.selectors")
 
 
 @dataclass
-class PageKeys:
-    """Per-channel bounds of one page's canonical keys: [layers, kv_heads, head_dim] each."""
-
-    kmin: np.ndarray
-    kmax: np.ndarray
-
-    @classmethod
-    def of(cls, keys: np.ndarray) -> PageKeys:
-        """keys: [layers, kv_heads, tokens, head_dim] as stored in a Block."""
-        k = keys.astype(np.float32, copy=False)
-        return cls(k.min(axis=2), k.max(axis=2))
-
-
-@dataclass
 class SelectionContext:
     session_id: str
     pager: Pager
     units: UnitIndex
     incoming: str                          # the turn's new text (the controller reads it; the host never does)
-    queries: np.ndarray | None = None      # [layers, q_heads, tokens, head_dim], pre-rotary, new tokens
-    page_keys: dict[int, PageKeys] = field(default_factory=dict)
+    incoming_keys: np.ndarray | None = None  # Block keys [layers, kv_heads, tokens, head_dim] of the new tokens
+    key_index: KeyIndex | None = None        # the session's model-native page index
     room_tokens: int = 0                   # what restores may fill under the low watermark
 
 
@@ -75,6 +61,7 @@ class Selection:
 
 class Selector(Protocol):
     name: str
+    uses_key_index: bool  # the engine keeps a KeyIndex per session and passes the new tokens' keys
 
     def select(self, ctx: SelectionContext) -> Selection: ...
 
@@ -97,6 +84,7 @@ def _fit_units(ranked: list[str], units: UnitIndex, pager: Pager, room: int) -> 
 
 class RecencySelector:
     name = "recency"
+    uses_key_index = False
 
     def select(self, ctx: SelectionContext) -> Selection:
         return Selection(None, 0.0, "default retention")
@@ -106,43 +94,28 @@ class RecencySelector:
 
 
 class AttentionSelector:
-    """Scores cold pages in the main model's own attention space; restores the best units."""
+    """Matches the turn's new tokens against cold pages in the model's own key space; restores the
+    best pages. Pages, not whole units: the score is per page, and a page is what a fact lives in."""
 
     name = "attention"
+    uses_key_index = True
 
     def __init__(self, max_pages: int = 4) -> None:
+        if max_pages < 1:
+            raise ValueError(f"max_pages must be >= 1, got {max_pages}")
         self.max_pages = max_pages
-
-    @staticmethod
-    def page_scores(queries: np.ndarray, pages: list[PageKeys]) -> np.ndarray:
-        """One score per page: Quest upper bounds per (layer, q head), max over the new tokens,
-        standardised across pages so no head dominates by scale, then averaged."""
-        layers, q_heads, _, dim = queries.shape
-        kv_heads = pages[0].kmin.shape[1]
-        group = q_heads // kv_heads
-        kmin = np.stack([p.kmin for p in pages])          # [P, L, Hkv, D]
-        kmax = np.stack([p.kmax for p in pages])
-        kmin = np.repeat(kmin, group, axis=2)              # [P, L, Hq, D]
-        kmax = np.repeat(kmax, group, axis=2)
-        q = queries.astype(np.float32)
-        positive, negative = np.maximum(q, 0.0), np.minimum(q, 0.0)
-        # bound[p, l, h, t] = q+ . kmax + q- . kmin
-        bound = np.einsum("lhtd,plhd->plht", positive, kmax) + np.einsum("lhtd,plhd->plht", negative, kmin)
-        best = bound.max(axis=3) / np.sqrt(dim)            # [P, L, Hq]
-        spread = best.std(axis=0, keepdims=True)
-        z = (best - best.mean(axis=0, keepdims=True)) / np.where(spread > 0, spread, 1.0)
-        return np.asarray(z.mean(axis=(1, 2)))
 
     def select(self, ctx: SelectionContext) -> Selection:
         started = time.perf_counter()
-        cold = [i for i, p in enumerate(ctx.pager.pages) if p.state is PageState.COLD and i in ctx.page_keys]
-        if ctx.queries is None or not cold:
+        index = ctx.key_index
+        cold = [] if index is None else [
+            p.index for p in ctx.pager.pages if p.state is PageState.COLD and p.index in index.pages]
+        if index is None or ctx.incoming_keys is None or not cold:
             return Selection(None, (time.perf_counter() - started) * 1000, "nothing to score")
-        scores = self.page_scores(ctx.queries, [ctx.page_keys[i] for i in cold])
-        # Pages, not whole units: the scores are per page, and a page is what a fact lives in.
+        scores = index.scores(ctx.incoming_keys, cold)
         chosen: list[int] = []
         used = 0
-        for k in np.argsort(-scores)[:self.max_pages]:
+        for k in np.argsort(-scores, kind="stable")[:self.max_pages]:
             page = ctx.pager.pages[cold[k]]
             if used + page.tokens <= ctx.room_tokens:
                 chosen.append(page.index)
@@ -167,6 +140,7 @@ class ControllerSelector:
     """A small model decides; the host validates. Summaries are written in the background."""
 
     name = "controller"
+    uses_key_index = False
 
     def __init__(self, model: ControllerModel, deadline_s: float = 1.0, max_units: int = 2) -> None:
         self.model = model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import threading
 import time
 from pathlib import Path
@@ -10,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from controller.keyindex import KeyIndex, KeyIndexConfig
 from controller.pager import PAGE_TOKENS, Pager, PagerConfig, PageState, PinKind
 from controller.planner import PlanError, UnitPlan, parse_plan, parse_units, plan_prompt, validate
-from controller.selectors import AttentionSelector, ControllerSelector, PageKeys, SelectionContext
+from controller.selectors import AttentionSelector, ControllerSelector, SelectionContext
 from controller.units import CLUSTER_UNITS, UnitIndex
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,7 +68,8 @@ def test_a_plan_wrapped_in_prose_is_read_and_strings_with_braces_survive() -> No
 def test_ids_are_opaque_and_validated_against_the_session() -> None:
     pager, units = session()
     other_pager, other_units = session()
-    assert len(units.units) >= 8 and all(not u[1:].isdigit() for u in units.units)
+    # 12 hex digits of a salted hash: no position, no text, nothing ordered a model could exploit.
+    assert len(units.units) >= 8 and all(re.fullmatch(r"u[0-9a-f]{12}", u) for u in units.units)
     assert set(units.units).isdisjoint(other_units.units)  # salted: another session's ids mean nothing here
     mine = units.order[1]
     hard = units.order[0]  # holds the hard-pinned opening pages
@@ -174,17 +177,69 @@ def test_no_language_specific_branch_anywhere_in_the_host(path: Path) -> None:
                 f"{path.name}:{node.lineno} inspects characters"
 
 
-def test_attention_scores_find_the_page_whose_keys_answer_the_query() -> None:
+def _block_keys(vectors: np.ndarray, layers: int = 4, kv_heads: int = 2) -> np.ndarray:
+    """Token vectors [tokens, kv_heads * dim] laid out as Block keys [layers, kv_heads, tokens, dim]."""
+    tokens = vectors.shape[0]
+    per_head = vectors.reshape(tokens, kv_heads, -1).transpose(1, 0, 2)
+    return np.repeat(per_head[None], layers, axis=0).astype(np.float32)
+
+
+def test_key_index_finds_the_page_that_shares_rare_tokens_with_the_incoming_message() -> None:
     rng = np.random.default_rng(0)
-    layers, kv_heads, q_heads, dim = 4, 2, 4, 16
-    pages = [PageKeys.of(rng.normal(size=(layers, kv_heads, 128, dim)).astype(np.float32)) for _ in range(30)]
-    direction = rng.normal(size=(layers, kv_heads, dim)).astype(np.float32)
-    planted = rng.normal(size=(layers, kv_heads, 128, dim)).astype(np.float32)
-    planted[:, :, 7] = 6.0 * direction  # one token strongly aligned with the query
-    pages[17] = PageKeys.of(planted)
-    queries = np.repeat(direction, q_heads // kv_heads, axis=1)[:, :, None, :]
-    scores = AttentionSelector.page_scores(queries, pages)
+    vocabulary = rng.normal(size=(400, 32)).astype(np.float32)
+    common = rng.choice(200, size=40, replace=False)          # template-like tokens: in every page
+    index = KeyIndex(KeyIndexConfig(), attention_layers=4)
+    planted = np.array([301, 302, 303])
+    for page in range(30):
+        ids = np.concatenate([common, rng.choice(200, size=88)])
+        if page == 17:
+            ids[50:53] = planted
+        index.add(page, _block_keys(vocabulary[ids]))
+    incoming = _block_keys(vocabulary[np.concatenate([common[:20], planted, common[20:30]])])
+    scores = index.scores(incoming, list(range(30)))
     assert int(np.argmax(scores)) == 17
+    # Tokens present in every page weigh nothing: alone they name no page.
+    flat = index.scores(_block_keys(vocabulary[common]), list(range(30)))
+    assert np.ptp(flat) < 1e-6
+    assert index.nbytes == 30 * 128 * 32 * 2
+
+
+def test_key_index_layer_choice_truncation_and_config() -> None:
+    assert KeyIndexConfig().layer(30) == 7 and KeyIndexConfig().layer(1) == 0
+    assert KeyIndexConfig(layer_fraction=1.0).layer(12) == 11
+    for bad in ({"layer_fraction": 1.5}, {"match_threshold": 1.0}, {"incoming_tokens": 0}):
+        with pytest.raises(ValueError):
+            KeyIndexConfig(**bad)  # type: ignore[arg-type]
+    index = KeyIndex(KeyIndexConfig(), attention_layers=4)
+    for page in range(5):
+        index.add(page, np.ones((4, 2, 128, 8), dtype=np.float32))
+    index.truncate(3)
+    assert sorted(index.pages) == [0, 1, 2]
+    index.clear()
+    assert not index.pages
+
+
+def test_attention_selector_restores_the_best_cold_pages_that_fit_the_room() -> None:
+    pager, units = session()
+    rng = np.random.default_rng(1)
+    vocabulary = rng.normal(size=(400, 32)).astype(np.float32)
+    index = KeyIndex(KeyIndexConfig(), attention_layers=4)
+    cold = [p.index for p in pager.pages if p.state is PageState.COLD]
+    for page in cold:
+        index.add(page, _block_keys(vocabulary[rng.choice(300, size=128)]))
+    target = cold[3]
+    index.add(target, _block_keys(vocabulary[np.concatenate([np.arange(350, 360), rng.choice(300, 118)])]))
+    incoming = _block_keys(vocabulary[np.arange(350, 360)])
+    selector = AttentionSelector(max_pages=2)
+    chosen = selector.select(SelectionContext("s", pager, units, "", incoming_keys=incoming, key_index=index,
+                                              room_tokens=4 * PAGE_TOKENS))
+    assert chosen.plan is not None and target in chosen.plan.restore and len(chosen.plan.restore) == 2
+    tight = selector.select(SelectionContext("s", pager, units, "", incoming_keys=incoming, key_index=index,
+                                             room_tokens=PAGE_TOKENS - 1))
+    assert tight.plan is not None and tight.plan.restore == []
+    assert selector.select(SelectionContext("s", pager, units, "")).plan is None
+    with pytest.raises(ValueError):
+        AttentionSelector(max_pages=0)
 
 
 def test_selectors_are_safe_to_call_from_the_worker_while_summaries_run() -> None:
