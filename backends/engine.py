@@ -742,7 +742,9 @@ class Engine:
                 "budget_tokens": self.config.budget_tokens, "turn": pager.turn,
                 "attention_tokens": self.backend.attention_tokens if self.active == session_id else pager.hot_tokens,
                 "fingerprint": session.transcript.fingerprint.combined(),
-                "kv_bytes_per_token": self.kv_bytes_per_token()}
+                "kv_bytes_per_token": self.kv_bytes_per_token(), "last_selection": session.last_selection,
+                "key_index_pages": len(session.key_index.pages) if session.key_index else 0,
+                "key_index_bytes": session.key_index.nbytes if session.key_index else 0}
 
 
 def _sample(logits: Any, temperature: float, seed: int) -> int:

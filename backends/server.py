@@ -96,6 +96,22 @@ class Worker(threading.Thread):
                                                           f"{type(exc).__name__}: {exc}", "server_error")))
 
 
+CONTEXT_MAX_PIECES = 80  # X-KV-Context, X-KV-Context-2, ...: one header line is capped at 64 KiB
+
+
+def _context_header(headers: Any) -> str:
+    """X-KV-Context and its continuation headers (-2, -3, ...), joined in order."""
+    pieces = [headers.get("X-KV-Context") or ""]
+    for n in range(2, CONTEXT_MAX_PIECES + 1):
+        piece = headers.get(f"X-KV-Context-{n}")
+        if piece is None:
+            break
+        pieces.append(piece)
+    if headers.get(f"X-KV-Context-{CONTEXT_MAX_PIECES + 1}") is not None:
+        raise RequestError(HTTPStatus.BAD_REQUEST, f"X-KV-Context has more than {CONTEXT_MAX_PIECES} pieces")
+    return "".join(pieces)
+
+
 def _thinking(body: dict[str, Any], context: dict[str, Any] | None) -> str:
     if context is not None and isinstance(context.get("thinking"), str):
         return str(context["thinking"])
@@ -134,7 +150,7 @@ def parse_chat(body: Any, headers: Any, model_id: str) -> tuple[ChatRequest, boo
     if seed is not None and not isinstance(seed, int):
         raise RequestError(HTTPStatus.BAD_REQUEST, "seed must be an integer")
     context = None
-    raw_context = headers.get("X-KV-Context")
+    raw_context = _context_header(headers)
     if raw_context:
         try:
             context = json.loads(raw_context)

@@ -8,11 +8,13 @@ so every selector sees the same state). A hit: the page holding the fact is in a
 selector's validated plan. The controller's unit and cluster summaries are written first, in the
 background, as in serving; their cost is reported.
 
-    python -m benchmarks.selectors [--files 10] [--facts-per-file 2] [--budget 4096]
-                                   [--controller-model smollm2-135m] [--skip-controller]
+    python -m benchmarks.selectors [--files 16] [--facts-per-file 2] [--budget 4096]
+                                   [--controller-models smollm2-135m,gemma3-270m] [--skip-controller]
 
 Last line: one JSON object keyed by selector: hit_rate, hits, facts, p50_ms, p95_ms (foreground
-decision latency), and for the controller summary_seconds, summaries and controller_tokens.
+decision latency), hits per language, and for controllers summary_seconds, summaries and
+controller_tokens. The first controller model is reported as "controller", others as
+"controller:<model>".
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from benchmarks.workload import TOOLS, EvidenceFile, Fact, agent_turns, evidence
 from contextd.client import Client
 from controller.pager import PageState
 from controller.selectors import AttentionSelector, ControllerSelector, RecencySelector, SelectionContext, Selector
+from controller.units import Unit
 
 
 def fact_page(engine: Engine, session_id: str, fact: Fact) -> int | None:
@@ -67,7 +70,7 @@ def build_session(engine: Engine, session_id: str, files: list[EvidenceFile]) ->
     return messages
 
 
-def measure(model: str, files: int, facts_per_file: int, budget: int, controller_model: str | None,
+def measure(model: str, files: int, facts_per_file: int, budget: int, controller_models: list[str],
             deadline_s: float) -> dict[str, Any]:
     base = Path(tempfile.mkdtemp(prefix="kvb-sel-", dir="/tmp"))
     socket_path = base / "run" / "c.sock"
@@ -85,55 +88,64 @@ def measure(model: str, files: int, facts_per_file: int, budget: int, controller
         messages = build_session(engine, "sel", evidence)
         build_seconds = time.perf_counter() - started
         session = engine.sessions["sel"]
-        selectors: list[Selector] = [RecencySelector(), AttentionSelector()]
-        controller: ControllerSelector | None = None
-        summary_seconds = 0.0
-        if controller_model:
+        units = session.units
+        ids = session.transcript.ids
+        pages = session.pager.pages
+        results: dict[str, dict[str, Any]] = {}
+        languages: set[str] = set()
+
+        def text_of(unit: Unit) -> str:
+            return engine.format.decode(ids[pages[unit.pages[0]].token_start:pages[unit.pages[-1]].token_end])
+
+        def ask(selectors: list[Selector]) -> None:
+            """Every cold fact's question, put to these selectors on the same session state."""
+            for selector in selectors:
+                results[selector.name] = {"hits": 0, "facts": 0, "ms": [], "by_language": {}}
+            for fact in (f for file in evidence for f in file.facts):
+                page = fact_page(engine, "sel", fact)
+                if page is None or session.pager.pages[page].state is not PageState.COLD:
+                    continue  # only facts that have left attention test retrieval
+                languages.add(fact.language)
+                question = [{"role": "user", "content": f"{fact.question} Answer with the value only."}]
+                probe = engine.probe(ChatRequest("sel", messages + question, tools=TOOLS), selectors)
+                for name, r in probe.items():
+                    hit = int(page in r["restore"] or page in r["resident"])
+                    results[name]["facts"] += 1
+                    results[name]["hits"] += hit
+                    results[name]["ms"].append(r["decided_ms"])
+                    tally = results[name]["by_language"].setdefault(fact.language, [0, 0])
+                    tally[0] += hit
+                    tally[1] += 1
+
+        ask([RecencySelector(), AttentionSelector()])
+        controllers: dict[str, tuple[ControllerSelector, float]] = {}
+        for n, controller_model in enumerate(controller_models):
             from controller.models import LocalControllerModel
 
+            # Each controller writes its own summaries into the session's units, then answers.
             controller = ControllerSelector(LocalControllerModel(controller_model), deadline_s=deadline_s)
-            units = session.units
-            ids = session.transcript.ids
-            pages = session.pager.pages
-            closed = [units.units[u] for u in units.order]
+            controller.name = "controller" if n == 0 else f"controller:{controller_model}"
             started = time.perf_counter()
-            controller.after_turn(
-                SelectionContext("sel", session.pager, units, ""),
-                closed,
-                lambda u: engine.format.decode(ids[pages[u.pages[0]].token_start:pages[u.pages[-1]].token_end]))
+            controller.after_turn(SelectionContext("sel", session.pager, units, ""),
+                                  [units.units[u] for u in units.order], text_of)
             controller.wait_idle()
-            summary_seconds = time.perf_counter() - started
-            selectors.append(controller)
-        results: dict[str, dict[str, Any]] = {s.name: {"hits": 0, "facts": 0, "ms": []} for s in selectors}
-        asked = []
-        for fact in (f for file in evidence for f in file.facts):
-            page = fact_page(engine, "sel", fact)
-            if page is None or session.pager.pages[page].state is not PageState.COLD:
-                continue  # only facts that have left attention test retrieval
-            question = [{"role": "user", "content": f"{fact.question} Answer with the value only."}]
-            probe = engine.probe(ChatRequest("sel", messages + question, tools=TOOLS), selectors)
-            asked.append({"fact": fact.answer, "language": fact.language, "page": page,
-                          **{name: page in r["restore"] for name, r in probe.items()}})
-            for name, r in probe.items():
-                results[name]["facts"] += 1
-                results[name]["hits"] += int(page in r["restore"] or page in r["resident"])
-                results[name]["ms"].append(r["decided_ms"])
+            controllers[controller.name] = (controller, time.perf_counter() - started)
+            ask([controller])
         summary: dict[str, Any] = {}
         for name, r in results.items():
             ms = sorted(r["ms"]) or [0.0]
             summary[name] = {"hit_rate": round(r["hits"] / max(1, r["facts"]), 3), "hits": r["hits"],
                              "facts": r["facts"], "p50_ms": round(statistics.median(ms), 1),
-                             "p95_ms": round(ms[min(len(ms) - 1, int(0.95 * len(ms)))], 1)}
+                             "p95_ms": round(ms[min(len(ms) - 1, int(0.95 * len(ms)))], 1),
+                             "by_language": {k: f"{h}/{n}" for k, (h, n) in sorted(r["by_language"].items())}}
         summary["attention"]["controller_tokens"] = 0
         summary["recency"]["controller_tokens"] = 0
-        if controller is not None:
-            summary["controller"].update(summary_seconds=round(summary_seconds, 1),
-                                         summaries=controller.summaries_written,
-                                         controller_tokens=controller.model.tokens_processed,
-                                         deadline_s=deadline_s)
+        for name, (controller, seconds) in controllers.items():
+            summary[name].update(summary_seconds=round(seconds, 1), summaries=controller.summaries_written,
+                                 controller_tokens=controller.model.tokens_processed, deadline_s=deadline_s)
         summary["_workload"] = {"session_tokens": session.transcript.tokens, "budget_tokens": budget,
                                 "build_seconds": round(build_seconds, 1), "units": len(session.units.units),
-                                "languages": sorted({a["language"] for a in asked})}
+                                "languages": sorted(languages)}
         return summary
     finally:
         daemon.terminate()
@@ -144,16 +156,17 @@ def measure(model: str, files: int, facts_per_file: int, budget: int, controller
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--files", type=int, default=12)
+    parser.add_argument("--files", type=int, default=16)
     parser.add_argument("--facts-per-file", type=int, default=2)
     parser.add_argument("--budget", type=int, default=4096)
-    parser.add_argument("--controller-model", default="smollm2-135m")
+    parser.add_argument("--controller-models", default="smollm2-135m",
+                        help="comma-separated embedded controller models (smollm2-135m, gemma3-270m, or a path)")
     parser.add_argument("--controller-deadline", type=float, default=30.0,
                         help="generous here, so the measured latency is the controller's own")
     parser.add_argument("--skip-controller", action="store_true")
     args = parser.parse_args(argv)
     summary = measure(args.model, args.files, args.facts_per_file, args.budget,
-                      None if args.skip_controller else args.controller_model, args.controller_deadline)
+                      [] if args.skip_controller else args.controller_models.split(","), args.controller_deadline)
     for name, r in summary.items():
         if not name.startswith("_"):
             print(f"{name:<11} hit rate {r['hit_rate']:.2f} ({r['hits']}/{r['facts']})  p50 {r['p50_ms']} ms  "

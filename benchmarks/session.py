@@ -31,7 +31,7 @@ def run_once(model: str, budget: int, tokens: int, files: int) -> dict[str, Any]
     try:
         run = AgentRun(server, "bench", max_tokens=8)
         run.run(evidence_files(files, tokens_per_file=1000), until_tokens=tokens)
-        stats = server.call("GET", "/v1/kv/stats?session=bench")[2]
+        stats = server.stats("bench")
         counters = stats["counters"]
         seconds = sum(t.seconds for t in run.turns)
         return {"tok_s": counters["model_forward_tokens"] / seconds, "seconds": seconds,

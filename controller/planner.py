@@ -134,21 +134,25 @@ def validate(unit_plan: UnitPlan, units: UnitIndex, pager: Pager) -> Validation:
 
 
 def plan_prompt(incoming: str, units: UnitIndex, limit_units: int) -> str:
-    """The one foreground question: which units matter for what is about to happen."""
+    """The one foreground question: which units matter for what is about to happen. Closed
+    clusters appear by their summary alone (the refining call looks inside one), units of the
+    open cluster one by one, so the prompt stays short however long the session grows."""
     lines = []
     for cluster in units.clusters.values():
-        lines.append(f"cluster {cluster.cluster_id}: {cluster.summary or '(no summary yet)'}")
+        if cluster.closed:
+            lines.append(f"cluster {cluster.cluster_id}: {cluster.summary or '(no summary yet)'}")
+            continue
         for unit_id in cluster.unit_ids:
-            lines.append(f"  unit {unit_id}: {units.units[unit_id].summary or '(no summary yet)'}")
+            lines.append(f"unit {unit_id}: {units.units[unit_id].summary or '(no summary yet)'}")
     catalogue = "\n".join(lines) or "(no units yet)"
     return (
-        "You manage the memory of a coding agent. Earlier parts of the session are stored as units; "
-        "each has an id and a short summary.\n\n"
+        "You manage the memory of a coding agent. Earlier parts of the session are stored as units, "
+        "older ones grouped in clusters; each has an id and a short summary.\n\n"
         f"{catalogue}\n\n"
         f"The next message is:\n{incoming[:2000]}\n\n"
-        f"Which units should be brought back into memory for it (at most {limit_units}), which must stay "
-        "pinned, and which can be evicted first? Answer with one JSON object and nothing else, for example "
-        '{"restore": ["<unit id>"], "pin": [], "evict_first": ["<unit id>"]}'
+        f"Which units (or a cluster to look inside) should be brought back into memory for it (at most "
+        f"{limit_units}), which must stay pinned, and which can be evicted first? Answer with one JSON object "
+        'and nothing else, for example {"restore": ["<id>"], "pin": [], "evict_first": ["<id>"]}'
     )
 
 

@@ -55,10 +55,32 @@ export function createKvStream(base: StreamSimple = piOpenAI): StreamSimple {
 // compaction summaries) carry none and go without X-KV-Session, so they cannot disturb the
 // session's cache with a foreign system prompt.
 export function kvHeaders(payload: unknown, options: SimpleStreamOptions | undefined): Record<string, string> {
-  const headers: Record<string, string> = {
-    [CONTEXT_HEADER]: contextHeader(fingerprintPayload(payload, options?.reasoning ?? "off")),
-  };
+  const headers = splitContextHeader(contextHeader(fingerprintPayload(payload, options?.reasoning ?? "off")));
   if (options?.sessionId) headers[SESSION_HEADER] = options.sessionId;
+  return headers;
+}
+
+// HTTP servers cap one header line (Python's at 64 KiB), and a session of thousands of messages
+// outgrows that; so a long X-KV-Context continues in X-KV-Context-2, -3, ... (the server joins
+// them in order). The text is ASCII (hex hashes, level names), so any cut is safe.
+export const CONTEXT_PIECE_CHARS = 60_000;
+export const CONTEXT_MAX_PIECES = 80;
+
+export function splitContextHeader(text: string): Record<string, string> {
+  const pieces = Math.max(1, Math.ceil(text.length / CONTEXT_PIECE_CHARS));
+  if (pieces > CONTEXT_MAX_PIECES) {
+    throw new Error(
+      `kv-elision: the context fingerprint needs ${pieces} header pieces, more than the ${CONTEXT_MAX_PIECES} ` +
+        "a server accepts; the session has too many messages for one request",
+    );
+  }
+  const headers: Record<string, string> = {};
+  for (let i = 0; i < pieces; i++) {
+    headers[i === 0 ? CONTEXT_HEADER : `${CONTEXT_HEADER}-${i + 1}`] = text.slice(
+      i * CONTEXT_PIECE_CHARS,
+      (i + 1) * CONTEXT_PIECE_CHARS,
+    );
+  }
   return headers;
 }
 
@@ -72,8 +94,8 @@ async function relay(
   try {
     const payload = await capturePayload(base, model, context, options);
     const added = kvHeaders(payload, options);
-    const expected = added[CONTEXT_HEADER];
     const thinking = options?.reasoning ?? "off";
+    const expected = contextHeader(fingerprintPayload(payload, thinking));
     const inner = base(model, context, {
       ...options,
       headers: { ...options?.headers, ...added },

@@ -11,7 +11,15 @@ import {
   type SimpleStreamOptions,
 } from "@mariozechner/pi-ai";
 import { contextHeader, fingerprintPayload } from "../src/fingerprint.ts";
-import { CONTEXT_HEADER, SESSION_HEADER, createKvStream, type StreamSimple } from "../src/stream.ts";
+import {
+  CONTEXT_HEADER,
+  CONTEXT_MAX_PIECES,
+  CONTEXT_PIECE_CHARS,
+  SESSION_HEADER,
+  createKvStream,
+  splitContextHeader,
+  type StreamSimple,
+} from "../src/stream.ts";
 
 function model(provider: string, baseUrl = "http://127.0.0.1:9/v1"): Model<Api> {
   return {
@@ -203,4 +211,21 @@ test("with Pi's real client and no server, the error names the URL", async () =>
   }).result();
   assert.equal(result.stopReason, "error");
   assert.match(result.errorMessage ?? "", new RegExp(`kv-elision server not reachable at http://127.0.0.1:${port}/v1`));
+});
+
+test("a long context fingerprint continues in X-KV-Context-2, -3, ... and joins back exactly", () => {
+  const text = contextHeader({
+    v: 1,
+    system: "s",
+    tools: "t",
+    thinking: "off",
+    messages: Array.from({ length: 8000 }, (_, i) => i.toString(16).padStart(16, "0")),
+  });
+  const headers = splitContextHeader(text);
+  const names = Object.keys(headers);
+  assert.deepEqual(names, [CONTEXT_HEADER, `${CONTEXT_HEADER}-2`, `${CONTEXT_HEADER}-3`]);
+  assert.ok(Object.values(headers).every((piece) => piece.length <= CONTEXT_PIECE_CHARS));
+  assert.equal(names.map((name) => headers[name]).join(""), text);
+  assert.deepEqual(Object.keys(splitContextHeader('{"v":1}')), [CONTEXT_HEADER]);
+  assert.throws(() => splitContextHeader("x".repeat(CONTEXT_PIECE_CHARS * CONTEXT_MAX_PIECES + 1)), /header pieces/);
 });

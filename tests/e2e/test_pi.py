@@ -29,8 +29,8 @@ from typing import Any
 
 import pytest
 
+from benchmarks.agent import ServerProcess
 from contextd.client import Client
-from tests.server.conftest import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 PI_BIN = REPO / "extension" / "node_modules" / ".bin" / "pi"
@@ -208,7 +208,7 @@ class PiRpc:
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     base = Path(tempfile.mkdtemp(prefix="kvpi-", dir="/tmp"))
-    process = ServerProcess(root=base / "root", socket=base / "run" / "c.sock", model=MODEL, budget=BUDGET,
+    process = ServerProcess(root=base / "root", model=MODEL, budget=BUDGET,
                             extra=["--tail-tokens", str(TAIL), "--max-new-tokens", str(MAX_NEW_TOKENS)])
     try:
         process.start(timeout=300)

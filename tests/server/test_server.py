@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from backends.models import load_tokenizer, resolve
-from tests.server.conftest import ServerProcess
+from benchmarks.agent import ServerProcess
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. Be brief."}
 TOOLS = [{"type": "function", "function": {
@@ -97,6 +97,13 @@ def test_fingerprint_mismatches_are_detected_and_nothing_mismatched_is_reused(se
     assert "template changed" in rebuilt(server.chat(follow, session="f", reasoning_effort="high"))
 
 
+def context_headers(hashes: list[str], piece: int = 60_000) -> dict[str, str]:
+    """X-KV-Context split the way the extension splits it: -2, -3, ... continue a long value."""
+    text = json.dumps({"v": 1, "messages": hashes}, separators=(",", ":"))
+    pieces = [text[i:i + piece] for i in range(0, len(text), piece)]
+    return {("X-KV-Context" if n == 0 else f"X-KV-Context-{n + 1}"): p for n, p in enumerate(pieces)}
+
+
 def test_client_context_header_detects_a_rewind(server_factory: Any) -> None:
     server: ServerProcess = server_factory("tiny-llama", 1024)
     m1 = [SYSTEM, {"role": "user", "content": "first"}]
@@ -112,6 +119,24 @@ def test_client_context_header_detects_a_rewind(server_factory: Any) -> None:
     changed = {**h, "X-KV-Context": json.dumps({"v": 1, "messages": ["h0", "CHANGED", "h2", "h3"]})}
     r3 = server.request("POST", "/v1/chat/completions", {"model": "tiny-llama", "messages": m2}, headers=changed)
     assert r3.status == 200 and "client history changed at message 1" in r3.headers["x-kv-rebuilt"]
+
+
+def test_a_context_header_of_thousands_of_messages_arrives_in_pieces(server_factory: Any) -> None:
+    server: ServerProcess = server_factory("tiny-llama", 1024)
+    long_ago = [f"{i:016x}" for i in range(8000)]  # 152 KB of hashes: three header pieces
+    messages = [SYSTEM, {"role": "user", "content": "first"}]
+    headers = {"X-KV-Session": "p", **context_headers([*long_ago, "h0", "h1"])}
+    assert "X-KV-Context-3" in headers
+    r1 = server.request("POST", "/v1/chat/completions", {"model": "tiny-llama", "messages": messages}, headers=headers)
+    assert r1.status == 200, r1.body
+    messages = [*messages, assistant(r1), {"role": "user", "content": "second"}]
+    changed = {"X-KV-Session": "p", **context_headers([*long_ago, "h0", "CHANGED", "h2", "h3"])}
+    r2 = server.request("POST", "/v1/chat/completions", {"model": "tiny-llama", "messages": messages}, headers=changed)
+    assert r2.status == 200 and "client history changed at message 8001" in r2.headers["x-kv-rebuilt"]
+    too_many = {"X-KV-Session": "p", **context_headers([f"{i:04x}" for i in range(1200)], piece=100)}
+    assert "X-KV-Context-81" in too_many
+    r3 = server.request("POST", "/v1/chat/completions", {"model": "tiny-llama", "messages": messages}, headers=too_many)
+    assert r3.status == 400 and "more than 80 pieces" in r3.body["error"]["message"]
 
 
 def test_streaming_sends_sse_chunks_usage_and_done(server_factory: Any) -> None:
@@ -189,6 +214,8 @@ def test_kill9_mid_turn_then_restart_continues_from_contextd(server_factory: Any
     assert int(again.headers["x-kv-prefilled-tokens"]) == expected  # only the new message, nothing recomputed
     after = server.stats("k")
     assert after["counters"]["recovered_pages"] > 0
+    # The attention selector's index came back from the canonical store, not from memory.
+    assert after["key_index_pages"] >= before["key_index_pages"] > 0
     assert after["counters"]["historical_forward_during_restore"] == 0
     assert after["session_tokens"] > before["session_tokens"]
     from contextd.client import Client

@@ -143,7 +143,7 @@ LANGUAGE_UNITS = {
 @pytest.mark.parametrize("language", sorted(LANGUAGE_UNITS))
 def test_the_same_host_path_for_every_language(language: str) -> None:
     pager, units = session()
-    target = units.order[3]
+    target = units.order[-1]  # in the open cluster: the plan prompt lists it by itself
     units.units[target].summary = LANGUAGE_UNITS[language]
     calls: list[str] = []
     model = ScriptedController([f'{{"restore": ["{target}"], "pin": [], "evict_first": []}}'])
@@ -251,3 +251,18 @@ def test_selectors_are_safe_to_call_from_the_worker_while_summaries_run() -> Non
     done = threading.Event()
     threading.Thread(target=lambda: (selector.wait_idle(), done.set())).start()
     assert done.wait(10) and all(units.units[u].summary == "a summary" for u in units.order[:3])
+
+
+def test_a_named_cluster_is_refined_into_its_units_with_a_second_call() -> None:
+    pager, units = session()
+    closed = next(c for c in units.clusters.values() if c.closed)
+    prompt = plan_prompt("next", units, 2)
+    assert closed.cluster_id in prompt and not any(u in prompt for u in closed.unit_ids)
+    inside = next(u for u in closed.unit_ids if any(pager.pages[p].state is PageState.COLD
+                                                    for p in units.units[u].pages))
+    model = ScriptedController([f'{{"restore": ["{closed.cluster_id}"]}}', f'{{"units": ["{inside}"]}}'])
+    selection = ControllerSelector(model, deadline_s=5.0).select(
+        SelectionContext("s", pager, units, "next", room_tokens=1500))
+    assert len(model.prompts) == 2 and all(u in model.prompts[1] for u in closed.unit_ids)
+    assert selection.plan is not None
+    assert selection.plan.restore == [p for p in units.units[inside].pages if pager.pages[p].state is PageState.COLD]

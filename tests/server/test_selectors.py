@@ -1,0 +1,82 @@
+"""Selectors in serving: a real `kv-elision serve` process on the real SmolLM2 weights, the
+attention selector's index and the embedded controller model (slow: minutes on two cores).
+
+Hit rates over many planted facts are asserted in tests/e2e/test_retrieval.py; here each
+selector runs where a user meets it, and the pager's accounting stays exact.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from benchmarks.agent import ServerProcess
+from benchmarks.workload import TOOLS, agent_turns, evidence_files, opening_messages
+from contextd.client import Client
+from tests.server.test_server import assistant
+
+pytestmark = pytest.mark.slow
+
+
+def grow(server: ServerProcess, session: str, files: int) -> list[dict[str, Any]]:
+    """The agent workload, one file per turn, far past the budget."""
+    messages = opening_messages()
+    for added in [[], *agent_turns(evidence_files(files, tokens_per_file=600, facts_per_file=1))]:
+        messages = [*messages, *added]
+        reply = server.chat(messages, session=session, tools=TOOLS, max_tokens=4)
+        assert reply.status == 200, reply.body
+        messages.append(assistant(reply))
+    return messages
+
+
+def exact(stats: dict[str, Any]) -> None:
+    counters = stats["counters"]
+    assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
+    assert counters["historical_forward_during_restore"] == 0
+    assert stats["attention_tokens"] <= stats["budget_tokens"]
+
+
+def test_attention_selector_restores_pages_for_a_question_about_a_cold_fact(server_factory: Any) -> None:
+    server: ServerProcess = server_factory("smollm2-135m", 1536)
+    messages = grow(server, "a", files=5)
+    fact = evidence_files(5, tokens_per_file=600, facts_per_file=1)[0].facts[0]
+    before = server.stats("a")
+    assert before["pages"]["cold"] > 0 and before["key_index_pages"] > 0
+    reply = server.chat([*messages, {"role": "user", "content": fact.question}], session="a", tools=TOOLS,
+                        max_tokens=4)
+    assert reply.status == 200, reply.body
+    after = server.stats("a")
+    assert after["last_selection"].startswith("attention: restore "), after["last_selection"]
+    assert after["counters"]["restored_pages_turn"] > 0
+    assert after["key_index_bytes"] == after["key_index_pages"] * 128 * 3 * 64 * 2  # SmolLM2: 3 KV heads x 64
+    exact(after)
+
+
+def test_controller_selector_runs_the_embedded_model_and_stores_its_summaries(server_factory: Any) -> None:
+    server: ServerProcess = server_factory("smollm2-135m", 1536, "--selector", "controller",
+                                           "--controller-model", "smollm2-135m", "--controller-deadline", "0.2")
+    messages = grow(server, "c", files=4)
+    notes = [server.stats("c")["last_selection"]]
+    summaries: dict[str, str] = {}
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        # Summaries are written in the background and recorded in contextd at the next turn's end.
+        messages.append({"role": "user", "content": "Go on."})
+        reply = server.chat(messages, session="c", tools=TOOLS, max_tokens=4)
+        assert reply.status == 200, reply.body
+        messages.append(assistant(reply))
+        notes.append(server.stats("c")["last_selection"])
+        with Client(server.socket) as client:
+            summaries = {b.block_id: b.summary for b in client.query_blocks("c") if b.kind == "unit"}
+        if summaries and all(summaries.values()):
+            break
+        time.sleep(5)
+    assert summaries and all(summaries.values()), summaries
+    assert all(n.startswith("controller: ") for n in notes), notes
+    # Whatever the small model answered (a plan, rubbish, or late), the turn ran and nothing was lost.
+    assert any(("plan" in n) or ("deadline" in n) or ("running" in n) for n in notes), notes
+    exact(server.stats("c"))
+    with Client(server.socket) as client:
+        assert not client.verify("c").corrupt
