@@ -18,7 +18,7 @@ Depends on backends.base (protocol), backends.transcript, controller.pager and c
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,7 +79,7 @@ COUNTER_NAMES = ("model_forward_tokens", "new_prefill_tokens", "decoded_tokens",
                  "restored_pages", "evicted_pages", "peak_attention_tokens", "reprefilled_tokens", "rebuilds",
                  "recovered_pages", "stored_pages", "stored_bytes", "reanchored_keys", "compactions",
                  "fixed_point_resamples", "turns", "restored_pages_turn", "evicted_pages_turn", "plans_used",
-                 "plans_rejected", "selector_ms")
+                 "plans_rejected", "selector_ms", "cancelled_turns")
 
 
 @dataclass
@@ -95,6 +95,7 @@ class ChatRequest:
     seed: int | None = None
     message_hashes: list[str] | None = None
     plan: Plan | None = None
+    cancelled: Callable[[], bool] | None = None  # polled between decoded tokens (the client went away)
 
 
 @dataclass
@@ -540,24 +541,25 @@ class Engine:
         prompt_logits = self.backend.last_logits()
         tokens_before = session.transcript.tokens
         picked, finish = yield from self._decode_loop(session, limit, greedy, request.temperature, request.seed,
-                                                      hold_while=repeat_of)
+                                                      hold_while=repeat_of, cancelled=request.cancelled)
         sampled = ""
-        if repeat_of is not None and picked == repeat_of:
+        if repeat_of is not None and picked == repeat_of and finish != "cancelled":
             # The fixed point: the same input on the same working set gave the same greedy answer.
             # Take that answer back out of attention and sample this turn instead (seeded, reported).
             session.transcript.segments.pop()
             self._truncate(session, tokens_before)
             seed = self.config.fixed_point_seed + session.pager.turn
             first = _sample(prompt_logits, 0.8, seed)
-            picked, finish = yield from self._decode_loop(session, limit, False, 0.8, seed, first=first)
+            picked, finish = yield from self._decode_loop(session, limit, False, 0.8, seed, first=first,
+                                                          cancelled=request.cancelled)
             self._count(session, "fixed_point_resamples")
             sampled = f"fixed point: the greedy answer repeated the previous turn's; sampled with seed {seed}"
         session.last_answer = (session.pager.turn, prompt_ids, picked)
         return picked, finish, sampled
 
     def _decode_loop(self, session: Session, limit: int, greedy: bool, temperature: float, seed: int | None,
-                     first: int | None = None, hold_while: list[int] | None = None
-                     ) -> Generator[TurnEvent, None, tuple[list[int], str]]:
+                     first: int | None = None, hold_while: list[int] | None = None,
+                     cancelled: Callable[[], bool] | None = None) -> Generator[TurnEvent, None, tuple[list[int], str]]:
         """Pick tokens until a stop token or the limit. Every picked token but a stop is fed, so the
         cache spells exactly the answer. With `hold_while`, text is held back while the answer
         matches that earlier answer (it may be replaced by a sampled one)."""
@@ -565,6 +567,7 @@ class Engine:
         picked: list[int] = []
         emitted = ""
         finish = "length"
+        gone = cancelled or (lambda: False)
         token = self.backend.decode(greedy=greedy, temperature=temperature, seed=seed) if first is None else first
         reseed = seed if first is not None else None  # a given first token was sampled outside: seed what follows
         while True:
@@ -583,6 +586,12 @@ class Engine:
             pager.append([picked[-1]])
             self._attention_peak(session)
             if len(picked) >= limit:
+                break
+            if gone():
+                # The turn ends here as if the limit were reached: the cache holds exactly what was
+                # picked, and the turn is written through like any other.
+                finish = "cancelled"
+                self._count(session, "cancelled_turns")
                 break
         text = self.format.decode(picked)
         if len(text) > len(emitted) and not (hold_while is not None and picked == hold_while):

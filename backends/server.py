@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import select
+import socket
 import threading
 import time
 import uuid
@@ -36,6 +38,7 @@ from contextd.errors import ContextdError, DaemonUnavailable, StoreFull
 log = logging.getLogger("kv_elision.server")
 
 MAX_BODY_BYTES = 32 << 20
+CLIENT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 ADVERTISED_CONTEXT_WINDOW = 1_000_000  # the addressable session, not the attention budget
 
 
@@ -50,6 +53,7 @@ class RequestError(Exception):
 class _Job:
     request: ChatRequest
     events: queue.Queue[tuple[str, Any]]
+    gone: threading.Event  # the client disconnected: a queued turn is dropped, a running one ends
 
 
 class Worker(threading.Thread):
@@ -61,16 +65,21 @@ class Worker(threading.Thread):
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.lock = threading.Lock()  # held while a turn runs; stats readers take it briefly
 
-    def submit(self, request: ChatRequest) -> queue.Queue[tuple[str, Any]]:
-        events: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self.jobs.put(_Job(request, events))
-        return events
+    def submit(self, request: ChatRequest) -> _Job:
+        job = _Job(request, queue.Queue(), threading.Event())
+        request.cancelled = job.gone.is_set
+        self.jobs.put(job)
+        return job
 
     def run(self) -> None:
         while True:
             job = self.jobs.get()
             if job is None:
                 return
+            if job.gone.is_set():
+                log.info("session %s: the client left before its turn started; dropped", job.request.session_id)
+                job.events.put(("error", RequestError(HTTPStatus.BAD_REQUEST, "the client disconnected")))
+                continue
             with self.lock:
                 try:
                     for event in self.engine.chat(job.request):
@@ -217,13 +226,17 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
 
         def _json(self, status: HTTPStatus, payload: Any, headers: dict[str, str] | None = None) -> None:
             data = json.dumps(payload, ensure_ascii=False).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for name, value in (headers or {}).items():
-                self.send_header(name, value)
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):
+                log.info("client left before its %d answer was written", status)
+                self.close_connection = True
 
         def _error(self, error: RequestError) -> None:
             self._json(error.status, {"error": {"message": str(error), "type": error.kind, "code": error.status.value}})
@@ -271,16 +284,41 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
             except ValueError:
                 self._error(RequestError(HTTPStatus.BAD_REQUEST, "bad Content-Length"))
                 return
-            events = worker.submit(request)
+            job = worker.submit(request)
             if stream:
-                self._stream(request, events, include_usage)
+                self._stream(request, job, include_usage)
             else:
-                self._complete(request, events)
+                self._complete(request, job)
 
-        def _wait_prepared(self, events: queue.Queue[tuple[str, Any]]) -> tuple[str, Any]:
-            kind, value = events.get()
+        _checked = 0.0  # when _next last looked at the client's socket
+
+        def _client_gone(self) -> bool:
+            """True once the client has closed its end (a readable socket that reads nothing)."""
+            try:
+                readable, _, _ = select.select([self.connection], [], [], 0)
+                return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                return True
+
+        def _next(self, job: _Job) -> tuple[str, Any]:
+            """The turn's next event; while waiting, notice a client that went away and tell the
+            worker, which ends the turn at the next decoded token (or drops it if still queued)."""
+            while True:
+                now = time.monotonic()
+                if now - self._checked >= CLIENT_POLL_S:  # also while events flow (tokens of a long answer)
+                    self._checked = now
+                    if not job.gone.is_set() and self._client_gone():
+                        log.info("client left session %s; ending its turn", job.request.session_id)
+                        job.gone.set()
+                try:
+                    return job.events.get(timeout=CLIENT_POLL_S)
+                except queue.Empty:
+                    pass
+
+        def _wait_prepared(self, job: _Job) -> tuple[str, Any]:
+            kind, value = self._next(job)
             while kind == "delta":  # cannot happen before "prepared", kept defensive
-                kind, value = events.get()
+                kind, value = self._next(job)
             return kind, value
 
         def _headers_for(self, request: ChatRequest, prepared: dict[str, Any]) -> dict[str, str]:
@@ -290,14 +328,14 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                 headers["X-KV-Rebuilt"] = prepared["rebuilt"]
             return headers
 
-        def _complete(self, request: ChatRequest, events: queue.Queue[tuple[str, Any]]) -> None:
-            kind, value = self._wait_prepared(events)
+        def _complete(self, request: ChatRequest, job: _Job) -> None:
+            kind, value = self._wait_prepared(job)
             if kind == "error":
                 self._error(value)
                 return
             headers = self._headers_for(request, value)
             while True:
-                kind, value = events.get()
+                kind, value = self._next(job)
                 if kind == "error":
                     self._error(value)
                     return
@@ -315,8 +353,8 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                                                 "finish_reason": result.finish_reason}],
                 "usage": _usage(result), "kv": result.counters}, headers)
 
-        def _stream(self, request: ChatRequest, events: queue.Queue[tuple[str, Any]], include_usage: bool) -> None:
-            kind, value = self._wait_prepared(events)
+        def _stream(self, request: ChatRequest, job: _Job, include_usage: bool) -> None:
+            kind, value = self._wait_prepared(job)
             if kind == "error":
                 self._error(value)
                 return
@@ -341,7 +379,7 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
             try:
                 chunk({"role": "assistant", "content": ""})
                 while True:
-                    kind, value = events.get()
+                    kind, value = self._next(job)
                     if kind == "delta":
                         text = content.feed(value)
                         if text:
@@ -367,9 +405,10 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
             except (BrokenPipeError, ConnectionResetError):
-                log.info("client left session %s mid-stream; the turn still completes", request.session_id)
+                log.info("client left session %s mid-stream; ending its turn", request.session_id)
+                job.gone.set()
                 while kind not in ("final", "error"):
-                    kind, value = events.get()
+                    kind, value = job.events.get()
 
     return Handler
 

@@ -244,3 +244,40 @@ def test_hybrid_model_serves_turns_and_rebuilds_from_a_recurrent_snapshot(server
     assert prefilled < stats["session_tokens"] / 2, "rebuilt from scratch instead of from a snapshot"
     counters = server.stats("h")["counters"]
     assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
+
+
+def test_a_client_that_leaves_ends_its_turn_and_the_next_turn_is_served(server_factory: Any) -> None:
+    import http.client
+    import socket
+    import time
+
+    server: ServerProcess = server_factory("tiny-llama", 1024, "--max-new-tokens", "100000")
+    messages = [SYSTEM, {"role": "user", "content": "Write the whole history of computing. " * 10}]
+    body = {"model": "tiny-llama", "messages": messages, "max_tokens": 100000}
+    # Streaming (what Pi does): the client reads the first chunk, then goes away.
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
+                 headers={"X-KV-Session": "gone", "Content-Type": "application/json"})
+    stream = conn.getresponse()
+    assert stream.status == 200
+    while b'"content"' not in stream.readline():
+        pass
+    stream.close()  # the response holds the socket open too
+    conn.close()
+    # Not streaming: the client sends the request and hangs up while the answer is being decoded.
+    follow = [*messages, {"role": "assistant", "content": "…"}, {"role": "user", "content": "Again, longer. " * 10}]
+    raw = json.dumps({**body, "messages": follow}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"X-KV-Session: gone\r\nContent-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+        time.sleep(3)
+    started = time.monotonic()
+    reply = server.request("POST", "/v1/chat/completions",
+                           {"model": "tiny-llama", "messages": [SYSTEM, {"role": "user", "content": "hi"}],
+                            "max_tokens": 4}, headers={"X-KV-Session": "next"}, timeout=180)
+    assert reply.status == 200, reply.body
+    assert time.monotonic() - started < 120
+    counters = server.stats("gone")["counters"]
+    assert counters["cancelled_turns"] == 2, counters
+    assert counters["decoded_tokens"] < 20000
+    assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
