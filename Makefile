@@ -73,6 +73,8 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.contextd_commit
 	$(PY) -m benchmarks.restore
+	$(PY) -m benchmarks.session
+	$(PY) -m benchmarks.selectors --controller-models smollm2-135m,gemma3-270m
 
 demo: $(STAMP)
 	$(PY) -m benchmarks.demo

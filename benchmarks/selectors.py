@@ -12,9 +12,9 @@ background, as in serving; their cost is reported.
                                    [--controller-models smollm2-135m,gemma3-270m] [--skip-controller]
 
 Last line: one JSON object keyed by selector: hit_rate, hits, facts, p50_ms, p95_ms (foreground
-decision latency), hits per language, and for controllers summary_seconds, summaries and
-controller_tokens. The first controller model is reported as "controller", others as
-"controller:<model>".
+decision latency), hits per language, how the decisions ended (outcomes: a plan, a rubbish
+answer ignored, ...), and for controllers summary_seconds, summaries and controller_tokens. The
+first controller model is reported as "controller", others as "controller:<model>".
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def measure(model: str, files: int, facts_per_file: int, budget: int, controller
         def ask(selectors: list[Selector]) -> None:
             """Every cold fact's question, put to these selectors on the same session state."""
             for selector in selectors:
-                results[selector.name] = {"hits": 0, "facts": 0, "ms": [], "by_language": {}}
+                results[selector.name] = {"hits": 0, "facts": 0, "ms": [], "by_language": {}, "outcomes": {}}
             for fact in (f for file in evidence for f in file.facts):
                 page = fact_page(engine, "sel", fact)
                 if page is None or session.pager.pages[page].state is not PageState.COLD:
@@ -113,6 +113,8 @@ def measure(model: str, files: int, facts_per_file: int, budget: int, controller
                     results[name]["facts"] += 1
                     results[name]["hits"] += hit
                     results[name]["ms"].append(r["decided_ms"])
+                    outcome = r["note"].split(":")[0].split(";")[0]  # "plan", "rubbish plan ignored", ...
+                    results[name]["outcomes"][outcome] = results[name]["outcomes"].get(outcome, 0) + 1
                     tally = results[name]["by_language"].setdefault(fact.language, [0, 0])
                     tally[0] += hit
                     tally[1] += 1
@@ -137,7 +139,8 @@ def measure(model: str, files: int, facts_per_file: int, budget: int, controller
             summary[name] = {"hit_rate": round(r["hits"] / max(1, r["facts"]), 3), "hits": r["hits"],
                              "facts": r["facts"], "p50_ms": round(statistics.median(ms), 1),
                              "p95_ms": round(ms[min(len(ms) - 1, int(0.95 * len(ms)))], 1),
-                             "by_language": {k: f"{h}/{n}" for k, (h, n) in sorted(r["by_language"].items())}}
+                             "by_language": {k: f"{h}/{n}" for k, (h, n) in sorted(r["by_language"].items())},
+                             "outcomes": r["outcomes"]}
         summary["attention"]["controller_tokens"] = 0
         summary["recency"]["controller_tokens"] = 0
         for name, (controller, seconds) in controllers.items():
