@@ -53,14 +53,14 @@ proto: $(STAMP)
 	$(PY) -m contextd.protogen
 
 typecheck: $(STAMP)
-	$(PY) -m mypy contextd
+	$(PY) -m mypy contextd controller
 
 lint: $(STAMP)
 	$(PY) -m ruff check contextd backends controller benchmarks tests
 
 test: $(STAMP) $(EXT_STAMP)
 	$(PY) -m ruff check contextd backends controller benchmarks tests
-	$(PY) -m mypy contextd
+	$(PY) -m mypy contextd controller
 	$(PY) -m pytest -q
 	$(MAKE) --no-print-directory test-extension
 

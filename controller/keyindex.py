@@ -91,8 +91,10 @@ class KeyIndex:
         best = np.maximum.reduceat(cosine, bounds[:-1], axis=1)        # [incoming, pages]
         present = (best >= self.config.match_threshold).mean(axis=1)
         weight = np.log(1.0 / np.clip(present, 1.0 / len(candidates), 1.0))
-        return np.asarray(weight @ best)
+        scores: np.ndarray = np.matmul(weight, best, dtype=np.float64)
+        return scores
 
 
 def _normalise(x: np.ndarray) -> np.ndarray:
-    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-6)
+    unit: np.ndarray = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-6)
+    return unit

