@@ -52,7 +52,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import json
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -61,7 +60,6 @@ from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
-import xxhash
 from mlx.nn.layers.base import Module
 from mlx_lm.models.cache import ArraysCache
 
@@ -80,6 +78,7 @@ from .base import (
     UnsupportedModelError,
 )
 from .models import ModelSource, check_supported, load_tokenizer, resolve
+from .slots import InsertPlan, as_run, checked_token_ids, model_identity, pick_token, plan_insert
 
 __all__ = ["MlxBackend", "load"]
 
@@ -93,14 +92,6 @@ _GROUP_ELEMENTS = 1 << 20
 # the others produce it directly in k_proj as [batch, seq, heads * head_dim].
 _KEY_FROM_K_NORM = frozenset({"qwen3", "qwen3_next"})
 
-# Config keys left out of the identity hash. This and `_identity` must stay equal to the torch
-# backend's `_model_identity`: the cross-backend tests check that both compute the same model_id.
-_IDENTITY_IGNORED_KEYS = frozenset({
-    "_name_or_path", "transformers_version", "architectures", "_attn_implementation",
-    "_attn_implementation_autoset", "attn_implementation", "dtype", "torch_dtype", "quantization_config",
-    "_commit_hash", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
-    "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id",
-})
 
 # llama.cpp tensor names -> Hugging Face parameter names (per block "blk.N.").
 _GGUF_BLOCK_NAMES = {
@@ -128,26 +119,6 @@ def _from_numpy(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
     if dtype == mx.bfloat16:
         return mx.array(np.ascontiguousarray(a).view(np.uint16)).view(mx.bfloat16)
     return mx.array(np.ascontiguousarray(a)).astype(dtype)
-
-
-def _identity(config: dict[str, Any], params: Sequence[tuple[str, np.ndarray, str]]) -> str:
-    """xxh3-128 over the computation-relevant config and every parameter's bytes, in Hugging Face
-    parameter order and naming: the same digest the torch backend computes for the same model."""
-    h = xxhash.xxh3_128()
-    cfg = {k: v for k, v in config.items() if k not in _IDENTITY_IGNORED_KEYS}
-    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
-    for name, arr, dtype_name in params:
-        h.update(f"{name}:{tuple(int(d) for d in arr.shape)}:torch.{dtype_name}".encode())
-        h.update(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
-    return h.hexdigest()
-
-
-def _as_run(slots: np.ndarray) -> tuple[int, int] | None:
-    """(first, last + 1) when `slots` is a run of consecutive increasing slot numbers."""
-    n = slots.shape[0]
-    if n and int(slots[-1]) - int(slots[0]) + 1 == n and (n < 3 or bool(np.all(np.diff(slots) == 1))):
-        return int(slots[0]), int(slots[-1]) + 1
-    return None
 
 
 def _position_runs(positions: np.ndarray) -> list[tuple[int, int]]:
@@ -494,7 +465,7 @@ def _make_runtime(source: ModelSource, device: str, dtype: str, model_id: str | 
         cfg = form.config.to_dict()
         family = str(cfg["model_type"])
         model = _build_mlx_model(family, cfg, form.params)
-    identity = model_id or _identity(cfg, [(n, _to_numpy(w), dtype) for n, w in form.params])
+    identity = model_id or model_identity(cfg, [(n, _to_numpy(w), f"torch.{dtype}") for n, w in form.params])
     del form
 
     layers = model.model.layers
@@ -575,7 +546,7 @@ def _install_taps(rt: _Runtime, key_module: str) -> None:
 
 def _put(buf: mx.array, slots: np.ndarray, src: mx.array) -> mx.array:
     """buf with buf[:, :, slots, :d] = src (src [1, H, n, d], d <= buf's last dim)."""
-    run = _as_run(slots)
+    run = as_run(slots)
     if run is not None:
         return mx.slice_update(buf, src, mx.array([0, 0, run[0], 0]), axes=(0, 1, 2, 3))
     idx = mx.array(slots.astype(np.int32)).reshape(1, 1, -1, 1)
@@ -587,7 +558,7 @@ def _put(buf: mx.array, slots: np.ndarray, src: mx.array) -> mx.array:
 
 def _take(buf: mx.array, slots: np.ndarray) -> mx.array:
     """buf[:, :, slots] -> [1, H, n, d]."""
-    run = _as_run(slots)
+    run = as_run(slots)
     if run is not None:
         return buf[:, :, run[0]:run[1]]
     return mx.take(buf, mx.array(slots.astype(np.int32)), axis=2)
@@ -737,15 +708,6 @@ class _SlotStore:
             self.write_values(slots, a0, a1, values[a0:a1])
 
 
-@dataclasses.dataclass
-class _InsertPlan:
-    block_pos: np.ndarray
-    later: np.ndarray
-    later_old: np.ndarray
-    later_new: np.ndarray
-    compact: bool
-
-
 class _SlotLayer:
     """What mlx-lm's attention sees as its cache: a window onto the session's slot buffers."""
 
@@ -892,7 +854,7 @@ class MlxBackend:
 
     # -- running the model -------------------------------------------------------------------
     def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
-        ids = self._checked_ids(token_ids)
+        ids = checked_token_ids(token_ids, self._rt.vocab_size)
         if not ids:
             raise ValueError("prefill needs at least one token")
         self._pending = None
@@ -906,43 +868,16 @@ class MlxBackend:
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> int:
         feed = token if token is not None else self._pending
         if feed is not None:
-            self._run_model(self._checked_ids([feed]))
+            self._run_model(checked_token_ids([feed], self._rt.vocab_size))
             self._counters.decoded_tokens += 1
         elif self._last_logits is None:
             raise BackendError("decode needs a prefill (or an explicit token) first")
         if seed is not None:
             self._rng = np.random.default_rng(seed)
         assert self._last_logits is not None
-        nxt = self._pick(self._last_logits, greedy, temperature, top_k, top_p)
+        nxt = pick_token(self._last_logits, greedy, temperature, top_k, top_p, self._rng)
         self._pending = nxt
         return nxt
-
-    def _checked_ids(self, token_ids: Sequence[int]) -> list[int]:
-        """Out-of-range ids are refused here, before the model runs (inside it they would fail half-way)."""
-        ids = [int(t) for t in token_ids]
-        bad = [t for t in ids if not 0 <= t < self._rt.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary 0..{self._rt.vocab_size - 1}")
-        return ids
-
-    def _pick(self, logits: np.ndarray, greedy: bool, temperature: float, top_k: int, top_p: float) -> int:
-        # The torch backend's sampler, step for step: the same logits and seed give the same token.
-        if greedy or temperature <= 0.0:
-            return int(np.argmax(logits))
-        z = logits.astype(np.float64) / temperature
-        if top_k > 0 and top_k < z.shape[0]:
-            kth = np.partition(z, -top_k)[-top_k]
-            z = np.where(z >= kth, z, -np.inf)
-        p = np.exp(z - z.max())
-        p /= p.sum()
-        if top_p < 1.0:
-            order = np.argsort(-p, kind="stable")
-            keep = np.cumsum(p[order]) - p[order] < top_p
-            mask = np.zeros_like(p, dtype=bool)
-            mask[order[keep]] = True
-            p = np.where(mask, p, 0.0)
-            p /= p.sum()
-        return int(self._rng.choice(p.shape[0], p=p))
 
     def _run_model(self, ids: list[int]) -> None:
         """The one place that runs the model: allocate slots, build the slot mask, forward, evaluate."""
@@ -1069,27 +1004,10 @@ class MlxBackend:
         if not 0 <= at <= self.attention_tokens:
             raise IndexError(f"insert position {at} is outside 0..{self.attention_tokens}")
 
-    def _plan_insert(self, at: int, saved_positions: np.ndarray) -> _InsertPlan:
-        """Where a block of len(saved_positions) tokens goes in position space (see Backend): its
-        saved positions when they still fit before the next held token, else the positions after
-        its left neighbour, later tokens moving up only as far as the next gap."""
-        st = self._store
-        n = int(saved_positions.shape[0])
-        prev = int(st.pos[st.order[at - 1]]) if at > 0 else -1
-        later = st.order[at:]
-        later_old = st.pos[later]
-        saved = saved_positions.astype(np.int64)
-        if later.shape[0] and int(saved[0]) > prev and int(saved[-1]) < int(later_old[0]):
-            block_pos = saved.copy()
-        else:
-            block_pos = np.arange(prev + 1, prev + 1 + n, dtype=np.int64)
-        # new[j] = max(old[j], new[j-1] + 1): a gap further right absorbs the shift.
-        steps = np.arange(later.shape[0], dtype=np.int64)
-        later_new = steps + np.maximum.accumulate(np.maximum(later_old - steps, int(block_pos[-1]) + 1))
-        top = int(later_new[-1]) if later_new.shape[0] else int(block_pos[-1])
-        return _InsertPlan(block_pos, later, later_old, later_new, compact=top >= self.position_limit)
+    def _plan_insert(self, at: int, saved_positions: np.ndarray) -> InsertPlan:
+        return plan_insert(self._store.pos, self._store.order, at, saved_positions, self.position_limit)
 
-    def _commit_insert(self, at: int, plan: _InsertPlan, slots: np.ndarray, token_ids: np.ndarray) -> None:
+    def _commit_insert(self, at: int, plan: InsertPlan, slots: np.ndarray, token_ids: np.ndarray) -> None:
         st = self._store
         n = int(slots.shape[0])
         st.occupied[slots] = True

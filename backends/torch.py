@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import sys
 import threading
@@ -40,7 +39,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -62,6 +60,7 @@ from .base import (
     UnsupportedModelError,
 )
 from .models import ModelSource, check_supported, load_tokenizer, resolve
+from .slots import InsertPlan, as_run, checked_token_ids, model_identity, pick_token, plan_insert
 
 __all__ = ["TorchBackend", "ATTENTION_IMPLEMENTATION", "load"]
 
@@ -78,12 +77,6 @@ _KEY_FROM_K_NORM = frozenset({"qwen3", "qwen3_next"})
 
 # Config keys that do not change what the model computes; left out of the identity hash so the
 # same weights loaded from another path or by another transformers version keep their identity.
-_IDENTITY_IGNORED_KEYS = frozenset({
-    "_name_or_path", "transformers_version", "architectures", "_attn_implementation",
-    "_attn_implementation_autoset", "attn_implementation", "dtype", "torch_dtype", "quantization_config",
-    "_commit_hash", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
-    "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id",
-})
 
 
 def _slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -150,17 +143,6 @@ class _Runtime:
     active: _SlotStore | None = None
     page_op: TorchBackend | None = None
     tokenizer: Tokenizer | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class _InsertPlan:
-    """Positions for a block insert: the block's own, and the later tokens' before and after."""
-
-    block_pos: np.ndarray
-    later: np.ndarray
-    later_old: np.ndarray
-    later_new: np.ndarray
-    compact: bool
 
 
 class _SlotStore:
@@ -235,7 +217,7 @@ class _SlotStore:
         """buf[:, :, slots] = src for a [layers, heads, capacity, d] view; a run of consecutive slots
         (the usual case: a restored page lands in the slots its eviction freed) is a plain copy.
         `idx`: the slots as a device tensor, when the caller has it already."""
-        run = _as_run(slots)
+        run = as_run(slots)
         if run is not None:
             buf[:, :, run[0]:run[1]].copy_(src)
         else:
@@ -243,7 +225,7 @@ class _SlotStore:
 
     def take(self, buf: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
         """buf[:, :, slots] as a new tensor [layers, heads, n, d]."""
-        run = _as_run(slots)
+        run = as_run(slots)
         if run is not None:
             return buf[:, :, run[0]:run[1]].clone()
         return buf.index_select(2, self.index(slots))
@@ -279,7 +261,7 @@ class _SlotStore:
         rt = self.rt
         r = rt.rotary_dim
         cos, sin = rope.cos_sin_torch(rt.inv_freq, torch.from_numpy(positions), rt.attention_scaling)
-        run = _as_run(slots)
+        run = as_run(slots)
         idx = self.index(slots) if run is None else None
         for a0, a1 in self.layer_groups(int(slots.shape[0])):
             if run is not None:
@@ -304,7 +286,7 @@ class _SlotStore:
         if cos_sin is None:
             return
         cos, sin = cos_sin
-        run = _as_run(slots)
+        run = as_run(slots)
         if run is not None:
             rope.apply_torch(keys[..., :r], cos, sin, out=self.k_rot[a0:a1, 0, :, run[0]:run[1], :r])
         else:
@@ -340,14 +322,6 @@ def _single_threaded(device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def _as_run(slots: np.ndarray) -> tuple[int, int] | None:
-    """(first, last + 1) when `slots` is a run of consecutive increasing slot numbers."""
-    n = slots.shape[0]
-    if n and int(slots[-1]) - int(slots[0]) + 1 == n and (n < 3 or bool(np.all(np.diff(slots) == 1))):
-        return int(slots[0]), int(slots[-1]) + 1
-    return None
 
 
 # transformers' cache classes are untyped; subclassing them is the one place we accept that.
@@ -416,17 +390,6 @@ def _clone_linear_layer(layer: LinearAttentionLayer) -> LinearAttentionLayer:
     out.conv_kernel_size = dict(layer.conv_kernel_size)
     out.device, out.dtype = layer.device, layer.dtype
     return out
-
-
-def _model_identity(model: PreTrainedModel) -> str:
-    """xxh3-128 over the computation-relevant config and every parameter's bytes."""
-    h = xxhash.xxh3_128()
-    cfg = {k: v for k, v in model.config.to_dict().items() if k not in _IDENTITY_IGNORED_KEYS}
-    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
-    for name, p in model.named_parameters():
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
-        h.update(_np_from_tensor(p, copy=False).reshape(-1).view(np.uint8).data)
-    return h.hexdigest()
 
 
 def _build_model(source: ModelSource, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
@@ -513,7 +476,8 @@ def _make_runtime(source: ModelSource, device: str, dtype: str, model_id: str | 
             raise UnsupportedModelError(
                 f"{family}: attention layer {i} has no {module_name} to read pre-rotary keys from"
             )
-    identity = model_id or _model_identity(model)
+    identity = model_id or model_identity(model.config.to_dict(), (
+        (name, _np_from_tensor(p, copy=False), str(p.dtype)) for name, p in model.named_parameters()))
     rotary_dim = 2 * int(inv_freq.shape[0])
     view = LayerView(
         model_id=identity,
@@ -664,7 +628,7 @@ class TorchBackend:
 
     # -- running the model -------------------------------------------------------------------
     def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
-        ids = self._checked_ids(token_ids)
+        ids = checked_token_ids(token_ids, self._rt.vocab_size)
         if not ids:
             raise ValueError("prefill needs at least one token")
         self._pending = None
@@ -678,43 +642,16 @@ class TorchBackend:
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> int:
         feed = token if token is not None else self._pending
         if feed is not None:
-            self._run_model(self._checked_ids([feed]))
+            self._run_model(checked_token_ids([feed], self._rt.vocab_size))
             self._counters.decoded_tokens += 1
         elif self._last_logits is None:
             raise BackendError("decode needs a prefill (or an explicit token) first")
         if seed is not None:
             self._rng = np.random.default_rng(seed)
         assert self._last_logits is not None
-        nxt = self._pick(self._last_logits, greedy, temperature, top_k, top_p)
+        nxt = pick_token(self._last_logits, greedy, temperature, top_k, top_p, self._rng)
         self._pending = nxt
         return nxt
-
-    def _checked_ids(self, token_ids: Sequence[int]) -> list[int]:
-        """Out-of-range ids are refused here: inside the model they would fail half-way (and on CUDA
-        as a device assert that poisons the whole context)."""
-        ids = [int(t) for t in token_ids]
-        bad = [t for t in ids if not 0 <= t < self._rt.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary 0..{self._rt.vocab_size - 1}")
-        return ids
-
-    def _pick(self, logits: np.ndarray, greedy: bool, temperature: float, top_k: int, top_p: float) -> int:
-        if greedy or temperature <= 0.0:
-            return int(np.argmax(logits))
-        z = logits.astype(np.float64) / temperature
-        if top_k > 0 and top_k < z.shape[0]:
-            kth = np.partition(z, -top_k)[-top_k]
-            z = np.where(z >= kth, z, -np.inf)
-        p = np.exp(z - z.max())
-        p /= p.sum()
-        if top_p < 1.0:
-            order = np.argsort(-p, kind="stable")
-            keep = np.cumsum(p[order]) - p[order] < top_p
-            mask = np.zeros_like(p, dtype=bool)
-            mask[order[keep]] = True
-            p = np.where(mask, p, 0.0)
-            p /= p.sum()
-        return int(self._rng.choice(p.shape[0], p=p))
 
     def _run_model(self, ids: list[int]) -> None:
         """The one place that runs the model: allocate slots, build the slot mask, forward."""
@@ -851,26 +788,10 @@ class TorchBackend:
         rt = self._rt
         return rope.cos_sin_torch(rt.inv_freq, torch.from_numpy(positions), rt.attention_scaling)
 
-    def _plan_insert(self, at: int, saved_positions: np.ndarray) -> _InsertPlan:
-        """Where a block of len(saved_positions) tokens goes in position space (see Backend)."""
-        st = self._store
-        n = int(saved_positions.shape[0])
-        prev = int(st.pos[st.order[at - 1]]) if at > 0 else -1
-        later = st.order[at:]
-        later_old = st.pos[later]
-        saved = saved_positions.astype(np.int64)
-        if later.shape[0] and int(saved[0]) > prev and int(saved[-1]) < int(later_old[0]):
-            block_pos = saved.copy()
-        else:
-            block_pos = np.arange(prev + 1, prev + 1 + n, dtype=np.int64)
-        # Later tokens move up only as far as needed: new[j] = max(old[j], new[j-1] + 1), so a gap
-        # further right absorbs the shift and everything after it stays put.
-        steps = np.arange(later.shape[0], dtype=np.int64)
-        later_new = steps + np.maximum.accumulate(np.maximum(later_old - steps, int(block_pos[-1]) + 1))
-        top = int(later_new[-1]) if later_new.shape[0] else int(block_pos[-1])
-        return _InsertPlan(block_pos, later, later_old, later_new, compact=top >= self.position_limit)
+    def _plan_insert(self, at: int, saved_positions: np.ndarray) -> InsertPlan:
+        return plan_insert(self._store.pos, self._store.order, at, saved_positions, self.position_limit)
 
-    def _commit_insert(self, at: int, plan: _InsertPlan, slots: np.ndarray, token_ids: np.ndarray) -> None:
+    def _commit_insert(self, at: int, plan: InsertPlan, slots: np.ndarray, token_ids: np.ndarray) -> None:
         st = self._store
         n = int(slots.shape[0])
         st.occupied[slots] = True

@@ -1,0 +1,111 @@
+"""Runtime-neutral pieces of the slot cache, shared by the torch and MLX backends.
+
+Both backends keep attention K/V in preallocated slots with an explicit RoPE position per slot
+and an `order` (the logical attention sequence as slot numbers). Everything here works on those
+numpy arrays or on plain numbers, so the two backends compute positions, sampled tokens and the
+model identity the same way by construction, not by copying. Depends on numpy and xxhash only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import xxhash
+
+# Config keys that do not change what the model computes; left out of its identity.
+IDENTITY_IGNORED_KEYS = frozenset({
+    "_name_or_path", "transformers_version", "architectures", "_attn_implementation",
+    "_attn_implementation_autoset", "attn_implementation", "dtype", "torch_dtype", "quantization_config",
+    "_commit_hash", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
+    "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id",
+})
+
+
+def model_identity(config: dict[str, Any], params: Iterable[tuple[str, np.ndarray, str]]) -> str:
+    """xxh3-128 over the computation-relevant config and every parameter's bytes, given in Hugging
+    Face order and naming with torch's dtype names ("torch.float32"): a block saved by one backend
+    names the same model as the other's."""
+    h = xxhash.xxh3_128()
+    cfg = {k: v for k, v in config.items() if k not in IDENTITY_IGNORED_KEYS}
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    for name, array, dtype_name in params:
+        h.update(f"{name}:{tuple(int(d) for d in array.shape)}:{dtype_name}".encode())
+        h.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+    return h.hexdigest()
+
+
+def as_run(slots: np.ndarray) -> tuple[int, int] | None:
+    """(first, last + 1) when `slots` is a run of consecutive increasing slot numbers."""
+    n = slots.shape[0]
+    if n and int(slots[-1]) - int(slots[0]) + 1 == n and (n < 3 or bool(np.all(np.diff(slots) == 1))):
+        return int(slots[0]), int(slots[-1]) + 1
+    return None
+
+
+def checked_token_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
+    """Out-of-range ids are refused before the model runs: inside it they would fail half-way
+    (and on CUDA as a device assert that poisons the whole context)."""
+    ids = [int(t) for t in token_ids]
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary 0..{vocab_size - 1}")
+    return ids
+
+
+def pick_token(logits: np.ndarray, greedy: bool, temperature: float, top_k: int, top_p: float,
+               rng: np.random.Generator) -> int:
+    """Greedy, or temperature / top-k / top-p sampling in float64 from `rng`: the same logits and
+    generator state give the same token on every backend."""
+    if greedy or temperature <= 0.0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    if 0 < top_k < z.shape[0]:
+        kth = np.partition(z, -top_k)[-top_k]
+        z = np.where(z >= kth, z, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        keep = np.cumsum(p[order]) - p[order] < top_p
+        mask = np.zeros_like(p, dtype=bool)
+        mask[order[keep]] = True
+        p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    return int(rng.choice(p.shape[0], p=p))
+
+
+@dataclasses.dataclass(frozen=True)
+class InsertPlan:
+    """Positions for a block insert: the block's own, and the later tokens' before and after."""
+
+    block_pos: np.ndarray
+    later: np.ndarray
+    later_old: np.ndarray
+    later_new: np.ndarray
+    compact: bool  # positions would pass the model's limit: renumber everything densely instead
+
+
+def plan_insert(pos: np.ndarray, order: np.ndarray, at: int, saved_positions: np.ndarray,
+                position_limit: int) -> InsertPlan:
+    """Where a block of len(saved_positions) tokens goes in position space, inserted before the
+    `at`-th held token: its saved positions when they still fit before the next held token, else
+    the positions after its left neighbour."""
+    n = int(saved_positions.shape[0])
+    prev = int(pos[order[at - 1]]) if at > 0 else -1
+    later = order[at:]
+    later_old = pos[later]
+    saved = saved_positions.astype(np.int64)
+    if later.shape[0] and int(saved[0]) > prev and int(saved[-1]) < int(later_old[0]):
+        block_pos = saved.copy()
+    else:
+        block_pos = np.arange(prev + 1, prev + 1 + n, dtype=np.int64)
+    # Later tokens move up only as far as needed: new[j] = max(old[j], new[j-1] + 1), so a gap
+    # further right absorbs the shift and everything after it stays put.
+    steps = np.arange(later.shape[0], dtype=np.int64)
+    later_new = steps + np.maximum.accumulate(np.maximum(later_old - steps, int(block_pos[-1]) + 1))
+    top = int(later_new[-1]) if later_new.shape[0] else int(block_pos[-1])
+    return InsertPlan(block_pos, later, later_old, later_new, compact=top >= position_limit)
