@@ -52,8 +52,9 @@ def _selector(args: argparse.Namespace) -> Selector:
             controller = RemoteControllerModel(args.controller_url, args.controller_model)
         else:
             controller = LocalControllerModel(args.controller_model)
-    return make_selector(args.selector, controller, **({"deadline_s": args.controller_deadline}
-                                                        if args.selector == "controller" else {}))
+    options = {"controller": {"deadline_s": args.controller_deadline},
+               "attention": {"max_pages": args.restore_pages}}.get(args.selector, {})
+    return make_selector(args.selector, controller, **options)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -110,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--controller-model", default="smollm2-135m",
                        help="embedded controller (smollm2-135m, gemma3-270m) or, with --controller-url, its model id")
     serve.add_argument("--controller-url", default=None, help="OpenAI-compatible endpoint for the controller")
+    serve.add_argument("--restore-pages", type=int, default=8,
+                       help="attention selector: at most this many cold pages come back per turn")
     serve.add_argument("--controller-deadline", type=float, default=1.0,
                        help="seconds the turn waits for the controller's plan before running without it")
     serve.add_argument("--chat-template", default=None, help="file with a Jinja chat template to use instead "

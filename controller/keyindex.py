@@ -14,7 +14,8 @@ work at this page size (see docs/controller.md); comparing keys with keys, token
             token t and page p, m(t, p) is the best cosine between t and any token of p.
   weight    a token that matches many pages says little: w(t) = log(1 / df(t)), df(t) the share
             of candidate pages with m(t, p) >= match_threshold (at least one page).
-  score     score(p) = sum_t w(t) m(t, p).
+  score     score(p) = sum_t w(t) max(0, m(t, p) - match_floor): a weak best match is noise, not
+            evidence, and only what rises above the floor counts.
 
 No text is read: the host sees key vectors and page numbers only. The index is rebuilt from the
 canonical store when a session is recovered. Depends on numpy only.
@@ -31,6 +32,7 @@ import numpy as np
 class KeyIndexConfig:
     layer_fraction: float = 0.25    # which attention layer: this far up the stack of attention layers
     match_threshold: float = 0.9    # cosine at which an incoming token counts as present in a page
+    match_floor: float = 0.5        # cosine below which a token's best match in a page counts for nothing
     incoming_tokens: int = 256      # newest tokens of the turn that are matched
 
     def __post_init__(self) -> None:
@@ -38,6 +40,8 @@ class KeyIndexConfig:
             raise ValueError(f"layer_fraction must be in [0, 1], got {self.layer_fraction}")
         if not -1.0 < self.match_threshold < 1.0:
             raise ValueError(f"match_threshold must be in (-1, 1), got {self.match_threshold}")
+        if not -1.0 <= self.match_floor < self.match_threshold:
+            raise ValueError(f"match_floor must be in [-1, match_threshold), got {self.match_floor}")
         if self.incoming_tokens < 1:
             raise ValueError(f"incoming_tokens must be >= 1, got {self.incoming_tokens}")
 
@@ -91,7 +95,8 @@ class KeyIndex:
         best = np.maximum.reduceat(cosine, bounds[:-1], axis=1)        # [incoming, pages]
         present = (best >= self.config.match_threshold).mean(axis=1)
         weight = np.log(1.0 / np.clip(present, 1.0 / len(candidates), 1.0))
-        scores: np.ndarray = np.matmul(weight, best, dtype=np.float64)
+        evidence = np.maximum(best - self.config.match_floor, 0.0)
+        scores: np.ndarray = np.matmul(weight, evidence, dtype=np.float64)
         return scores
 
 

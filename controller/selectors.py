@@ -100,7 +100,7 @@ class AttentionSelector:
     name = "attention"
     uses_key_index = True
 
-    def __init__(self, max_pages: int = 4) -> None:
+    def __init__(self, max_pages: int = 8) -> None:
         if max_pages < 1:
             raise ValueError(f"max_pages must be >= 1, got {max_pages}")
         self.max_pages = max_pages

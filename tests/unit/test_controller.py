@@ -207,7 +207,7 @@ def test_key_index_finds_the_page_that_shares_rare_tokens_with_the_incoming_mess
 def test_key_index_layer_choice_truncation_and_config() -> None:
     assert KeyIndexConfig().layer(30) == 7 and KeyIndexConfig().layer(1) == 0
     assert KeyIndexConfig(layer_fraction=1.0).layer(12) == 11
-    for bad in ({"layer_fraction": 1.5}, {"match_threshold": 1.0}, {"incoming_tokens": 0}):
+    for bad in ({"layer_fraction": 1.5}, {"match_threshold": 1.0}, {"match_floor": 0.95}, {"incoming_tokens": 0}):
         with pytest.raises(ValueError):
             KeyIndexConfig(**bad)  # type: ignore[arg-type]
     index = KeyIndex(KeyIndexConfig(), attention_layers=4)
