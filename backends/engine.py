@@ -497,7 +497,8 @@ class Engine:
                     keep_tokens, transcript.tokens)
         self._truncate(session, keep_tokens)
         transcript.segments = transcript.segments[:keep]
-        transcript.generated = {k: v for k, v in transcript.generated.items() if v in kept_text}
+        kept = {k: [raw for raw in v if raw in kept_text] for k, v in transcript.generated.items()}
+        transcript.generated = {k: v for k, v in kept.items() if v}
         session.last_answer = None
         return Alignment(keep, keep_tokens, rendered[len(kept_text):], reason=alignment.reason), dropped
 
@@ -606,7 +607,7 @@ class Engine:
         transcript = session.transcript
         raw = transcript.segments[-1].text
         content, calls = parse_tool_calls(raw)
-        transcript.generated[assistant_key(content, calls)] = raw
+        transcript.generated.setdefault(assistant_key(content, calls), []).append(raw)
         if calls and pager.pages:
             pager.mark_ledger(pager.pages[-1].index)
         if pager.pages:

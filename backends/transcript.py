@@ -148,7 +148,10 @@ class Transcript:
 
     fingerprint: Fingerprint
     segments: list[Segment] = field(default_factory=list)
-    generated: dict[str, str] = field(default_factory=dict)  # assistant_key -> raw generated text
+    # assistant_key -> the raw texts generated under it, oldest first. A list because two answers
+    # can share a key (the key ignores whitespace) yet differ in their raw text: the n-th message
+    # with a key is given the n-th raw text, so each renders exactly as it was generated.
+    generated: dict[str, list[str]] = field(default_factory=dict)
     message_hashes: list[str] = field(default_factory=list)  # the client's per-message hashes, if sent
 
     @property
@@ -173,7 +176,8 @@ class Transcript:
     def from_record(cls, record: dict[str, Any]) -> Transcript:
         return cls(fingerprint=Fingerprint(*record["fingerprint"]),
                    segments=[Segment(t, list(i), bool(g)) for t, i, g in record["segments"]],
-                   generated=dict(record["generated"]), message_hashes=list(record["message_hashes"]))
+                   generated={k: [v] if isinstance(v, str) else list(v) for k, v in record["generated"].items()},
+                   message_hashes=list(record["message_hashes"]))
 
 
 class ChatFormat:
@@ -194,12 +198,13 @@ class ChatFormat:
         return Fingerprint(self.tokenizer_id, self.template_id, digest(tools or []), thinking)
 
     def normalize(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                  generated: dict[str, str]) -> list[dict[str, str]]:
+                  generated: dict[str, list[str]]) -> list[dict[str, str]]:
         """Flatten content parts, write tool calls as text, and put back the cache's own copy of
         every assistant message the model generated."""
         if not isinstance(messages, list) or not messages:
             raise TranscriptError("messages must be a non-empty list")
         out: list[dict[str, str]] = []
+        occurrences: dict[str, int] = {}
         for n, message in enumerate(messages):
             if not isinstance(message, dict):
                 raise TranscriptError(f"messages[{n}] is not an object")
@@ -213,9 +218,11 @@ class ChatFormat:
                 calls = message.get("tool_calls") or []
                 if not isinstance(calls, list):
                     raise TranscriptError(f"messages[{n}].tool_calls must be a list")
-                raw = generated.get(assistant_key(text, calls))
-                if raw is not None:
-                    text = raw
+                key = assistant_key(text, calls)
+                raws = generated.get(key)
+                seen = occurrences[key] = occurrences.get(key, 0) + 1
+                if raws:
+                    text = raws[min(seen, len(raws)) - 1]
                 elif calls:
                     text = "\n".join([text.strip()] * bool(text.strip()) + [tool_call_text(c) for c in calls])
             out.append({"role": role, "content": text})
@@ -231,7 +238,7 @@ class ChatFormat:
         return out
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, thinking: str,
-               generated: dict[str, str]) -> str:
+               generated: dict[str, list[str]]) -> str:
         normal = self.normalize(messages, tools, generated)
         kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": normal[-1]["role"] != "assistant"}
         if self.native_tools and tools:
@@ -245,7 +252,7 @@ class ChatFormat:
         return str(text)
 
     def message_ends(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, thinking: str,
-                     generated: dict[str, str], rendered: str, after: int) -> list[tuple[int, int]]:
+                     generated: dict[str, list[str]], rendered: str, after: int) -> list[tuple[int, int]]:
         """(character offset in `rendered`, message index) where each message after offset `after`
         ends, newest last. Only offsets where the template renders prefixes stably are returned."""
         ends: list[tuple[int, int]] = []
