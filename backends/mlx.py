@@ -78,7 +78,7 @@ from .base import (
     UnsupportedModelError,
 )
 from .models import ModelSource, check_supported, load_tokenizer, resolve
-from .slots import InsertPlan, as_run, checked_token_ids, model_identity, pick_token, plan_insert
+from .slots import SlotBookkeeping, as_run, checked_token_ids, model_identity, pick_token
 
 __all__ = ["MlxBackend", "load"]
 
@@ -754,10 +754,11 @@ def _copy_arrays_cache(c: ArraysCache) -> ArraysCache:
 # The backend
 # ------------------------------------------------------------------------------------------------
 
-class MlxBackend:
+class MlxBackend(SlotBookkeeping):
     """`Backend` on mlx-lm. Construct with `load_backend("mlx", ...)`."""
 
     name = "mlx"
+    _store: _SlotStore
 
     def __init__(self, rt: _Runtime, model_name: str, *, capacity: int = 4096, prefill_chunk: int = 512,
                  position_limit: int | None = None, seed: int = 0) -> None:
@@ -813,37 +814,6 @@ class MlxBackend:
         return self._rt.max_position_embeddings - 1
 
     # -- state -------------------------------------------------------------------------------
-    @property
-    def attention_tokens(self) -> int:
-        return int(self._store.order.shape[0])
-
-    @property
-    def stream_tokens(self) -> int:
-        return self._stream_tokens
-
-    @property
-    def pending_token(self) -> int | None:
-        return self._pending
-
-    @property
-    def counters(self) -> dict[str, int]:
-        return self._counters.as_dict()
-
-    @property
-    def capacity(self) -> int:
-        return self._store.capacity
-
-    def positions(self) -> np.ndarray:
-        return self._store.pos[self._store.order].copy()
-
-    def held_token_ids(self) -> np.ndarray:
-        return self._store.tokens[self._store.order].copy()
-
-    def last_logits(self) -> np.ndarray:
-        if self._last_logits is None:
-            raise BackendError("no logits yet: prefill first")
-        return self._last_logits.copy()
-
     def rotated_keys(self, start: int = 0, end: int | None = None) -> np.ndarray:
         end = self.attention_tokens if end is None else end
         self._check_range(start, end)
@@ -914,14 +884,6 @@ class MlxBackend:
         self._stream_tokens += n
         self._last_logits = np.array(logits)
 
-    def _next_positions(self, n: int) -> np.ndarray:
-        st = self._store
-        last = int(st.pos[st.order[-1]]) if st.order.shape[0] else -1
-        if last + n >= self.position_limit and last + 1 > st.order.shape[0]:
-            self.compact_positions()
-            last = int(st.order.shape[0]) - 1
-        return np.arange(last + 1, last + 1 + n, dtype=np.int64)
-
     # -- page operations ---------------------------------------------------------------------
     @contextlib.contextmanager
     def _page_op(self) -> Iterator[None]:
@@ -953,16 +915,6 @@ class MlxBackend:
                 token_ids=st.tokens[slots].copy(),
                 model_name=self.model_name,
             )
-
-    def remove_attention_range(self, start: int, end: int) -> None:
-        self._check_range(start, end, nonempty=True)
-        st = self._store
-        with self._page_op():
-            # Only flags change: the freed slots keep stale data that the mask hides, no array
-            # moves, and later tokens keep their positions (the gap is compacted lazily).
-            st.occupied[st.order[start:end]] = False
-            st.order = np.concatenate([st.order[:start], st.order[end:]])
-            self._counters.evicted_tokens += end - start
 
     def insert_block(self, blk: Block, at: int) -> None:
         rt, st = self._rt, self._store
@@ -999,46 +951,6 @@ class MlxBackend:
             blk = rd.finish()
             # The slots stay free (and so invisible) until here: a failed read leaves no trace.
             self._commit_insert(at, plan, slots, blk.token_ids)
-
-    def _check_insert_at(self, at: int) -> None:
-        if not 0 <= at <= self.attention_tokens:
-            raise IndexError(f"insert position {at} is outside 0..{self.attention_tokens}")
-
-    def _plan_insert(self, at: int, saved_positions: np.ndarray) -> InsertPlan:
-        return plan_insert(self._store.pos, self._store.order, at, saved_positions, self.position_limit)
-
-    def _commit_insert(self, at: int, plan: InsertPlan, slots: np.ndarray, token_ids: np.ndarray) -> None:
-        st = self._store
-        n = int(slots.shape[0])
-        st.occupied[slots] = True
-        st.tokens[slots] = token_ids
-        st.order = np.concatenate([st.order[:at], slots, plan.later])
-        self._counters.restored_tokens += n
-        if plan.compact:
-            # Positions would leave the allowed range: renumber everything densely instead. The
-            # sentinel marks the block's keys as changed so compaction rotates them too.
-            st.pos[slots] = -1
-            self._compact()
-        else:
-            st.pos[slots] = plan.block_pos
-            moved = plan.later_new != plan.later_old
-            st.reanchor(plan.later[moved], plan.later_new[moved])
-            self._counters.reanchored_keys += n + int(moved.sum())
-
-    def compact_positions(self) -> int:
-        with self._page_op():
-            return self._compact()
-
-    def _compact(self) -> int:
-        st = self._store
-        dense = np.arange(st.order.shape[0], dtype=np.int64)
-        changed = st.pos[st.order] != dense
-        count = int(changed.sum())
-        if count:
-            st.reanchor(st.order[changed], dense[changed])
-            self._counters.reanchored_keys += count
-            self._counters.compactions += 1
-        return count
 
     # -- recurrent state ---------------------------------------------------------------------
     # Snapshots use the Hugging Face layout, so they mean the same in both runtimes: conv state
@@ -1151,16 +1063,6 @@ class MlxBackend:
         att = {layer: a for a, layer in enumerate(self._rt.attention_layers)}
         return [_SlotLayer(store, att[i]) if i in att else ArraysCache(size=2)
                 for i in range(len(self._rt.model.model.layers))]
-
-    def _check_usable(self) -> None:
-        if self._broken is not None:
-            raise BackendError(f"session state is undefined: {self._broken}; reset() the session")
-
-    def _check_range(self, start: int, end: int, nonempty: bool = False) -> None:
-        n = self.attention_tokens
-        if not (0 <= start <= end <= n) or (nonempty and start == end):
-            raise IndexError(f"range [{start}, {end}) is not a {'non-empty ' if nonempty else ''}range of 0..{n}")
-
 
 def load(model: str, device: str = "cpu", dtype: str = "float32", *, capacity: int = 4096,
          prefill_chunk: int = 512, position_limit: int | None = None, seed: int = 0,
