@@ -244,15 +244,17 @@ class Engine:
         return KeyIndex(self.config.key_index, len(self.backend.layer_view.attention_layers))
 
     def _index_stored_pages(self, session: Session) -> None:
-        """Rebuild the model-native index of a recovered session from the canonical store (each
-        stored full page is read and checked once)."""
-        if session.key_index is None:
+        """Rebuild the model-native index of a recovered session from the canonical store: each
+        stored full page not indexed yet (resident pages were, as they were restored) is read and
+        checked once."""
+        index = session.key_index
+        if index is None:
             return
         manifest = {p.page_id: p for p in self.contextd.query_pages(session.session_id)}
         for page in session.pager.pages:
             record = manifest.get(page.page_id)
-            if page.stored and page.tokens == PAGE_TOKENS and record is not None:
-                session.key_index.add(page.index, self._read_block(session, record, page.index).keys)
+            if page.stored and page.tokens == PAGE_TOKENS and record is not None and page.index not in index.pages:
+                index.add(page.index, self._read_block(session, record, page.index).keys)
 
     def _restore_resident(self, session: Session) -> int:
         """Fill an empty backend with the session's resident pages (copies) and recurrent state."""
@@ -263,6 +265,9 @@ class Engine:
                 continue
             block = self._read_block(session, manifest.get(page.page_id), page.index)
             self.backend.insert_block(block, self.backend.attention_tokens)
+            index = session.key_index
+            if index is not None and page.tokens == PAGE_TOKENS and page.index not in index.pages:
+                index.add(page.index, block.keys)
             restored += 1
         if self.backend.is_hybrid:
             snap = session.snapshots.get(session.transcript.tokens)
