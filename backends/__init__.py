@@ -1,9 +1,10 @@
-"""Model runtimes behind one protocol (`backends.base.Backend`).
+"""Model runtimes behind one protocol (`backends.protocol.Backend`).
 
 `load_backend(name, model, device, dtype, **kw)` is the single entry point; the runtime modules are
 imported lazily so that a machine without one runtime can still use the others.
 
-Dependency rules: backends know nothing about contextd, the controller or paging policy.
+Dependency rules: backends import nothing of contextd, controller or serving (tests/unit/
+test_layers.py checks it); they know nothing of pages, budgets or stores.
 """
 
 from __future__ import annotations
@@ -11,16 +12,18 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .base import (
+from .protocol import (
     Backend,
     BackendError,
     BackendUnavailableError,
     Block,
     BlockFormatError,
     BlockMismatchError,
+    BlockStream,
     Counters,
     LayerView,
     RecurrentSnapshot,
+    Tokenizer,
     UnsupportedModelError,
 )
 
@@ -31,9 +34,11 @@ __all__ = [
     "Block",
     "BlockFormatError",
     "BlockMismatchError",
+    "BlockStream",
     "Counters",
     "LayerView",
     "RecurrentSnapshot",
+    "Tokenizer",
     "UnsupportedModelError",
     "RUNTIMES",
     "load_backend",
@@ -41,8 +46,8 @@ __all__ = [
 
 # Runtime name -> (module, the pip distribution that module needs).
 RUNTIMES: dict[str, tuple[str, str]] = {
-    "torch": ("backends.torch", "torch"),
-    "mlx": ("backends.mlx", "mlx"),
+    "torch": ("backends.torch_backend", "torch"),
+    "mlx": ("backends.mlx_backend", "mlx"),
 }
 
 

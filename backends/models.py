@@ -18,13 +18,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .base import Tokenizer, UnsupportedModelError
+from .protocol import Tokenizer, UnsupportedModelError
 from .rope import DYNAMIC_ROPE_TYPES
 
 __all__ = [
     "ModelSource",
     "SUPPORTED_FAMILIES",
     "TINY_MODELS",
+    "build_tiny_model",
     "check_supported",
     "load_tokenizer",
     "resolve",
@@ -173,6 +174,22 @@ def check_supported(config: Any) -> None:
         )
     if isinstance(rope, dict) and "mrope_section" in rope:
         raise UnsupportedModelError(f"{family}: multi-axis rotary (mrope) is not supported")
+
+
+def build_tiny_model(source: ModelSource, attn_implementation: str) -> Any:
+    """The tiny random-weight transformers model of `source`, in float32: seeded on a forked RNG,
+    so it is the same model every time in every runtime, without disturbing the caller's RNG."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if source.tiny_config is None:
+        raise UnsupportedModelError(f"model {source.name!r} is not a tiny random-weight model")
+    cfg_dict = dict(source.tiny_config)
+    config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+    check_supported(config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(source.seed)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer:

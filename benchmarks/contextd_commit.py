@@ -16,17 +16,16 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import lmdb
 
-from contextd.client import Client, pb
+from contextd.client import pb
 from contextd.ids import key
 from contextd.store import encode
+from serving.launcher import ContextdProcess
 
 PAGES = 128
 
@@ -56,18 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     base = Path(tempfile.mkdtemp(prefix="kvb-", dir="/tmp"))
-    socket_path = base / "run" / "c.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "contextd.cli", "serve", "--root", str(base / "root"),
-                             "--socket", str(socket_path), "--sync", args.sync, "--reserve-bytes", "0"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    daemon = ContextdProcess(base / "root", base / "run" / "c.sock",
+                             extra=["--sync", args.sync, "--reserve-bytes", "0"])
+    client = daemon.start()
     env = lmdb.open(str(base / "raw"), map_size=1 << 32, max_dbs=4, sync=args.sync != "none",
                     metasync=args.sync == "full")
     manifest, state_index = env.open_db(b"kv_manifest"), env.open_db(b"page_state")
     daemon_ms: list[float] = []
     raw_ms: list[float] = []
     try:
-        client = Client(socket_path)
-        client.wait_ready()
         client.open_session("bench")
         warmup = 10
         for b in range(args.batches + warmup):
@@ -86,10 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                 daemon_ms.append(elapsed)
                 raw_ms.append(raw_elapsed)
         pages_stored = client.get_session("bench").pages.hot
-        client.close()
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        daemon.stop()
         env.close()
         shutil.rmtree(base, ignore_errors=True)
 
@@ -100,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'raw lmdb':<10} {r:>10.3f} {percentile(raw_ms, .1):>8.3f} {percentile(raw_ms, .9):>8.3f}")
     result = {"daemon_ms": round(d, 3), "raw_lmdb_ms": round(r, 3), "ratio": round(d / r, 3),
               "daemon_p90_ms": round(percentile(daemon_ms, .9), 3), "raw_lmdb_p90_ms": round(percentile(raw_ms, .9), 3),
-              "batches": args.batches, "pages_per_batch": PAGES, "sync": args.sync, "pages_stored": pages_stored,
-              "seed_mdbx_ms": 6.38}
+              "batches": args.batches, "pages_per_batch": PAGES, "sync": args.sync, "pages_stored": pages_stored}
     print(json.dumps(result))
     return 0
 

@@ -20,8 +20,9 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks.agent import AgentRun, ServerProcess, TurnRecord
+from benchmarks.agent import AgentRun, TurnRecord
 from benchmarks.workload import evidence_files
+from serving.launcher import ServerProcess
 
 
 def plot(turns: list[TurnRecord], budget: int, path: Path) -> None:

@@ -1,33 +1,29 @@
-"""Restoring a 128-token page from disk vs recomputing it, and block store throughput vs dd.
+"""Restoring pages the way the server does, next to recomputing them; the store next to dd.
 
-    python -m benchmarks.restore [--backend torch] [--device cpu] [--tokens 4096] [--page 128]
+    python -m benchmarks.restore [--backend torch] [--device cpu] [--tokens 12288] [--budget 4096]
 
-Setup: prefill `--tokens` tokens of real text (SmolLM2 by default), save the page in the middle
-(tokens 2048..2175 for 4,096) as a block file, evict it. Then, interleaved so both see the same
-machine state:
+Setup: a real contextd process and the real engine (SmolLM2 by default) read a session of
+`--tokens` tokens of real text with a `--budget`-token attention budget, so most pages are cold
+in the canonical store. Then, interleaved so both see the same machine state:
 
-- restore (`restore_ms`, the headline): drop the block file from the page cache
-  (posix_fadvise DONTNEED on the fsync'ed file, the call `dd iflag=nocache` makes), then read,
-  checksum and decode the file, insert it at its place and re-anchor (`restore_block_file`; the
-  torch backend streams it: 64 KiB reads on a background thread while the keys that have arrived
-  are copied and rotated, committed only after the checksum verifies); the page is evicted again
-  afterwards, untimed. `restore_warm_ms` is the same with the file in the page cache, i.e. a
-  recently evicted page.
-- recompute (`recompute_ms`): the page's 128 tokens through the model with the other 3,968 tokens
-  held in attention (the page is appended through `prefill`, then evicted again, untimed).
-- store write (`store_write_mbps`): save_block + `Block.to_file` (encode, temp file, fsync,
-  rename, fsync of the directory). store read (`store_read_mbps`): the cold `Block.from_file`.
-- dd, same file size, same directory, same 64 KiB request size as the store reader: write
-  `dd if=<block file> of=X bs=64K conv=fsync`, read `dd if=X iflag=nocache count=0` (drops X from
-  the page cache) then `dd if=X of=/dev/null bs=64K`; throughput from dd's own reported time (so
-  process start-up is not counted against dd).
+- restore (`restore_ms`, the headline): the server's own restore, `PageMover.execute` with a
+  decision that brings one cold page back: the manifest record is looked up by id in contextd,
+  the page's file (dropped from the page cache first, with posix_fadvise DONTNEED on the fsync'ed
+  file, the call `dd iflag=nocache` makes) is streamed into free cache slots, verified against
+  its manifest checksum and re-anchored, and the page's new state and lease are recorded in
+  contextd. The page is evicted again afterwards, untimed. `restore_warm_ms`: the same with the
+  file in the page cache (a recently evicted page). `restore_k_ms`: k = 1, 8 and 32 cold pages in
+  one decision, the in-turn cost of a selector's plan.
+- recompute (`recompute_ms`): the page's 128 tokens through the model with the session's
+  attention held (appended through `prefill`, then removed again, untimed).
+- store write (`store_write_mbps`): save_block + the canonical store's durable write (writev of
+  the block's buffers, checksum while writing, fsync, rename, fsync of the folder).
+- dd, same file size and 64 KiB requests, in the store's folder: `dd conv=fsync` for the write,
+  `iflag=nocache` then a read for the read, timed by dd itself.
 
-Also reported: the cost of a forced compaction of everything after the evicted page and of a
-restore that then has to shift those keys up (`compact_ms`, `restore_shift_ms`), a check that the
-restored keys equal the ones before eviction (`keys_max_abs_delta`), and the share of the
-machine's CPU other processes used during the run (`other_processes_cpu_share`): on a shared
-machine, a run above a few percent measured contention, not the code. Times are medians.
-Last line: one JSON object.
+Also reported: the share of the machine's CPU other processes used during the run
+(`other_processes_cpu_share`): on a shared machine, a run above a few percent measured
+contention, not the code. Times are medians. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -41,15 +37,20 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from backends import load_backend
+from backends.blockfile import IO_CHUNK_BYTES
+from benchmarks.corpus import SAMPLE_TEXT
+from contextd.client import Client
+from controller.pager import Decision, PageState
+from serving.engine import ChatRequest, Engine, EngineConfig
+from serving.launcher import ContextdProcess
+from serving.session import Session
+from serving.transcript import ChatFormat
 
-from backends import Backend, Block, load_backend
-from backends.base import IO_CHUNK_BYTES, restore_block_file
-from backends.corpus import sample_tokens
+K_PAGES = (1, 8, 32)
 
 
 def drop_from_page_cache(path: Path) -> None:
@@ -93,26 +94,45 @@ def median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3
 
 
-def mbps(nbytes: int, seconds: float | None) -> float | None:
-    return None if not seconds else nbytes / seconds / 1e6
+def build_session(engine: Engine, tokens: int) -> Session:
+    """A session of about `tokens` tokens of real text, read in user messages of ~1,500 tokens."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful coding agent."}]
+    piece = SAMPLE_TEXT
+    while True:
+        messages.append({"role": "user", "content": piece})
+        final = None
+        for event in engine.chat(ChatRequest("bench", list(messages), max_tokens=1)):
+            final = event.final or final
+        assert final is not None
+        messages.append({"role": "assistant", "content": final.content})
+        if engine.sessions["bench"].transcript.tokens >= tokens:
+            return engine.sessions["bench"]
 
 
-def timed(be: Backend, fn: Callable[[], Any]) -> tuple[float, Any]:
-    be.synchronize()
-    t0 = time.perf_counter()
-    out = fn()
-    be.synchronize()
-    return time.perf_counter() - t0, out
+class Restorer:
+    """Times the server's restore of k cold pages (and evicts them again, untimed)."""
 
+    def __init__(self, engine: Engine, session: Session, store: Path) -> None:
+        self.engine, self.session, self.store = engine, session, store
+        self.cold = [p.index for p in session.pager.pages if p.state is PageState.COLD]
 
-def compaction_costs(be: Backend, block_path: Path, start: int) -> tuple[float, float]:
-    """Lazy gaps make the common restore rotate only its own page; this is what a forced compaction
-    and then a restore into the closed gap (every later key shifted up) cost instead, on a fork."""
-    fork = be.fork()
-    compact_s, _ = timed(fork, fork.compact_positions)
-    blk = Block.from_file(block_path, expect=fork.layer_view)
-    shift_s, _ = timed(fork, lambda: fork.insert_block(blk, start))
-    return compact_s, shift_s
+    def files(self, pages: list[int]) -> list[Path]:
+        records = self.engine.contextd.get_pages("bench", [self.session.pager.pages[i].page_id for i in pages])
+        return [self.store / r.locator for r in records]
+
+    def timed(self, pages: list[int], cold: bool) -> float:
+        if cold:
+            for path in self.files(pages):
+                drop_from_page_cache(path)
+        backend = self.engine.backend
+        backend.synchronize()
+        started = time.perf_counter()
+        restored = self.engine.mover.execute(self.session, Decision(evict=[], restore=pages, plan_used=False))
+        backend.synchronize()
+        seconds = time.perf_counter() - started
+        assert restored == sorted(pages), f"restored {restored} of {pages}"
+        self.engine.mover.execute(self.session, Decision(evict=sorted(pages), restore=[], plan_used=False))
+        return seconds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,67 +141,66 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--page", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=12288, help="session length (most of it goes cold)")
+    parser.add_argument("--budget", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=15, help="restore / store / dd repetitions")
     parser.add_argument("--recompute-repeats", type=int, default=7)
-    parser.add_argument("--dir", default=None, help="directory for block files (default: system temp)")
+    parser.add_argument("--dir", default=None, help="folder for the store (default: system temp)")
     args = parser.parse_args(argv)
-    if args.tokens < 3 * args.page:
-        parser.error("--tokens must be at least three pages")
 
     cpu0 = cpu_seconds()
     wall0 = time.perf_counter()
-    t_load = time.perf_counter()
-    be = load_backend(args.backend, args.model, device=args.device, dtype=args.dtype,
-                      capacity=args.tokens + args.page)
-    ids = sample_tokens(be.tokenizer, args.tokens)
-    load_s = time.perf_counter() - t_load
-    prefill_s, _ = timed(be, lambda: be.prefill(ids))
-
-    start = (args.tokens // 2) // args.page * args.page
-    end = start + args.page
-    page_tokens = ids[start:end]
-    reference_keys = be.rotated_keys(start, end)
-
     work = Path(tempfile.mkdtemp(prefix="kve-restore-", dir=args.dir))
-    block_path = work / "page.kvblock"
-    dd_path = work / "dd.bin"
+    daemon = ContextdProcess(work / "root", work / "c.sock", extra=["--reserve-bytes", "0"])
+    daemon.start()
     try:
-        # Store write: the save path a pager runs before an eviction.
-        write_s: list[float] = []
-        block_bytes = 0
-        for _ in range(args.repeats):
-            s, block_bytes = timed(be, lambda: be.save_block(start, end).to_file(block_path))
-            write_s.append(s)
-        be.remove_attention_range(start, end)
-        view = be.layer_view
+        t_load = time.perf_counter()
+        backend = load_backend(args.backend, args.model, device=args.device, dtype=args.dtype,
+                               capacity=args.budget + 256)
+        load_s = time.perf_counter() - t_load
+        engine = Engine(backend, ChatFormat(backend.tokenizer), Client(daemon.socket), EngineConfig(
+            budget_tokens=args.budget, max_new_tokens=1))
+        t_build = time.perf_counter()
+        session = build_session(engine, args.tokens)
+        build_s = time.perf_counter() - t_build
+        restorer = Restorer(engine, session, daemon.root / "store")
+        if len(restorer.cold) < max(K_PAGES):
+            parser.error(f"only {len(restorer.cold)} cold pages; raise --tokens")
+        restorer.timed(restorer.cold[-max(K_PAGES):], cold=False)  # warm-up: the slot buffers grow once
+        page = restorer.cold[len(restorer.cold) // 2]
+        page_tokens = session.transcript.ids[session.pager.pages[page].token_start:session.pager.pages[page].token_end]
 
         restore_cold: list[float] = []
         restore_warm: list[float] = []
-        read_cold: list[float] = []
         recompute: list[float] = []
-        keys_delta = 0.0
+        by_k: dict[int, list[float]] = {k: [] for k in K_PAGES}
         for i in range(args.repeats):
-            for cold in (True, False):
-                if cold:
-                    drop_from_page_cache(block_path)
-                s, _ = timed(be, lambda: restore_block_file(be, block_path, start))
-                (restore_cold if cold else restore_warm).append(s)
-                if cold:
-                    keys_delta = max(keys_delta, float(np.abs(be.rotated_keys(start, end) - reference_keys).max()))
-                be.remove_attention_range(start, end)
-            drop_from_page_cache(block_path)
-            s, _ = timed(be, lambda: Block.from_file(block_path, expect=view))
-            read_cold.append(s)
+            restore_cold.append(restorer.timed([page], cold=True))
+            restore_warm.append(restorer.timed([page], cold=False))
+            for k in K_PAGES:
+                step = max(1, len(restorer.cold) // k)
+                by_k[k].append(restorer.timed(restorer.cold[::step][:k], cold=True))
             if i < args.recompute_repeats:
-                held = be.attention_tokens
-                s, _ = timed(be, lambda: be.prefill(page_tokens))
-                recompute.append(s)
-                be.remove_attention_range(held, held + args.page)
+                held = backend.attention_tokens
+                backend.synchronize()
+                started = time.perf_counter()
+                backend.prefill(page_tokens)
+                backend.synchronize()
+                recompute.append(time.perf_counter() - started)
+                backend.remove_attention_range(held, held + len(page_tokens))
 
-        compact_s, shift_s = compaction_costs(be, block_path, start)
+        payloads = engine.mover.payloads
+        block_path = restorer.files([page])[0]
+        block_bytes = block_path.stat().st_size
+        write_s: list[float] = []
+        start = sum(p.tokens for p in session.pager.pages if p.resident) - 256
+        for n in range(args.repeats):
+            backend.synchronize()
+            started = time.perf_counter()
+            payloads.write("bench", f"write-{n}", backend.save_block(start, start + 128).pieces())
+            write_s.append(time.perf_counter() - started)
 
+        dd_path = block_path.parent / "dd.bin"
         dd_write: list[float] = []
         dd_read: list[float] = []
         for _ in range(args.repeats):
@@ -192,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
                 dd_write.append(w)
             if r is not None:
                 dd_read.append(r)
+        counters = session.counters
+        backend_counters = backend.counters
     finally:
+        daemon.stop()
         shutil.rmtree(work, ignore_errors=True)
 
     cpu1 = cpu_seconds()
@@ -200,56 +222,54 @@ def main(argv: list[str] | None = None) -> int:
     other_cpu = None
     if cpu0 is not None and cpu1 is not None:
         other_cpu = max(0.0, (cpu1[0] - cpu0[0]) - (cpu1[1] - cpu0[1])) / wall / (os.cpu_count() or 1)
-    counters = be.counters
     restore_ms = median_ms(restore_cold)
     recompute_ms = median_ms(recompute)
+
+    def mbps(samples: list[float]) -> float | None:
+        return None if not samples else round(block_bytes / statistics.median(samples) / 1e6, 1)
+
     result: dict[str, Any] = {
         "restore_ms": round(restore_ms, 3),
         "recompute_ms": round(recompute_ms, 3),
         "restore_over_recompute": round(restore_ms / recompute_ms, 5),
         "restore_warm_ms": round(median_ms(restore_warm), 3),
-        "store_read_mbps": round(block_bytes / statistics.median(read_cold) / 1e6, 1),
-        "store_write_mbps": round(block_bytes / statistics.median(write_s) / 1e6, 1),
-        "dd_read_mbps": None if not dd_read else round(block_bytes / statistics.median(dd_read) / 1e6, 1),
-        "dd_write_mbps": None if not dd_write else round(block_bytes / statistics.median(dd_write) / 1e6, 1),
+        "restore_k_ms": {str(k): round(median_ms(v), 2) for k, v in by_k.items()},
+        "store_write_mbps": mbps(write_s),
+        "dd_write_mbps": mbps(dd_write),
+        "dd_read_mbps": mbps(dd_read),
         "block_bytes": block_bytes,
-        "compact_ms": round(compact_s * 1e3, 3),
-        "restore_shift_ms": round(shift_s * 1e3, 3),
-        "keys_max_abs_delta": keys_delta,
-        "historical_forward_during_restore": counters["historical_forward_during_restore"],
-        "accounting_exact": counters["model_forward_tokens"]
-        == counters["new_prefill_tokens"] + counters["decoded_tokens"],
+        "historical_forward_during_restore": backend_counters["historical_forward_during_restore"],
+        "accounting_exact": counters.model_forward_tokens == counters.new_prefill_tokens + counters.decoded_tokens,
         "backend": args.backend,
-        "device": be.device,
-        "model": be.model_name,
+        "device": backend.device,
+        "model": backend.model_name,
         "dtype": args.dtype,
-        "tokens": args.tokens,
-        "page": args.page,
-        "page_start": start,
+        "session_tokens": session.transcript.tokens,
+        "budget_tokens": args.budget,
+        "cold_pages": len(restorer.cold),
+        "attention_tokens": backend.attention_tokens,
         "repeats": args.repeats,
         "recompute_repeats": len(recompute),
-        "prefill_tok_s": round(args.tokens / prefill_s, 1),
+        "build_tok_s": round(session.transcript.tokens / build_s, 1),
         "load_s": round(load_s, 1),
         "other_processes_cpu_share": None if other_cpu is None else round(other_cpu, 3),
     }
-    rows = [
-        ("restore, cold file (read+decode+insert+re-anchor)", f"{result['restore_ms']:.2f} ms"),
-        ("restore, file in page cache", f"{result['restore_warm_ms']:.2f} ms"),
-        (f"recompute {args.page} tokens with {args.tokens - args.page} in attention", f"{recompute_ms:.1f} ms"),
+    rows: list[tuple[str, str]] = [
+        ("restore 1 page, cold file (server path: manifest to re-anchored keys)", f"{restore_ms:.2f} ms"),
+        ("restore 1 page, file in page cache", f"{result['restore_warm_ms']:.2f} ms"),
+        *((f"restore {k} pages in one decision, cold files", f"{ms:.2f} ms")
+          for k, ms in result["restore_k_ms"].items()),
+        ("recompute 128 tokens with the session's attention held", f"{recompute_ms:.1f} ms"),
         ("restore / recompute", f"{100 * result['restore_over_recompute']:.2f} %"),
-        ("forced compaction after the page", f"{result['compact_ms']:.2f} ms"),
-        ("restore into a closed gap (shift later keys)", f"{result['restore_shift_ms']:.2f} ms"),
         ("block file", f"{block_bytes / 1e6:.2f} MB"),
-        ("store write (save+encode+write+fsync+rename)", f"{result['store_write_mbps']} MB/s"),
+        ("store write (save+writev+checksum+fsync+rename)", f"{result['store_write_mbps']} MB/s"),
         ("dd write (bs=64K conv=fsync)", f"{result['dd_write_mbps']} MB/s"),
-        ("store read (cold read+decode+checksum)", f"{result['store_read_mbps']} MB/s"),
         ("dd read (bs=64K, after iflag=nocache)", f"{result['dd_read_mbps']} MB/s"),
-        ("restored keys vs before eviction, max |delta|", f"{keys_delta:.3g}"),
         ("historical forward tokens during restore", str(result["historical_forward_during_restore"])),
         ("CPU taken by other processes during the run", "n/a" if other_cpu is None else f"{100 * other_cpu:.0f} %"),
     ]
-    print(f"{args.backend} / {be.device} / {be.model_name} {args.dtype}, {args.tokens} tokens, page "
-          f"{start}..{end - 1}, prefill {result['prefill_tok_s']} tok/s, files in {work.parent}")
+    print(f"{args.backend} / {backend.device} / {backend.model_name} {args.dtype}: a {session.transcript.tokens}-token "
+          f"session, {len(restorer.cold)} cold pages, budget {args.budget}")
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"  {name:<{width}}  {value:>12}")

@@ -23,21 +23,19 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from backends import load_backend
-from backends.engine import ChatRequest, Engine, EngineConfig
-from backends.transcript import ChatFormat
 from benchmarks.workload import TOOLS, EvidenceFile, Fact, agent_turns, evidence_files, opening_messages
-from contextd.client import Client
 from controller.pager import PageState
 from controller.selectors import AttentionSelector, ControllerSelector, RecencySelector, SelectionContext, Selector
 from controller.units import Unit
+from serving.engine import ChatRequest, Engine, EngineConfig
+from serving.launcher import ContextdProcess
+from serving.transcript import ChatFormat
 
 
 def fact_page(engine: Engine, session_id: str, fact: Fact) -> int | None:
@@ -73,13 +71,9 @@ def build_session(engine: Engine, session_id: str, files: list[EvidenceFile]) ->
 def measure(model: str, files: int, facts_per_file: int, budget: int, controller_models: list[str],
             deadline_s: float, seed: int = 7) -> dict[str, Any]:
     base = Path(tempfile.mkdtemp(prefix="kvb-sel-", dir="/tmp"))
-    socket_path = base / "run" / "c.sock"
-    daemon = subprocess.Popen([sys.executable, "-m", "contextd.cli", "serve", "--root", str(base / "root"),
-                               "--socket", str(socket_path), "--reserve-bytes", "0"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    daemon = ContextdProcess(base / "root", base / "run" / "c.sock", extra=["--reserve-bytes", "0"])
+    client = daemon.start()
     try:
-        client = Client(socket_path)
-        client.wait_ready()
         backend = load_backend("torch", model, capacity=budget + 256)
         engine = Engine(backend, ChatFormat(backend.tokenizer), client,
                         EngineConfig(budget_tokens=budget, tail_tokens=512, max_new_tokens=8))
@@ -109,11 +103,11 @@ def measure(model: str, files: int, facts_per_file: int, budget: int, controller
                 question = [{"role": "user", "content": f"{fact.question} Answer with the value only."}]
                 probe = engine.probe(ChatRequest("sel", messages + question, tools=TOOLS), selectors)
                 for name, r in probe.items():
-                    hit = int(page in r["restore"] or page in r["resident"])
+                    hit = int(page in r.restore or page in r.resident)
                     results[name]["facts"] += 1
                     results[name]["hits"] += hit
-                    results[name]["ms"].append(r["decided_ms"])
-                    outcome = r["note"].split(":")[0].split(";")[0]  # "plan", "rubbish plan ignored", ...
+                    results[name]["ms"].append(r.decided_ms)
+                    outcome = r.note.split(":")[0].split(";")[0]  # "plan", "rubbish plan ignored", ...
                     results[name]["outcomes"][outcome] = results[name]["outcomes"].get(outcome, 0) + 1
                     tally = results[name]["by_language"].setdefault(fact.language, [0, 0])
                     tally[0] += hit
@@ -122,7 +116,7 @@ def measure(model: str, files: int, facts_per_file: int, budget: int, controller
         ask([RecencySelector(), AttentionSelector()])
         controllers: dict[str, tuple[ControllerSelector, float]] = {}
         for n, controller_model in enumerate(controller_models):
-            from controller.models import LocalControllerModel
+            from serving.controller_models import LocalControllerModel
 
             # Each controller writes its own summaries into the session's units, then answers.
             controller = ControllerSelector(LocalControllerModel(controller_model), deadline_s=deadline_s)
@@ -151,8 +145,7 @@ def measure(model: str, files: int, facts_per_file: int, budget: int, controller
                                 "languages": sorted(languages)}
         return summary
     finally:
-        daemon.terminate()
-        daemon.wait(timeout=30)
+        daemon.stop()
         shutil.rmtree(base, ignore_errors=True)
 
 

@@ -21,8 +21,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.agent import AgentRun, ServerProcess
+from benchmarks.agent import AgentRun
 from benchmarks.workload import evidence_files
+from serving.launcher import ServerProcess
 
 
 def run_once(model: str, budget: int, tokens: int, files: int) -> dict[str, Any]:

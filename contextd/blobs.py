@@ -9,9 +9,10 @@ raises DataCorrupt and is never handed out.
 The free-space reserve and the optional quota are checked here (`shortfall`); what to drop
 when space runs short is the daemon's decision, not this module's.
 
-Used by the daemon and, for the fast path that avoids copying payloads through the socket, by
-an engine on the same host (it writes and reads files directly, then records them through the
-daemon). Depends on xxhash and contextd.errors / contextd.ids.
+Payloads are written by the serving process on the same host (contextd.client.Payloads: the file
+first, then its manifest record through the daemon); the daemon reads them for `verify` and
+deletes them. This is the one durable write path of the project. Files are 0600 in 0700 folders:
+they hold the user's source code. Depends on xxhash and contextd.errors / contextd.ids.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,10 +29,19 @@ import xxhash
 
 from contextd.errors import DataCorrupt, InvalidArgument
 from contextd.ids import check_id
-from contextd.store import fsync_dir
 
 TEMP_PREFIX = ".tmp-"
+_IOV_MAX = 512
 _LOCATOR = re.compile(r"[A-Za-z0-9_:\-][A-Za-z0-9._:\-]{0,127}/[A-Za-z0-9_:\-][A-Za-z0-9._:\-]{0,200}")
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or unlink in `path` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def checksum(data: bytes | bytearray | memoryview) -> str:
@@ -83,29 +93,43 @@ class BlobStore:
             raise InvalidArgument(f"locator {locator[:60]!r} is not a store-relative payload name")
         return self.root / locator
 
-    def write(self, session_id: str, name: str, data: bytes | bytearray | memoryview,
-              suffix: str = "kv") -> StoredBlob:
-        """Write a payload durably under a fresh immutable name; return where it went."""
-        digest = checksum(data)
-        locator = self.locator(session_id, name, digest, suffix)
-        final = self.path(locator)
-        folder = final.parent
-        folder.mkdir(parents=True, exist_ok=True)
+    def write(self, session_id: str, name: str, data: bytes | Sequence[memoryview], suffix: str = "kv") -> StoredBlob:
+        """Write a payload durably under a fresh immutable name; return where it went.
+
+        `data` is the bytes or a list of buffers written back to back (a block file straight
+        from its arrays, see backends.blockfile.pack). The checksum is computed while writing."""
+        check_id(session_id, "session_id")
+        check_id(name, "payload name")
+        pending = [memoryview(data)] if isinstance(data, bytes) else [memoryview(p).cast("B") for p in data if len(p)]
+        folder = self.root / session_id
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         temp = folder / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
+        hasher = xxhash.xxh3_128()
+        total = 0
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            for piece in pending:
+                hasher.update(piece)
+                total += len(piece)
+            while pending:
+                written = os.writev(fd, pending[:_IOV_MAX])
+                if written <= 0:
+                    raise OSError(f"{temp}: write made no progress")
+                while written and written >= len(pending[0]):
+                    written -= len(pending.pop(0))
+                if written:
+                    pending[0] = pending[0][written:]
             os.fsync(fd)
         except BaseException:
             os.close(fd)
             temp.unlink(missing_ok=True)
             raise
         os.close(fd)
-        os.replace(temp, final)
+        digest = hasher.hexdigest()
+        locator = self.locator(session_id, name, digest, suffix)
+        os.replace(temp, self.path(locator))
         fsync_dir(folder)
-        return StoredBlob(locator, len(data), digest)
+        return StoredBlob(locator, total, digest)
 
     def read(self, locator: str, expected_checksum: str, expected_size: int) -> bytes:
         """The payload's bytes, after checking size and checksum; DataCorrupt otherwise."""

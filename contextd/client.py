@@ -12,34 +12,33 @@ Depends on contextd.errors, contextd.blobs, contextd.paths and the generated mod
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
 from contextd._gen import contextd_pb2 as pb
 from contextd._gen import contextd_pb2_grpc as pb_grpc
 from contextd.blobs import BlobStore, Reserve, StoredBlob
-from contextd.errors import BY_CODE, ContextdError, DaemonUnavailable, DataCorrupt, InvalidArgument, StoreFull
+from contextd.errors import BY_CODE, ContextdError, DaemonUnavailable, InvalidArgument, StoreFull
 from contextd.paths import default_socket, target
-from contextd.server import grpc_options
+from contextd.wire import MAX_MESSAGE_BYTES, PageState, grpc_options
 
 __all__ = ["Client", "Payloads", "pb"]
 
 R = TypeVar("R")
-PageState: TypeAlias = pb.PageState
 
 
 def _raise_typed(exc: grpc.RpcError, socket_path: Path) -> None:
+    """The contextd error class of the call's status code (requests over the transport's limit
+    are refused before they are sent, so RESOURCE_EXHAUSTED is always the store's)."""
     code = exc.code().name
     detail = exc.details() or code
     if code == "UNAVAILABLE":
         raise DaemonUnavailable(
             f"contextd is not answering on {socket_path} ({detail}); start it with `contextd serve`"
         ) from None
-    if code == "RESOURCE_EXHAUSTED" and "message larger than max" in detail:
-        raise InvalidArgument(f"request is larger than the transport allows: {detail}") from None
     raise BY_CODE.get(code, ContextdError)(detail) from None
 
 
@@ -62,6 +61,9 @@ class Client:
         self.close()
 
     def _call(self, method: str, request: Any, reply: type[R], timeout: float | None = None) -> R:
+        size = request.ByteSize()
+        if size > MAX_MESSAGE_BYTES:
+            raise InvalidArgument(f"{method} request of {size} bytes is over the transport's {MAX_MESSAGE_BYTES}")
         try:
             result = getattr(self._stub, method)(request, timeout=timeout or self.timeout)
         except grpc.RpcError as exc:
@@ -114,27 +116,6 @@ class Client:
             ).sessions
         )
 
-    def update_session(
-        self,
-        session_id: str,
-        *,
-        fingerprint: str | None = None,
-        turn: int | None = None,
-        attention_tokens: int | None = None,
-        budget_tokens: int | None = None,
-        counters: dict[str, int] | None = None,
-    ) -> pb.Session:
-        request = pb.UpdateSessionRequest(session_id=session_id, counters=counters or {})
-        if fingerprint is not None:
-            request.fingerprint = fingerprint
-        if turn is not None:
-            request.turn = turn
-        if attention_tokens is not None:
-            request.attention_tokens = attention_tokens
-        if budget_tokens is not None:
-            request.budget_tokens = budget_tokens
-        return self._call("UpdateSession", request, pb.Session)
-
     def close_session(self, session_id: str) -> pb.Session:
         return self._call("CloseSession", pb.SessionRef(session_id=session_id), pb.Session)
 
@@ -148,24 +129,18 @@ class Client:
             "UpsertPages", pb.UpsertPagesRequest(session_id=session_id, pages=list(pages)), pb.WriteAck
         )
 
-    def set_page_states(
-        self, session_id: str, changes: Iterable[tuple[str, PageState]], turn: int = 0
-    ) -> pb.WriteAck:
-        return self._call(
-            "SetPageStates",
-            pb.SetPageStatesRequest(
-                session_id=session_id,
-                changes=[
-                    pb.PageStateChange(page_id=page_id, state=state, last_used_turn=turn)
-                    for page_id, state in changes
-                ],
-            ),
-            pb.WriteAck,
-        )
+    def set_page_states(self, session_id: str, changes: Iterable[pb.PageStateChange]) -> pb.WriteAck:
+        return self._call("SetPageStates", pb.SetPageStatesRequest(session_id=session_id, changes=list(changes)),
+                          pb.WriteAck)
 
     def delete_pages(self, session_id: str, page_ids: Iterable[str]) -> pb.WriteAck:
         return self._call("DeletePages", pb.DeletePagesRequest(session_id=session_id, page_ids=list(page_ids)),
                           pb.WriteAck)
+
+    def get_pages(self, session_id: str, page_ids: Iterable[str]) -> list[pb.Page]:
+        """The named pages that exist, in the order asked."""
+        return list(self._call("GetPages", pb.GetPagesRequest(session_id=session_id, page_ids=list(page_ids)),
+                               pb.QueryPagesResponse).pages)
 
     def query_pages(
         self, session_id: str, states: Iterable[PageState] = (), page_size: int = 4096
@@ -173,11 +148,12 @@ class Client:
         """Every page of the session in the given states (all states when empty), by page_id."""
         pages: list[pb.Page] = []
         after = ""
+        wanted = [s.name for s in states]
         while True:
             reply = self._call(
                 "QueryPages",
                 pb.QueryPagesRequest(
-                    session_id=session_id, states=list(states), start_after=after, limit=page_size
+                    session_id=session_id, states=wanted, start_after=after, limit=page_size
                 ),
                 pb.QueryPagesResponse,
             )
@@ -187,20 +163,6 @@ class Client:
             after = reply.next_after
 
     # payloads
-
-    def write_page_data(
-        self, session_id: str, page_id: str, data: bytes, dtype: str = "", layer_view: str = ""
-    ) -> pb.WriteAck:
-        return self._call(
-            "WritePageData",
-            pb.WritePageDataRequest(
-                session_id=session_id, page_id=page_id, data=data, dtype=dtype, layer_view=layer_view
-            ),
-            pb.WriteAck,
-        )
-
-    def read_page_data(self, session_id: str, page_id: str) -> pb.PageData:
-        return self._call("ReadPageData", pb.PageRef(session_id=session_id, page_id=page_id), pb.PageData)
 
     def report_corrupt(self, session_id: str, page_id: str, reason: str) -> pb.WriteAck:
         return self._call(
@@ -218,7 +180,7 @@ class Client:
         reserve = Reserve(bytes=status.reserve_bytes, quota_bytes=status.quota_bytes)
         return Payloads(self, BlobStore(Path(status.root) / "store", reserve))
 
-    # blocks, tags
+    # blocks
 
     def upsert_blocks(self, session_id: str, blocks: Iterable[pb.Block]) -> pb.WriteAck:
         return self._call(
@@ -232,29 +194,7 @@ class Client:
             ).blocks
         )
 
-    def set_tags(
-        self, session_id: str, add: Iterable[tuple[str, str]] = (), remove: Iterable[tuple[str, str]] = ()
-    ) -> pb.WriteAck:
-        return self._call(
-            "SetTags",
-            pb.SetTagsRequest(
-                session_id=session_id,
-                add=[pb.Tag(block_id=b, tag=t) for b, t in add],
-                remove=[pb.Tag(block_id=b, tag=t) for b, t in remove],
-            ),
-            pb.WriteAck,
-        )
-
-    def query_tags(self, session_id: str, tag: str = "", block_id: str = "") -> list[pb.Tag]:
-        return list(
-            self._call(
-                "QueryTags",
-                pb.QueryTagsRequest(session_id=session_id, tag=tag, block_id=block_id),
-                pb.QueryTagsResponse,
-            ).tags
-        )
-
-    # pins, leases, scores
+    # pins, leases
 
     def set_pins(
         self, session_id: str, add: Iterable[tuple[str, str]] = (), remove: Iterable[str] = ()
@@ -284,37 +224,10 @@ class Client:
             self._call("QueryLeases", pb.SessionRef(session_id=session_id), pb.QueryLeasesResponse).leases
         )
 
-    def set_scores(self, session_id: str, scores: dict[str, float]) -> pb.WriteAck:
-        return self._call(
-            "SetScores",
-            pb.SetScoresRequest(
-                session_id=session_id, scores=[pb.Score(page_id=p, usefulness=u) for p, u in scores.items()]
-            ),
-            pb.WriteAck,
-        )
+    # snapshots, records
 
-    def query_scores(self, session_id: str) -> dict[str, float]:
-        reply = self._call("QueryScores", pb.SessionRef(session_id=session_id), pb.QueryScoresResponse)
-        return {s.page_id: s.usefulness for s in reply.scores}
-
-    # ledger, snapshots
-
-    def append_ledger(self, session_id: str, entries: Iterable[pb.LedgerEntry]) -> pb.WriteAck:
-        return self._call(
-            "AppendLedger", pb.AppendLedgerRequest(session_id=session_id, entries=list(entries)), pb.WriteAck
-        )
-
-    def query_ledger(self, session_id: str) -> list[pb.LedgerEntry]:
-        return list(
-            self._call("QueryLedger", pb.SessionRef(session_id=session_id), pb.QueryLedgerResponse).entries
-        )
-
-    def put_snapshot(self, session_id: str, snapshot: pb.Snapshot, data: bytes = b"") -> pb.WriteAck:
-        return self._call(
-            "PutSnapshot",
-            pb.PutSnapshotRequest(session_id=session_id, snapshot=snapshot, data=data),
-            pb.WriteAck,
-        )
+    def put_snapshot(self, session_id: str, snapshot: pb.Snapshot) -> pb.WriteAck:
+        return self._call("PutSnapshot", pb.PutSnapshotRequest(session_id=session_id, snapshot=snapshot), pb.WriteAck)
 
     def query_snapshots(self, session_id: str) -> list[pb.Snapshot]:
         return list(
@@ -322,6 +235,15 @@ class Client:
                 "QuerySnapshots", pb.SessionRef(session_id=session_id), pb.QuerySnapshotsResponse
             ).snapshots
         )
+
+    def write_record(self, session_id: str, record: pb.SessionRecord, keep_segments: int,
+                     append: Iterable[pb.TranscriptSegment]) -> pb.WriteAck:
+        return self._call("WriteRecord", pb.WriteRecordRequest(session_id=session_id, record=record,
+                                                               keep_segments=keep_segments, append=list(append)),
+                          pb.WriteAck)
+
+    def read_record(self, session_id: str) -> pb.RecordReply:
+        return self._call("ReadRecord", pb.SessionRef(session_id=session_id), pb.RecordReply)
 
     # status, maintenance
 
@@ -352,30 +274,28 @@ class Client:
 
 
 class Payloads:
-    """Same-host payload files: write and read without copying through the socket.
+    """Same-host payload files: written and read without copying them through the socket.
 
     Writes honour the daemon's reserve and quota: when space is short the daemon is asked to
     drop cold pages first, and StoreFull is raised when it cannot. The caller records the
-    returned StoredBlob in the manifest with `upsert_pages` (payload first, manifest second, so
-    the manifest never points at a file that is not there).
+    returned StoredBlob in the manifest with `upsert_pages` / `put_snapshot` (payload first,
+    manifest second, so the manifest never points at a file that is not there). Readers verify
+    the manifest's checksum themselves (backends' block reader does it while streaming) and
+    report a mismatch with `report_corrupt`.
     """
 
     def __init__(self, client: Client, blobs: BlobStore) -> None:
         self.client = client
         self.blobs = blobs
 
-    def write(self, session_id: str, page_id: str, data: bytes | bytearray | memoryview) -> StoredBlob:
-        needed = self.blobs.shortfall(len(data), self.client.status().store_bytes)
+    def write(self, session_id: str, name: str, data: bytes | Sequence[memoryview], suffix: str = "kv") -> StoredBlob:
+        size = len(data) if isinstance(data, bytes) else sum(len(memoryview(p).cast("B")) for p in data)
+        # The store's own size only matters under a quota; free space is read here, not asked for.
+        store_bytes = self.client.status().store_bytes if self.blobs.reserve.quota_bytes else 0
+        needed = self.blobs.shortfall(size, store_bytes)
         if needed and self.client.reclaim(needed).bytes_freed < needed:
-            raise StoreFull(
-                f"no room for a {len(data)}-byte page: {needed} bytes short and nothing left to drop"
-            )
-        return self.blobs.write(session_id, page_id, data)
+            raise StoreFull(f"no room for a {size}-byte payload: {needed} bytes short and nothing left to drop")
+        return self.blobs.write(session_id, name, data, suffix)
 
-    def read(self, session_id: str, page: pb.Page) -> bytes:
-        """The page's payload, checked; a failure is reported to the daemon and re-raised."""
-        try:
-            return self.blobs.read(page.locator, page.checksum, page.byte_size)
-        except DataCorrupt as exc:
-            self.client.report_corrupt(session_id, page.page_id, str(exc))
-            raise
+    def path(self, locator: str) -> Path:
+        return self.blobs.path(locator)

@@ -1,4 +1,4 @@
-"""contextd's verbs: sessions, pages, payloads, blocks, pins, leases, ledger, snapshots, status.
+"""contextd's verbs: sessions, pages, payloads, blocks, pins, leases, snapshots, records, status.
 
 Records are plain dicts whose keys are the proto field names (the service layer converts), so a
 record in LMDB reads the same as the message on the wire. Every write verb is one operation in
@@ -26,25 +26,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from contextd.blobs import TEMP_PREFIX, BlobStore, Reserve, StoredBlob
+from contextd.blobs import TEMP_PREFIX, BlobStore, Reserve
 from contextd.errors import DataCorrupt, FailedPrecondition, InvalidArgument, NotFound, StoreFull
 from contextd.ids import check_id, key, prefix
 from contextd.store import SCHEMA_VERSION, CommitInfo, Store, SyncMode, Txn
+from contextd.wire import MAX_BATCH, MAX_SEGMENT_TEXT, MAX_TEXT, PIN_KINDS, PageState
 
 Record = dict[str, Any]
 
-HOT, COLD, PINNED, DROPPED, CORRUPT = 1, 2, 3, 4, 5
-STATE_NAMES = {HOT: "hot", COLD: "cold", PINNED: "pinned", DROPPED: "dropped", CORRUPT: "corrupt"}
-RESIDENT = (HOT, PINNED)
+HOT, COLD, PINNED, DROPPED, CORRUPT = (PageState.HOT, PageState.COLD, PageState.PINNED, PageState.DROPPED,
+                                       PageState.CORRUPT)
+STATE_NAMES = {s: s.name.lower() for s in PageState}
 COUNT_KEYS = ("hot", "cold", "pinned", "dropped", "corrupt", "hot_tokens", "cold_tokens", "pinned_tokens",
               "bytes_on_disk")
-PIN_KINDS = ("system", "tools", "objective", "ledger", "plan")
 BLOCK_KINDS = ("unit", "cluster")
-MAX_BATCH = 65536
-MAX_TEXT = 64 * 1024
 
 PAGE_FIELDS = ("page_id", "index", "token_start", "token_end", "original_position", "state", "locator",
-               "byte_size", "checksum", "dtype", "layer_view", "block_id", "updated_unix", "last_used_turn")
+               "byte_size", "checksum", "dtype", "layer_view", "block_id", "updated_unix", "last_used_turn", "score")
 
 
 def _empty_counts() -> Record:
@@ -145,26 +143,6 @@ class Daemon:
         with self.store.read() as txn:
             return [r for _, r in txn.scan("sessions", b"") if include_closed or not r["closed"]]
 
-    def update_session(self, request: Record) -> Record:
-        session_id = request["session_id"]
-        counters = request.get("counters", {})
-        if len(counters) > 256:
-            raise InvalidArgument("at most 256 counters per session")
-        for name in counters:
-            _check_text(name, "counter name", 64)
-
-        def op(txn: Txn) -> Record:
-            record = self._session(txn, session_id)
-            for name in ("fingerprint", "turn", "attention_tokens", "budget_tokens"):
-                if request.get(name) is not None:
-                    record[name] = request[name]
-            record["counters"].update(counters)
-            record["updated_unix"] = time.time()
-            txn.put("sessions", key(session_id), record)
-            return record
-
-        return self.store.write(op)[0]
-
     def close_session(self, session_id: str) -> Record:
         def op(txn: Txn) -> Record:
             record = self._session(txn, session_id)
@@ -179,8 +157,7 @@ class Daemon:
         def op(txn: Txn) -> int:
             self._session(txn, session_id)
             pages = txn.delete_prefix("kv_manifest", prefix(session_id))
-            for table in ("page_state", "blocks", "tags", "tags_by_name", "pins", "leases", "ledger",
-                          "snapshots", "scores"):
+            for table in ("page_state", "blocks", "pins", "leases", "snapshots", "records", "segments"):
                 txn.delete_prefix(table, prefix(session_id))
             txn.delete("sessions", key(session_id))
             return pages
@@ -223,10 +200,10 @@ class Daemon:
     def _put_page(txn: Txn, session_id: str, counts: Record, old: Record | None, page: Record) -> None:
         if old is not None:
             _account(counts, old, -1)
-            txn.delete("page_state", key(session_id, str(old["state"]), old["page_id"]))
+            txn.delete("page_state", key(session_id, str(int(old["state"])), old["page_id"]))
         _account(counts, page, 1)
         txn.put("kv_manifest", key(session_id, page["page_id"]), page)
-        txn.put_raw("page_state", key(session_id, str(page["state"]), page["page_id"]))
+        txn.put_raw("page_state", key(session_id, str(int(page["state"])), page["page_id"]))
 
     def upsert_pages(self, session_id: str, pages: list[Record]) -> CommitInfo:
         _check_batch(pages, "pages")
@@ -257,6 +234,8 @@ class Daemon:
         _check_batch(changes, "state changes")
         for change in changes:
             check_id(change["page_id"], "page_id")
+            if change.get("score", 0.0) != change.get("score", 0.0):
+                raise InvalidArgument(f"page {change['page_id']}: score is NaN")
             if change["state"] not in (HOT, COLD, PINNED):
                 raise InvalidArgument(
                     f"page {change['page_id']}: state must be HOT, COLD or PINNED (got {change['state']})")
@@ -274,6 +253,8 @@ class Daemon:
                 page["updated_unix"] = now
                 if change.get("last_used_turn"):
                     page["last_used_turn"] = change["last_used_turn"]
+                if page["state"] in (HOT, PINNED) and old["state"] == COLD:
+                    page["score"] = float(change.get("score", 0.0))
                 if page["state"] == COLD and (not page["locator"] or old["state"] in (DROPPED, CORRUPT)):
                     raise FailedPrecondition(
                         f"page {page['page_id']} has no valid stored payload; write it before marking it cold")
@@ -302,8 +283,7 @@ class Daemon:
                     raise FailedPrecondition(f"page {page_id} is pinned or leased; it cannot be deleted")
                 _account(session["pages"], page, -1)
                 txn.delete("kv_manifest", key(session_id, page_id))
-                txn.delete("page_state", key(session_id, str(page["state"]), page_id))
-                txn.delete("scores", key(session_id, page_id))
+                txn.delete("page_state", key(session_id, str(int(page["state"])), page_id))
                 if page["locator"]:
                     removed.append(page["locator"])
             txn.put("sessions", key(session_id), session)
@@ -332,7 +312,7 @@ class Daemon:
                         break
             else:
                 for state in sorted(set(states)):
-                    for state_key in txn.scan_keys("page_state", prefix(session_id, str(state))):
+                    for state_key in txn.scan_keys("page_state", prefix(session_id, str(int(state)))):
                         page_id = state_key.rsplit(b"\x00", 1)[1].decode()
                         if start_after and page_id <= start_after:
                             continue
@@ -344,13 +324,15 @@ class Daemon:
             return pages[:limit], str(pages[limit - 1]["page_id"])
         return pages, ""
 
-    def get_page(self, session_id: str, page_id: str) -> Record:
+    def get_pages(self, session_id: str, page_ids: list[str]) -> list[Record]:
+        """The named pages that exist, in the order asked: one lookup each, whatever the session's size."""
+        _check_batch(page_ids, "pages")
+        for page_id in page_ids:
+            check_id(page_id, "page_id")
         with self.store.read() as txn:
             self._session(txn, session_id)
-            page = txn.get("kv_manifest", key(session_id, check_id(page_id, "page_id")))
-        if page is None:
-            raise NotFound(f"session {session_id} has no page {page_id!r}")
-        return page
+            found = [txn.get("kv_manifest", key(session_id, page_id)) for page_id in page_ids]
+        return [page for page in found if page is not None]
 
     # ----------------------------------------------------------------- payloads
 
@@ -374,22 +356,20 @@ class Daemon:
                     f"be freed from cold, unpinned, unleased pages (free {self.blobs.free_bytes()}, "
                     f"reserve {self.blobs.reserve_bytes()}, quota {self.blobs.reserve.quota_bytes or 'none'})")
 
-    def _droppable(self, txn: Txn) -> list[tuple[float, int, float, str, str, int]]:
-        """Cold payloads that may go: (usefulness, last_used_turn, updated, session, page, size)."""
+    def _droppable(self, txn: Txn) -> list[tuple[int, float, str, str, int]]:
+        """Cold payloads that may go, least recently used first: (last_used_turn, updated, session,
+        page, size)."""
         now = time.time()
         candidates = []
         for _, session in txn.scan("sessions", b""):
             sid = session["session_id"]
-            for state_key in txn.scan_keys("page_state", prefix(sid, str(COLD))):
+            for state_key in txn.scan_keys("page_state", prefix(sid, str(int(COLD)))):
                 page_id = state_key.rsplit(b"\x00", 1)[1].decode()
                 if not self._may_drop(txn, sid, page_id, session["turn"], now):
                     continue
                 page = txn.get("kv_manifest", key(sid, page_id))
                 assert page is not None
-                score = txn.get("scores", key(sid, page_id))
-                usefulness = float(score["usefulness"]) if score else 0.0
-                candidates.append((usefulness, page["last_used_turn"], page["updated_unix"], sid, page_id,
-                                   page["byte_size"]))
+                candidates.append((page["last_used_turn"], page["updated_unix"], sid, page_id, page["byte_size"]))
         candidates.sort()
         return candidates
 
@@ -401,7 +381,7 @@ class Daemon:
         return lease is None or not _lease_active(lease, turn, now)
 
     def reclaim(self, bytes_needed: int) -> tuple[int, list[tuple[str, str]]]:
-        """Drop the least useful cold, unpinned, unleased payloads until bytes_needed are freed.
+        """Drop the least recently used cold, unpinned, unleased payloads until bytes_needed are freed.
 
         Nothing resident (hot or pinned) and nothing pinned or leased is ever dropped. When the
         droppable pages cannot cover bytes_needed, none is dropped and (0, []) is returned.
@@ -411,7 +391,7 @@ class Daemon:
                 candidates = self._droppable(txn)
             chosen: list[tuple[str, str]] = []
             planned = 0
-            for _, _, _, sid, page_id, size in candidates:
+            for _, _, sid, page_id, size in candidates:
                 if planned >= bytes_needed:
                     break
                 chosen.append((sid, page_id))
@@ -438,51 +418,6 @@ class Daemon:
             locators = self.store.write(op)[0]
             return sum(self.blobs.delete(loc) for loc in locators), chosen
 
-    def write_page_data(self, session_id: str, page_id: str, data: bytes, dtype: str, layer_view: str
-                        ) -> CommitInfo:
-        self.get_page(session_id, page_id)
-        with self._space_lock:
-            self.make_room(len(data))
-            blob = self.blobs.write(session_id, page_id, data)
-        replaced: list[str] = []
-
-        def op(txn: Txn) -> None:
-            session = self._session(txn, session_id)
-            old = txn.get("kv_manifest", key(session_id, page_id))
-            if old is None:
-                raise NotFound(f"session {session_id} has no page {page_id!r}")
-            page = dict(old, locator=blob.locator, byte_size=blob.byte_size, checksum=blob.checksum,
-                        dtype=dtype or old["dtype"], layer_view=layer_view or old["layer_view"],
-                        updated_unix=time.time())
-            if old["state"] in (DROPPED, CORRUPT):
-                page["state"] = COLD
-            self._put_page(txn, session_id, session["pages"], old, page)
-            txn.put("sessions", key(session_id), session)
-            if old["locator"] and old["locator"] != blob.locator:
-                replaced.append(old["locator"])
-
-        try:
-            info = self.store.write(op)[1]
-        except BaseException:
-            self.blobs.delete(blob.locator)
-            raise
-        for locator in replaced:
-            self.blobs.delete(locator)
-        return info
-
-    def read_page_data(self, session_id: str, page_id: str) -> tuple[Record, bytes]:
-        page = self.get_page(session_id, page_id)
-        if page["state"] in (DROPPED, CORRUPT):
-            raise DataCorrupt(f"page {page_id} is {STATE_NAMES[page['state']]}; it has no payload to serve")
-        if not page["locator"]:
-            raise FailedPrecondition(f"page {page_id} has no stored payload yet")
-        try:
-            data = self.blobs.read(page["locator"], page["checksum"], page["byte_size"])
-        except DataCorrupt as exc:
-            self.mark_corrupt(session_id, page_id, str(exc))
-            raise
-        return page, data
-
     def mark_corrupt(self, session_id: str, page_id: str, reason: str) -> CommitInfo:
         def op(txn: Txn) -> None:
             session = self._session(txn, session_id)
@@ -497,7 +432,7 @@ class Daemon:
 
         return self.store.write(op)[1]
 
-    # ----------------------------------------------------------------- blocks, tags
+    # ----------------------------------------------------------------- blocks
 
     def upsert_blocks(self, session_id: str, blocks: list[Record]) -> CommitInfo:
         _check_batch(blocks, "blocks")
@@ -524,38 +459,7 @@ class Daemon:
             self._session(txn, session_id)
             return [b for _, b in txn.scan("blocks", prefix(session_id)) if not kind or b["kind"] == kind]
 
-    def set_tags(self, session_id: str, add: list[Record], remove: list[Record]) -> CommitInfo:
-        _check_batch(add + remove, "tags")
-        for tag in add + remove:
-            check_id(tag["block_id"], "block_id")
-            check_id(tag["tag"], "tag")
-
-        def op(txn: Txn) -> int:
-            self._session(txn, session_id)
-            for tag in remove:
-                txn.delete("tags", key(session_id, tag["block_id"], tag["tag"]))
-                txn.delete("tags_by_name", key(session_id, tag["tag"], tag["block_id"]))
-            for tag in add:
-                txn.put_raw("tags", key(session_id, tag["block_id"], tag["tag"]))
-                txn.put_raw("tags_by_name", key(session_id, tag["tag"], tag["block_id"]))
-            return len(add) + len(remove)
-
-        return self.store.write(op)[1]
-
-    def query_tags(self, session_id: str, tag: str, block_id: str) -> list[Record]:
-        with self.store.read() as txn:
-            self._session(txn, session_id)
-            if tag:
-                keys = txn.scan_keys("tags_by_name", prefix(session_id, check_id(tag, "tag")))
-                rows = [k.split(b"\x00")[1:] for k in keys]
-                found = [{"tag": t.decode(), "block_id": b.decode()} for t, b in rows]
-            else:
-                scope = prefix(session_id, check_id(block_id, "block_id")) if block_id else prefix(session_id)
-                rows = [k.split(b"\x00")[1:] for k in txn.scan_keys("tags", scope)]
-                found = [{"block_id": b.decode(), "tag": t.decode()} for b, t in rows]
-        return [f for f in found if not block_id or f["block_id"] == block_id]
-
-    # ----------------------------------------------------------------- pins, leases, scores
+    # ----------------------------------------------------------------- pins, leases
 
     def set_pins(self, session_id: str, add: list[Record], remove: list[str]) -> CommitInfo:
         _check_batch(add + [{}] * len(remove), "pins")
@@ -613,91 +517,92 @@ class Daemon:
             self._session(txn, session_id)
             return [dict(r, page_id=k.split(b"\x00")[1].decode()) for k, r in txn.scan("leases", prefix(session_id))]
 
-    def set_scores(self, session_id: str, scores: list[Record]) -> CommitInfo:
-        _check_batch(scores, "scores")
-        for score in scores:
-            check_id(score["page_id"], "page_id")
-            if score["usefulness"] != score["usefulness"]:
-                raise InvalidArgument(f"usefulness of {score['page_id']} is NaN")
+    # ----------------------------------------------------------------- snapshots, records
 
-        def op(txn: Txn) -> int:
-            self._session(txn, session_id)
-            for score in scores:
-                txn.put("scores", key(session_id, score["page_id"]), {"usefulness": score["usefulness"]})
-            return len(scores)
-
-        return self.store.write(op)[1]
-
-    def query_scores(self, session_id: str) -> list[Record]:
-        with self.store.read() as txn:
-            self._session(txn, session_id)
-            return [{"page_id": k.split(b"\x00")[1].decode(), "usefulness": r["usefulness"]}
-                    for k, r in txn.scan("scores", prefix(session_id))]
-
-    # ----------------------------------------------------------------- ledger, snapshots
-
-    def append_ledger(self, session_id: str, entries: list[Record]) -> CommitInfo:
-        _check_batch(entries, "ledger entries")
-        for entry in entries:
-            _check_text(entry["tool_name"], "tool_name", 256)
-            _check_text(entry["call_id"], "call_id", 256)
-            if entry["token_end"] < entry["token_start"]:
-                raise InvalidArgument("ledger entry token range is inverted")
-            if entry["page_id"]:
-                check_id(entry["page_id"], "page_id")
-
-        def op(txn: Txn) -> int:
-            session = self._session(txn, session_id)
-            seq = int(session.get("ledger_seq", 0))
-            for entry in entries:
-                seq += 1
-                txn.put("ledger", key(session_id, f"{seq:020d}"), dict(entry, seq=seq))
-            session["ledger_seq"] = seq
-            txn.put("sessions", key(session_id), session)
-            return len(entries)
-
-        return self.store.write(op)[1]
-
-    def query_ledger(self, session_id: str) -> list[Record]:
-        with self.store.read() as txn:
-            self._session(txn, session_id)
-            return [r for _, r in txn.scan("ledger", prefix(session_id))]
-
-    def put_snapshot(self, session_id: str, snapshot: Record, data: bytes) -> CommitInfo:
+    def put_snapshot(self, session_id: str, snapshot: Record) -> CommitInfo:
+        """Record a snapshot whose payload is already in the store; the slot's previous payload
+        is deleted after the commit."""
         slot = check_id(snapshot["slot"], "snapshot slot")
         _check_text(snapshot["fingerprint"], "fingerprint", 256)
-        self.get_session(session_id)
-        blob: StoredBlob | None = None
-        if data:
-            with self._space_lock:
-                self.make_room(len(data))
-                blob = self.blobs.write(session_id, f"snapshot-{slot}", data, suffix="rs")
-            snapshot = dict(snapshot, locator=blob.locator, byte_size=blob.byte_size, checksum=blob.checksum)
-        elif snapshot["locator"] and not self.blobs.exists(snapshot["locator"], snapshot["byte_size"]):
-            raise FailedPrecondition(f"snapshot {slot}: no payload at {snapshot['locator']}")
+        locator = snapshot["locator"]
+        if not locator.startswith(session_id + "/"):
+            raise InvalidArgument(f"snapshot {slot}: locator is outside session {session_id}")
+        if not self.blobs.exists(locator, snapshot["byte_size"]):
+            raise FailedPrecondition(f"snapshot {slot}: no payload of {snapshot['byte_size']} bytes at {locator}")
         replaced: list[str] = []
 
         def op(txn: Txn) -> None:
             self._session(txn, session_id)
             old = txn.get("snapshots", key(session_id, slot))
-            if old is not None and old["locator"] and old["locator"] != snapshot["locator"]:
+            if old is not None and old["locator"] and old["locator"] != locator:
                 replaced.append(old["locator"])
             txn.put("snapshots", key(session_id, slot), dict(snapshot, created_unix=time.time()))
 
-        try:
-            info = self.store.write(op)[1]
-        except BaseException:
-            if blob is not None:
-                self.blobs.delete(blob.locator)
-            raise
-        for locator in replaced:
-            self.blobs.delete(locator)
+        info = self.store.write(op)[1]
+        for old_locator in replaced:
+            self.blobs.delete(old_locator)
         return info
 
     def query_snapshots(self, session_id: str) -> list[Record]:
         with self.store.read() as txn:
             self._session(txn, session_id)
             return [r for _, r in txn.scan("snapshots", prefix(session_id))]
+
+    def write_record(self, session_id: str, record: Record, keep_segments: int, append: list[Record]) -> CommitInfo:
+        """The end of a turn in one transaction: the session's counters, turn and fingerprint, its
+        record, and its transcript cut back to `keep_segments` segments and extended by `append`."""
+        _check_batch(append, "segments")
+        _check_text(record["fingerprint"], "fingerprint", 256)
+        check_id(record["unit_salt"], "unit_salt")
+        if len(record["fingerprint_parts"]) > 8 or any(len(p) > 256 for p in record["fingerprint_parts"]):
+            raise InvalidArgument("fingerprint_parts holds at most 8 strings of at most 256 characters")
+        if any(len(h) > 128 for h in record["message_hashes"]) or len(record["message_hashes"]) > MAX_BATCH:
+            raise InvalidArgument("message_hashes holds at most 65536 strings of at most 128 characters")
+        if len(record["counters"]) > 256 or any(len(name) > 64 for name in record["counters"]):
+            raise InvalidArgument("at most 256 counters, names of at most 64 characters")
+        if len(record["resident_pages"]) != len(record["resident_positions"]):
+            raise InvalidArgument("resident_pages and resident_positions must have one entry each per page")
+        for name in ("ledger_pages", "resident_pages"):
+            _check_batch(record[name], name)
+        for segment in append:
+            _check_text(segment["text"], "segment text", MAX_SEGMENT_TEXT)
+
+        def op(txn: Txn) -> int:
+            session = self._session(txn, session_id)
+            old = txn.get("records", key(session_id)) or {"segments": 0, "tokens": 0}
+            if keep_segments > old["segments"]:
+                raise FailedPrecondition(f"session {session_id} has {old['segments']} stored segments; "
+                                         f"cannot keep {keep_segments}")
+            tokens = old["tokens"]
+            for seq in range(keep_segments, old["segments"]):
+                gone = txn.get("segments", key(session_id, f"{seq:012d}"))
+                assert gone is not None, "a session's segments are contiguous"
+                tokens -= len(gone["token_ids"])
+                txn.delete("segments", key(session_id, f"{seq:012d}"))
+            for n, segment in enumerate(append):
+                tokens += len(segment["token_ids"])
+                txn.put("segments", key(session_id, f"{keep_segments + n:012d}"), segment)
+            txn.put("records", key(session_id), dict(record, segments=keep_segments + len(append), tokens=tokens))
+            for name in ("turn", "attention_tokens", "fingerprint"):
+                session[name] = record[name]
+            session["counters"] = dict(record["counters"])
+            session["updated_unix"] = time.time()
+            txn.put("sessions", key(session_id), session)
+            return len(append)
+
+        return self.store.write(op)[1]
+
+    def read_record(self, session_id: str) -> tuple[Record, list[Record]]:
+        with self.store.read() as txn:
+            self._session(txn, session_id)
+            record = txn.get("records", key(session_id))
+            if record is None:
+                raise NotFound(f"session {session_id} has no record yet (no turn has completed)")
+            segments = [s for _, s in txn.scan("segments", prefix(session_id))]
+        if len(segments) != record["segments"]:
+            raise DataCorrupt(f"session {session_id}: the record names {record['segments']} segments, "
+                              f"{len(segments)} are stored")
+        return record, segments
 
     # ----------------------------------------------------------------- status, gc, verify
 

@@ -7,7 +7,7 @@
   - SIGTERM / SIGINT: stop taking calls, let in-flight calls and queued commits finish, close
     LMDB, remove the socket.
 
-Depends on contextd.daemon, contextd.service, contextd.paths, contextd.errors.
+Depends on contextd.daemon, contextd.service, contextd.paths, contextd.errors, contextd.wire.
 """
 
 from __future__ import annotations
@@ -31,17 +31,12 @@ from contextd.daemon import Daemon, DaemonConfig
 from contextd.errors import AlreadyRunning, InvalidArgument
 from contextd.paths import MAX_SOCKET_PATH, target
 from contextd.service import ContextdService
+from contextd.wire import grpc_options
 
 log = logging.getLogger("contextd")
 
-MAX_MESSAGE_BYTES = 64 << 20
 WORKERS = 64
 SHUTDOWN_GRACE_S = 10.0
-
-
-def grpc_options() -> list[tuple[str, int]]:
-    return [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
 
 def _lock_root(root: Path) -> IO[str]:

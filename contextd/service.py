@@ -24,8 +24,9 @@ from contextd.store import CommitInfo
 
 log = logging.getLogger("contextd")
 
-BLOCK_FIELDS = ("block_id", "kind", "parent_id", "page_ids", "child_ids", "token_count", "summary", "usefulness")
-LEDGER_FIELDS = ("seq", "turn", "tool_name", "call_id", "token_start", "token_end", "page_id")
+BLOCK_FIELDS = ("block_id", "kind", "parent_id", "page_ids", "child_ids", "token_count", "summary")
+RECORD_SCALARS = ("turn", "attention_tokens", "fingerprint", "unit_salt", "segments", "tokens")
+RECORD_LISTS = ("fingerprint_parts", "message_hashes", "ledger_pages", "resident_pages", "resident_positions")
 SNAPSHOT_FIELDS = ("slot", "token_count", "fingerprint", "locator", "byte_size", "checksum", "created_unix")
 SESSION_SCALARS = ("session_id", "model_id", "fingerprint", "budget_tokens", "closed", "created_unix",
                    "updated_unix", "turn", "attention_tokens")
@@ -48,6 +49,12 @@ def _fields_with_lists(msg: Any, names: tuple[str, ...], lists: tuple[str, ...])
 
 def _page(record: Record) -> pb.Page:
     return pb.Page(**{name: record[name] for name in PAGE_FIELDS})
+
+
+def _record_fields(msg: pb.SessionRecord) -> Record:
+    record = _fields(msg, RECORD_SCALARS)
+    record.update(counters=dict(msg.counters), **{name: list(getattr(msg, name)) for name in RECORD_LISTS})
+    return record
 
 
 def _counts(record: Record) -> pb.PageCounts:
@@ -110,12 +117,6 @@ class ContextdService(pb_grpc.ContextdServicer):
         return self._call(context, lambda: pb.ListSessionsResponse(
             sessions=[_session(s) for s in self.daemon.list_sessions(request.include_closed)]))
 
-    def UpdateSession(self, request: pb.UpdateSessionRequest, context: grpc.ServicerContext) -> pb.Session:
-        update: Record = {"session_id": request.session_id, "counters": dict(request.counters)}
-        for name in ("fingerprint", "turn", "attention_tokens", "budget_tokens"):
-            update[name] = getattr(request, name) if request.HasField(name) else None
-        return self._call(context, lambda: _session(self.daemon.update_session(update)))
-
     def CloseSession(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.Session:
         return self._call(context, lambda: _session(self.daemon.close_session(request.session_id)))
 
@@ -132,7 +133,7 @@ class ContextdService(pb_grpc.ContextdServicer):
         return self._call(context, lambda: _ack(self.daemon.upsert_pages(request.session_id, pages), len(pages)))
 
     def SetPageStates(self, request: pb.SetPageStatesRequest, context: grpc.ServicerContext) -> pb.WriteAck:
-        changes = [{"page_id": c.page_id, "state": c.state, "last_used_turn": c.last_used_turn}
+        changes = [{"page_id": c.page_id, "state": c.state, "last_used_turn": c.last_used_turn, "score": c.score}
                    for c in request.changes]
         return self._call(context, lambda: _ack(self.daemon.set_page_states(request.session_id, changes),
                                                 len(changes)))
@@ -149,17 +150,11 @@ class ContextdService(pb_grpc.ContextdServicer):
             return pb.QueryPagesResponse(pages=[_page(p) for p in pages], next_after=next_after)
         return self._call(context, run)
 
+    def GetPages(self, request: pb.GetPagesRequest, context: grpc.ServicerContext) -> pb.QueryPagesResponse:
+        return self._call(context, lambda: pb.QueryPagesResponse(pages=[
+            _page(p) for p in self.daemon.get_pages(request.session_id, list(request.page_ids))]))
+
     # payloads
-
-    def WritePageData(self, request: pb.WritePageDataRequest, context: grpc.ServicerContext) -> pb.WriteAck:
-        return self._call(context, lambda: _ack(self.daemon.write_page_data(
-            request.session_id, request.page_id, request.data, request.dtype, request.layer_view), 1))
-
-    def ReadPageData(self, request: pb.PageRef, context: grpc.ServicerContext) -> pb.PageData:
-        def run() -> pb.PageData:
-            page, data = self.daemon.read_page_data(request.session_id, request.page_id)
-            return pb.PageData(page=_page(page), data=data)
-        return self._call(context, run)
 
     def ReportCorrupt(self, request: pb.ReportCorruptRequest, context: grpc.ServicerContext) -> pb.WriteAck:
         return self._call(context, lambda: _ack(self.daemon.mark_corrupt(
@@ -173,7 +168,7 @@ class ContextdService(pb_grpc.ContextdServicer):
                                       dropped=[pb.PageRef(session_id=s, page_id=p) for s, p in dropped])
         return self._call(context, run)
 
-    # blocks, tags
+    # blocks
 
     def UpsertBlocks(self, request: pb.UpsertBlocksRequest, context: grpc.ServicerContext) -> pb.WriteAck:
         blocks = [_fields_with_lists(b, BLOCK_FIELDS, ("page_ids", "child_ids")) for b in request.blocks]
@@ -183,17 +178,7 @@ class ContextdService(pb_grpc.ContextdServicer):
         return self._call(context, lambda: pb.QueryBlocksResponse(blocks=[
             pb.Block(**b) for b in self.daemon.query_blocks(request.session_id, request.kind)]))
 
-    def SetTags(self, request: pb.SetTagsRequest, context: grpc.ServicerContext) -> pb.WriteAck:
-        add = [{"block_id": t.block_id, "tag": t.tag} for t in request.add]
-        remove = [{"block_id": t.block_id, "tag": t.tag} for t in request.remove]
-        return self._call(context, lambda: _ack(self.daemon.set_tags(request.session_id, add, remove),
-                                                len(add) + len(remove)))
-
-    def QueryTags(self, request: pb.QueryTagsRequest, context: grpc.ServicerContext) -> pb.QueryTagsResponse:
-        return self._call(context, lambda: pb.QueryTagsResponse(tags=[
-            pb.Tag(**t) for t in self.daemon.query_tags(request.session_id, request.tag, request.block_id)]))
-
-    # pins, leases, scores
+    # pins, leases
 
     def SetPins(self, request: pb.SetPinsRequest, context: grpc.ServicerContext) -> pb.WriteAck:
         add = [{"page_id": p.page_id, "kind": p.kind} for p in request.add]
@@ -216,34 +201,33 @@ class ContextdService(pb_grpc.ContextdServicer):
         return self._call(context, lambda: pb.QueryLeasesResponse(
             leases=[pb.Lease(**lease) for lease in self.daemon.query_leases(request.session_id)]))
 
-    def SetScores(self, request: pb.SetScoresRequest, context: grpc.ServicerContext) -> pb.WriteAck:
-        scores = [{"page_id": s.page_id, "usefulness": s.usefulness} for s in request.scores]
-        return self._call(context, lambda: _ack(self.daemon.set_scores(request.session_id, scores), len(scores)))
-
-    def QueryScores(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.QueryScoresResponse:
-        return self._call(context, lambda: pb.QueryScoresResponse(
-            scores=[pb.Score(**s) for s in self.daemon.query_scores(request.session_id)]))
-
-    # ledger, snapshots
-
-    def AppendLedger(self, request: pb.AppendLedgerRequest, context: grpc.ServicerContext) -> pb.WriteAck:
-        entries = [_fields(e, LEDGER_FIELDS) for e in request.entries]
-        return self._call(context, lambda: _ack(self.daemon.append_ledger(request.session_id, entries),
-                                                len(entries)))
-
-    def QueryLedger(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.QueryLedgerResponse:
-        return self._call(context, lambda: pb.QueryLedgerResponse(entries=[
-            pb.LedgerEntry(**{k: e[k] for k in LEDGER_FIELDS}) for e in self.daemon.query_ledger(request.session_id)]))
+    # snapshots, records
 
     def PutSnapshot(self, request: pb.PutSnapshotRequest, context: grpc.ServicerContext) -> pb.WriteAck:
         snapshot = _fields(request.snapshot, SNAPSHOT_FIELDS)
-        return self._call(context, lambda: _ack(self.daemon.put_snapshot(request.session_id, snapshot,
-                                                                         request.data), 1))
+        return self._call(context, lambda: _ack(self.daemon.put_snapshot(request.session_id, snapshot), 1))
 
     def QuerySnapshots(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.QuerySnapshotsResponse:
         return self._call(context, lambda: pb.QuerySnapshotsResponse(snapshots=[
             pb.Snapshot(**{k: s[k] for k in SNAPSHOT_FIELDS})
             for s in self.daemon.query_snapshots(request.session_id)]))
+
+    def WriteRecord(self, request: pb.WriteRecordRequest, context: grpc.ServicerContext) -> pb.WriteAck:
+        record = _record_fields(request.record)
+        append = [{"text": s.text, "token_ids": list(s.token_ids), "generated": s.generated, "opener": s.opener}
+                  for s in request.append]
+        return self._call(context, lambda: _ack(self.daemon.write_record(
+            request.session_id, record, request.keep_segments, append), len(append)))
+
+    def ReadRecord(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.RecordReply:
+        def run() -> pb.RecordReply:
+            record, segments = self.daemon.read_record(request.session_id)
+            return pb.RecordReply(
+                record=pb.SessionRecord(**{k: record[k] for k in RECORD_SCALARS + RECORD_LISTS},
+                                        counters=record["counters"]),
+                segments=[pb.TranscriptSegment(text=s["text"], token_ids=s["token_ids"], generated=s["generated"],
+                                               opener=s["opener"]) for s in segments])
+        return self._call(context, run)
 
     # status, maintenance
 

@@ -15,7 +15,6 @@ Depends on lmdb, msgpack, xxhash and contextd.errors; knows nothing about gRPC o
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,21 +29,19 @@ import xxhash
 
 from contextd.errors import ContextdError, DataCorrupt, InvalidArgument
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 TABLES = (
     "meta",         # schema version, commit sequence, last commit latency
     "sessions",     # session_id -> session record, with page-count aggregates kept in step
     "kv_manifest",  # session, page_id -> page record (identity, range, state, locator, checksum, view)
     "page_state",   # session, state, page_id -> b"" (index for queries by state)
-    "blocks",       # session, block_id -> unit / cluster record (pages, summary, usefulness)
-    "tags",         # session, block_id, tag -> b""
-    "tags_by_name", # session, tag, block_id -> b"" (index for queries by tag)
+    "blocks",       # session, block_id -> unit / cluster record (pages, summary)
     "pins",         # session, page_id -> {"kind"}
     "leases",       # session, page_id -> {"until_turn", "expires_unix"}
-    "ledger",       # session, seq (20 digits) -> tool-call boundary record
     "snapshots",    # session, slot -> recurrent-state snapshot record
-    "scores",       # session, page_id -> {"usefulness"}
+    "records",      # session -> the session record (turn, fingerprint, hashes, ledger, counters)
+    "segments",     # session, seq (12 digits) -> one transcript segment (text, token ids, generated)
 )
 
 
@@ -283,9 +280,6 @@ class Store:
     def path(self) -> str:
         return str(self._env.path())
 
-    def disk_bytes(self) -> int:
-        return sum(f.stat().st_size for f in Path(self.path).iterdir() if f.is_file())
-
     def _begin_read(self) -> Any:
         return self._env.begin(write=False)
 
@@ -305,12 +299,3 @@ class _ReadContext:
 
     def __exit__(self, *exc: object) -> None:
         self._raw.abort()
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or unlink in `path` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -22,26 +22,29 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
-
-import xxhash
+from enum import Enum, IntEnum
 
 log = logging.getLogger("kv_elision.pager")
 
 PAGE_TOKENS = 128
 
 
-class PageState(Enum):
-    HOT = "hot"
-    COLD = "cold"
-    PINNED = "pinned"
+class PageState(IntEnum):
+    """A page's state as the proto numbers it (contextd.wire.PageState; tests/unit/test_layers.py
+    checks the two agree), so it crosses to contextd without a map. The pager never produces the
+    store's own DROPPED / CORRUPT."""
+
+    HOT = 1
+    COLD = 2
+    PINNED = 3
 
 
 class PinKind(Enum):
+    """Hard pins: the system prompt, the tool schemas, the opening objective."""
+
     SYSTEM = "system"
     TOOLS = "tools"
     OBJECTIVE = "objective"
-    LEDGER = "ledger"
 
 
 @dataclass(frozen=True)
@@ -81,17 +84,6 @@ class PagerConfig:
         return int(self.low_watermark * self.budget_tokens)
 
 
-def chain_key(previous: int, token_ids: Sequence[int]) -> int:
-    """A page's identity: xxh64 over the previous page's key and this page's token ids.
-
-    Equal keys mean equal pages *and* equal history before them, so matching a transcript
-    against a session is a walk down the chain until the first difference.
-    """
-    h = xxhash.xxh64(previous.to_bytes(8, "little"))
-    h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids))
-    return h.intdigest()
-
-
 @dataclass
 class Page:
     index: int
@@ -102,7 +94,6 @@ class Page:
     lease_until_turn: int = 0
     last_used_turn: int = 0
     stored: bool = False
-    key: int = 0
 
     @property
     def tokens(self) -> int:
@@ -163,7 +154,7 @@ class Pager:
     def counts(self) -> dict[str, int]:
         out = {"hot": 0, "cold": 0, "pinned": 0}
         for p in self.pages:
-            out[self.effective_state(p).value] += 1
+            out[self.effective_state(p).name.lower()] += 1
         return out
 
     def effective_state(self, page: Page) -> PageState:
@@ -210,13 +201,6 @@ class Pager:
         self.ledger = [i for i in self.ledger if i < len(self.pages)]
         self.plan_pins = {i for i in self.plan_pins if i < len(self.pages)}
         return touched
-
-    def seal_keys(self, token_ids: Sequence[int]) -> None:
-        """Recompute chained keys of full pages from the session's token ids (timeline order)."""
-        previous = 0
-        for page in self.pages:
-            page.key = chain_key(previous, token_ids[page.token_start:page.token_end])
-            previous = page.key
 
     def _pin(self, page: Page, kind: PinKind) -> None:
         cap = int(self.config.pin_cap_fraction * self.config.budget_tokens)

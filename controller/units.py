@@ -15,8 +15,7 @@ import xxhash
 
 from controller.pager import Pager
 
-UNIT_PAGES = 8          # 8 x 128 = 1,024 tokens
-MIN_UNIT_PAGES = 6
+MIN_UNIT_PAGES = 6      # 6-10 pages of 128: ~1,024 tokens, closed at a message boundary
 MAX_UNIT_PAGES = 10
 CLUSTER_UNITS = 8
 
@@ -87,9 +86,6 @@ class UnitIndex:
     @property
     def order_clusters(self) -> list[str]:
         return list(self.clusters)
-
-    def unit_of_page(self, index: int) -> str | None:
-        return self._unit_of_page.get(index)
 
     def pages_of(self, unit_ids: list[str]) -> list[int]:
         return [p for u in unit_ids if u in self.units for p in self.units[u].pages]

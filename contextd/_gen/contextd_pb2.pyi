@@ -113,29 +113,6 @@ class OpenSessionRequest(_message.Message):
     labels: _containers.ScalarMap[str, str]
     def __init__(self, session_id: _Optional[str] = ..., model_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., budget_tokens: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
-class UpdateSessionRequest(_message.Message):
-    __slots__ = ("session_id", "fingerprint", "turn", "attention_tokens", "counters", "budget_tokens")
-    class CountersEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: int
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    TURN_FIELD_NUMBER: _ClassVar[int]
-    ATTENTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    COUNTERS_FIELD_NUMBER: _ClassVar[int]
-    BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    fingerprint: str
-    turn: int
-    attention_tokens: int
-    counters: _containers.ScalarMap[str, int]
-    budget_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., turn: _Optional[int] = ..., attention_tokens: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., budget_tokens: _Optional[int] = ...) -> None: ...
-
 class ListSessionsRequest(_message.Message):
     __slots__ = ("include_closed",)
     INCLUDE_CLOSED_FIELD_NUMBER: _ClassVar[int]
@@ -157,7 +134,7 @@ class DeleteSessionResponse(_message.Message):
     def __init__(self, pages_deleted: _Optional[int] = ..., bytes_freed: _Optional[int] = ...) -> None: ...
 
 class Page(_message.Message):
-    __slots__ = ("page_id", "index", "token_start", "token_end", "original_position", "state", "locator", "byte_size", "checksum", "dtype", "layer_view", "block_id", "updated_unix", "last_used_turn")
+    __slots__ = ("page_id", "index", "token_start", "token_end", "original_position", "state", "locator", "byte_size", "checksum", "dtype", "layer_view", "block_id", "updated_unix", "last_used_turn", "score")
     PAGE_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_START_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +149,7 @@ class Page(_message.Message):
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     UPDATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     LAST_USED_TURN_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
     page_id: str
     index: int
     token_start: int
@@ -186,7 +164,8 @@ class Page(_message.Message):
     block_id: str
     updated_unix: float
     last_used_turn: int
-    def __init__(self, page_id: _Optional[str] = ..., index: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., original_position: _Optional[int] = ..., state: _Optional[_Union[PageState, str]] = ..., locator: _Optional[str] = ..., byte_size: _Optional[int] = ..., checksum: _Optional[str] = ..., dtype: _Optional[str] = ..., layer_view: _Optional[str] = ..., block_id: _Optional[str] = ..., updated_unix: _Optional[float] = ..., last_used_turn: _Optional[int] = ...) -> None: ...
+    score: float
+    def __init__(self, page_id: _Optional[str] = ..., index: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., original_position: _Optional[int] = ..., state: _Optional[_Union[PageState, str]] = ..., locator: _Optional[str] = ..., byte_size: _Optional[int] = ..., checksum: _Optional[str] = ..., dtype: _Optional[str] = ..., layer_view: _Optional[str] = ..., block_id: _Optional[str] = ..., updated_unix: _Optional[float] = ..., last_used_turn: _Optional[int] = ..., score: _Optional[float] = ...) -> None: ...
 
 class UpsertPagesRequest(_message.Message):
     __slots__ = ("session_id", "pages")
@@ -197,14 +176,16 @@ class UpsertPagesRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., pages: _Optional[_Iterable[_Union[Page, _Mapping]]] = ...) -> None: ...
 
 class PageStateChange(_message.Message):
-    __slots__ = ("page_id", "state", "last_used_turn")
+    __slots__ = ("page_id", "state", "last_used_turn", "score")
     PAGE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LAST_USED_TURN_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
     page_id: str
     state: PageState
     last_used_turn: int
-    def __init__(self, page_id: _Optional[str] = ..., state: _Optional[_Union[PageState, str]] = ..., last_used_turn: _Optional[int] = ...) -> None: ...
+    score: float
+    def __init__(self, page_id: _Optional[str] = ..., state: _Optional[_Union[PageState, str]] = ..., last_used_turn: _Optional[int] = ..., score: _Optional[float] = ...) -> None: ...
 
 class SetPageStatesRequest(_message.Message):
     __slots__ = ("session_id", "changes")
@@ -234,6 +215,14 @@ class QueryPagesRequest(_message.Message):
     limit: int
     def __init__(self, session_id: _Optional[str] = ..., states: _Optional[_Iterable[_Union[PageState, str]]] = ..., start_after: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
 
+class GetPagesRequest(_message.Message):
+    __slots__ = ("session_id", "page_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    page_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class QueryPagesResponse(_message.Message):
     __slots__ = ("pages", "next_after")
     PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -249,28 +238,6 @@ class PageRef(_message.Message):
     session_id: str
     page_id: str
     def __init__(self, session_id: _Optional[str] = ..., page_id: _Optional[str] = ...) -> None: ...
-
-class WritePageDataRequest(_message.Message):
-    __slots__ = ("session_id", "page_id", "data", "dtype", "layer_view")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    PAGE_ID_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
-    DTYPE_FIELD_NUMBER: _ClassVar[int]
-    LAYER_VIEW_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    page_id: str
-    data: bytes
-    dtype: str
-    layer_view: str
-    def __init__(self, session_id: _Optional[str] = ..., page_id: _Optional[str] = ..., data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., layer_view: _Optional[str] = ...) -> None: ...
-
-class PageData(_message.Message):
-    __slots__ = ("page", "data")
-    PAGE_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
-    page: Page
-    data: bytes
-    def __init__(self, page: _Optional[_Union[Page, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ReportCorruptRequest(_message.Message):
     __slots__ = ("session_id", "page_id", "reason")
@@ -301,7 +268,7 @@ class ReclaimResponse(_message.Message):
     def __init__(self, bytes_freed: _Optional[int] = ..., dropped: _Optional[_Iterable[_Union[PageRef, _Mapping]]] = ..., free_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ...) -> None: ...
 
 class Block(_message.Message):
-    __slots__ = ("block_id", "kind", "parent_id", "page_ids", "child_ids", "token_count", "summary", "usefulness")
+    __slots__ = ("block_id", "kind", "parent_id", "page_ids", "child_ids", "token_count", "summary")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -309,7 +276,6 @@ class Block(_message.Message):
     CHILD_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
-    USEFULNESS_FIELD_NUMBER: _ClassVar[int]
     block_id: str
     kind: str
     parent_id: str
@@ -317,8 +283,7 @@ class Block(_message.Message):
     child_ids: _containers.RepeatedScalarFieldContainer[str]
     token_count: int
     summary: str
-    usefulness: float
-    def __init__(self, block_id: _Optional[str] = ..., kind: _Optional[str] = ..., parent_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[str]] = ..., child_ids: _Optional[_Iterable[str]] = ..., token_count: _Optional[int] = ..., summary: _Optional[str] = ..., usefulness: _Optional[float] = ...) -> None: ...
+    def __init__(self, block_id: _Optional[str] = ..., kind: _Optional[str] = ..., parent_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[str]] = ..., child_ids: _Optional[_Iterable[str]] = ..., token_count: _Optional[int] = ..., summary: _Optional[str] = ...) -> None: ...
 
 class UpsertBlocksRequest(_message.Message):
     __slots__ = ("session_id", "blocks")
@@ -341,40 +306,6 @@ class QueryBlocksResponse(_message.Message):
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[Block]
     def __init__(self, blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ...) -> None: ...
-
-class Tag(_message.Message):
-    __slots__ = ("block_id", "tag")
-    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
-    TAG_FIELD_NUMBER: _ClassVar[int]
-    block_id: str
-    tag: str
-    def __init__(self, block_id: _Optional[str] = ..., tag: _Optional[str] = ...) -> None: ...
-
-class SetTagsRequest(_message.Message):
-    __slots__ = ("session_id", "add", "remove")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    ADD_FIELD_NUMBER: _ClassVar[int]
-    REMOVE_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    add: _containers.RepeatedCompositeFieldContainer[Tag]
-    remove: _containers.RepeatedCompositeFieldContainer[Tag]
-    def __init__(self, session_id: _Optional[str] = ..., add: _Optional[_Iterable[_Union[Tag, _Mapping]]] = ..., remove: _Optional[_Iterable[_Union[Tag, _Mapping]]] = ...) -> None: ...
-
-class QueryTagsRequest(_message.Message):
-    __slots__ = ("session_id", "tag", "block_id")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    TAG_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    tag: str
-    block_id: str
-    def __init__(self, session_id: _Optional[str] = ..., tag: _Optional[str] = ..., block_id: _Optional[str] = ...) -> None: ...
-
-class QueryTagsResponse(_message.Message):
-    __slots__ = ("tags",)
-    TAGS_FIELD_NUMBER: _ClassVar[int]
-    tags: _containers.RepeatedCompositeFieldContainer[Tag]
-    def __init__(self, tags: _Optional[_Iterable[_Union[Tag, _Mapping]]] = ...) -> None: ...
 
 class Pin(_message.Message):
     __slots__ = ("page_id", "kind")
@@ -426,60 +357,6 @@ class QueryLeasesResponse(_message.Message):
     leases: _containers.RepeatedCompositeFieldContainer[Lease]
     def __init__(self, leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ...) -> None: ...
 
-class Score(_message.Message):
-    __slots__ = ("page_id", "usefulness")
-    PAGE_ID_FIELD_NUMBER: _ClassVar[int]
-    USEFULNESS_FIELD_NUMBER: _ClassVar[int]
-    page_id: str
-    usefulness: float
-    def __init__(self, page_id: _Optional[str] = ..., usefulness: _Optional[float] = ...) -> None: ...
-
-class SetScoresRequest(_message.Message):
-    __slots__ = ("session_id", "scores")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    SCORES_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    scores: _containers.RepeatedCompositeFieldContainer[Score]
-    def __init__(self, session_id: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[Score, _Mapping]]] = ...) -> None: ...
-
-class QueryScoresResponse(_message.Message):
-    __slots__ = ("scores",)
-    SCORES_FIELD_NUMBER: _ClassVar[int]
-    scores: _containers.RepeatedCompositeFieldContainer[Score]
-    def __init__(self, scores: _Optional[_Iterable[_Union[Score, _Mapping]]] = ...) -> None: ...
-
-class LedgerEntry(_message.Message):
-    __slots__ = ("seq", "turn", "tool_name", "call_id", "token_start", "token_end", "page_id")
-    SEQ_FIELD_NUMBER: _ClassVar[int]
-    TURN_FIELD_NUMBER: _ClassVar[int]
-    TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
-    CALL_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_END_FIELD_NUMBER: _ClassVar[int]
-    PAGE_ID_FIELD_NUMBER: _ClassVar[int]
-    seq: int
-    turn: int
-    tool_name: str
-    call_id: str
-    token_start: int
-    token_end: int
-    page_id: str
-    def __init__(self, seq: _Optional[int] = ..., turn: _Optional[int] = ..., tool_name: _Optional[str] = ..., call_id: _Optional[str] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., page_id: _Optional[str] = ...) -> None: ...
-
-class AppendLedgerRequest(_message.Message):
-    __slots__ = ("session_id", "entries")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    ENTRIES_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    entries: _containers.RepeatedCompositeFieldContainer[LedgerEntry]
-    def __init__(self, session_id: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ...) -> None: ...
-
-class QueryLedgerResponse(_message.Message):
-    __slots__ = ("entries",)
-    ENTRIES_FIELD_NUMBER: _ClassVar[int]
-    entries: _containers.RepeatedCompositeFieldContainer[LedgerEntry]
-    def __init__(self, entries: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ...) -> None: ...
-
 class Snapshot(_message.Message):
     __slots__ = ("slot", "token_count", "fingerprint", "locator", "byte_size", "checksum", "created_unix")
     SLOT_FIELD_NUMBER: _ClassVar[int]
@@ -499,20 +376,85 @@ class Snapshot(_message.Message):
     def __init__(self, slot: _Optional[str] = ..., token_count: _Optional[int] = ..., fingerprint: _Optional[str] = ..., locator: _Optional[str] = ..., byte_size: _Optional[int] = ..., checksum: _Optional[str] = ..., created_unix: _Optional[float] = ...) -> None: ...
 
 class PutSnapshotRequest(_message.Message):
-    __slots__ = ("session_id", "snapshot", "data")
+    __slots__ = ("session_id", "snapshot")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     snapshot: Snapshot
-    data: bytes
-    def __init__(self, session_id: _Optional[str] = ..., snapshot: _Optional[_Union[Snapshot, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., snapshot: _Optional[_Union[Snapshot, _Mapping]] = ...) -> None: ...
 
 class QuerySnapshotsResponse(_message.Message):
     __slots__ = ("snapshots",)
     SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     snapshots: _containers.RepeatedCompositeFieldContainer[Snapshot]
     def __init__(self, snapshots: _Optional[_Iterable[_Union[Snapshot, _Mapping]]] = ...) -> None: ...
+
+class TranscriptSegment(_message.Message):
+    __slots__ = ("text", "token_ids", "generated", "opener")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_FIELD_NUMBER: _ClassVar[int]
+    OPENER_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    generated: bool
+    opener: bool
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., generated: _Optional[bool] = ..., opener: _Optional[bool] = ...) -> None: ...
+
+class SessionRecord(_message.Message):
+    __slots__ = ("turn", "attention_tokens", "fingerprint", "fingerprint_parts", "message_hashes", "unit_salt", "ledger_pages", "counters", "segments", "tokens", "resident_pages", "resident_positions")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_PARTS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    UNIT_SALT_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_PAGES_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    turn: int
+    attention_tokens: int
+    fingerprint: str
+    fingerprint_parts: _containers.RepeatedScalarFieldContainer[str]
+    message_hashes: _containers.RepeatedScalarFieldContainer[str]
+    unit_salt: str
+    ledger_pages: _containers.RepeatedScalarFieldContainer[int]
+    counters: _containers.ScalarMap[str, int]
+    segments: int
+    tokens: int
+    resident_pages: _containers.RepeatedScalarFieldContainer[int]
+    resident_positions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, turn: _Optional[int] = ..., attention_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fingerprint_parts: _Optional[_Iterable[str]] = ..., message_hashes: _Optional[_Iterable[str]] = ..., unit_salt: _Optional[str] = ..., ledger_pages: _Optional[_Iterable[int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., segments: _Optional[int] = ..., tokens: _Optional[int] = ..., resident_pages: _Optional[_Iterable[int]] = ..., resident_positions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class WriteRecordRequest(_message.Message):
+    __slots__ = ("session_id", "record", "keep_segments", "append")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    KEEP_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    APPEND_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    record: SessionRecord
+    keep_segments: int
+    append: _containers.RepeatedCompositeFieldContainer[TranscriptSegment]
+    def __init__(self, session_id: _Optional[str] = ..., record: _Optional[_Union[SessionRecord, _Mapping]] = ..., keep_segments: _Optional[int] = ..., append: _Optional[_Iterable[_Union[TranscriptSegment, _Mapping]]] = ...) -> None: ...
+
+class RecordReply(_message.Message):
+    __slots__ = ("record", "segments")
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    record: SessionRecord
+    segments: _containers.RepeatedCompositeFieldContainer[TranscriptSegment]
+    def __init__(self, record: _Optional[_Union[SessionRecord, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[TranscriptSegment, _Mapping]]] = ...) -> None: ...
 
 class WriteAck(_message.Message):
     __slots__ = ("commit_seq", "applied", "commit_ms")

@@ -49,11 +49,6 @@ class ContextdStub:
                 request_serializer=contextd_dot___gen_dot_contextd__pb2.ListSessionsRequest.SerializeToString,
                 response_deserializer=contextd_dot___gen_dot_contextd__pb2.ListSessionsResponse.FromString,
                 _registered_method=True)
-        self.UpdateSession = channel.unary_unary(
-                '/kv_elision.contextd.v1.Contextd/UpdateSession',
-                request_serializer=contextd_dot___gen_dot_contextd__pb2.UpdateSessionRequest.SerializeToString,
-                response_deserializer=contextd_dot___gen_dot_contextd__pb2.Session.FromString,
-                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/kv_elision.contextd.v1.Contextd/CloseSession',
                 request_serializer=contextd_dot___gen_dot_contextd__pb2.SessionRef.SerializeToString,
@@ -79,20 +74,15 @@ class ContextdStub:
                 request_serializer=contextd_dot___gen_dot_contextd__pb2.QueryPagesRequest.SerializeToString,
                 response_deserializer=contextd_dot___gen_dot_contextd__pb2.QueryPagesResponse.FromString,
                 _registered_method=True)
+        self.GetPages = channel.unary_unary(
+                '/kv_elision.contextd.v1.Contextd/GetPages',
+                request_serializer=contextd_dot___gen_dot_contextd__pb2.GetPagesRequest.SerializeToString,
+                response_deserializer=contextd_dot___gen_dot_contextd__pb2.QueryPagesResponse.FromString,
+                _registered_method=True)
         self.DeletePages = channel.unary_unary(
                 '/kv_elision.contextd.v1.Contextd/DeletePages',
                 request_serializer=contextd_dot___gen_dot_contextd__pb2.DeletePagesRequest.SerializeToString,
                 response_deserializer=contextd_dot___gen_dot_contextd__pb2.WriteAck.FromString,
-                _registered_method=True)
-        self.WritePageData = channel.unary_unary(
-                '/kv_elision.contextd.v1.Contextd/WritePageData',
-                request_serializer=contextd_dot___gen_dot_contextd__pb2.WritePageDataRequest.SerializeToString,
-                response_deserializer=contextd_dot___gen_dot_contextd__pb2.WriteAck.FromString,
-                _registered_method=True)
-        self.ReadPageData = channel.unary_unary(
-                '/kv_elision.contextd.v1.Contextd/ReadPageData',
-                request_serializer=contextd_dot___gen_dot_contextd__pb2.PageRef.SerializeToString,
-                response_deserializer=contextd_dot___gen_dot_contextd__pb2.PageData.FromString,
                 _registered_method=True)
         self.ReportCorrupt = channel.unary_unary(
                 '/kv_elision.contextd.v1.Contextd/ReportCorrupt',
@@ -114,16 +104,6 @@ class ContextdStub:
                 request_serializer=contextd_dot___gen_dot_contextd__pb2.QueryBlocksRequest.SerializeToString,
                 response_deserializer=contextd_dot___gen_dot_contextd__pb2.QueryBlocksResponse.FromString,
                 _registered_method=True)
-        self.SetTags = channel.unary_unary(
-                '/kv_elision.contextd.v1.Contextd/SetTags',
-                request_serializer=contextd_dot___gen_dot_contextd__pb2.SetTagsRequest.SerializeToString,
-                response_deserializer=contextd_dot___gen_dot_contextd__pb2.WriteAck.FromString,
-                _registered_method=True)
-        self.QueryTags = channel.unary_unary(
-                '/kv_elision.contextd.v1.Contextd/QueryTags',
-                request_serializer=contextd_dot___gen_dot_contextd__pb2.QueryTagsRequest.SerializeToString,
-                response_deserializer=contextd_dot___gen_dot_contextd__pb2.QueryTagsResponse.FromString,
-                _registered_method=True)
         self.SetPins = channel.unary_unary(
                 '/kv_elision.contextd.v1.Contextd/SetPins',
                 request_serializer=contextd_dot___gen_dot_contextd__pb2.SetPinsRequest.SerializeToString,
@@ -144,25 +124,15 @@ class ContextdStub:
                 request_serializer=contextd_dot___gen_dot_contextd__pb2.SessionRef.SerializeToString,
                 response_deserializer=contextd_dot___gen_dot_contextd__pb2.QueryLeasesResponse.FromString,
                 _registered_method=True)
-        self.SetScores = channel.unary_unary(
-                '/kv_elision.contextd.v1.Contextd/SetScores',
-                request_serializer=contextd_dot___gen_dot_contextd__pb2.SetScoresRequest.SerializeToString,
+        self.WriteRecord = channel.unary_unary(
+                '/kv_elision.contextd.v1.Contextd/WriteRecord',
+                request_serializer=contextd_dot___gen_dot_contextd__pb2.WriteRecordRequest.SerializeToString,
                 response_deserializer=contextd_dot___gen_dot_contextd__pb2.WriteAck.FromString,
                 _registered_method=True)
-        self.QueryScores = channel.unary_unary(
-                '/kv_elision.contextd.v1.Contextd/QueryScores',
+        self.ReadRecord = channel.unary_unary(
+                '/kv_elision.contextd.v1.Contextd/ReadRecord',
                 request_serializer=contextd_dot___gen_dot_contextd__pb2.SessionRef.SerializeToString,
-                response_deserializer=contextd_dot___gen_dot_contextd__pb2.QueryScoresResponse.FromString,
-                _registered_method=True)
-        self.AppendLedger = channel.unary_unary(
-                '/kv_elision.contextd.v1.Contextd/AppendLedger',
-                request_serializer=contextd_dot___gen_dot_contextd__pb2.AppendLedgerRequest.SerializeToString,
-                response_deserializer=contextd_dot___gen_dot_contextd__pb2.WriteAck.FromString,
-                _registered_method=True)
-        self.QueryLedger = channel.unary_unary(
-                '/kv_elision.contextd.v1.Contextd/QueryLedger',
-                request_serializer=contextd_dot___gen_dot_contextd__pb2.SessionRef.SerializeToString,
-                response_deserializer=contextd_dot___gen_dot_contextd__pb2.QueryLedgerResponse.FromString,
+                response_deserializer=contextd_dot___gen_dot_contextd__pb2.RecordReply.FromString,
                 _registered_method=True)
         self.PutSnapshot = channel.unary_unary(
                 '/kv_elision.contextd.v1.Contextd/PutSnapshot',
@@ -218,12 +188,6 @@ class ContextdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def UpdateSession(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def CloseSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -255,6 +219,14 @@ class ContextdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetPages(self, request, context):
+        """Exactly the named pages (those that exist), in the order asked: what a decision touches,
+        whatever the session's length.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DeletePages(self, request, context):
         """Remove superseded pages (e.g. a partial page once its full version is stored); their
         payloads are deleted after the commit. Pinned or leased pages are refused.
@@ -263,21 +235,10 @@ class ContextdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def WritePageData(self, request, context):
-        """Page payloads in the canonical store (files, never the database).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ReadPageData(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def ReportCorrupt(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Page payloads in the canonical store (files, never the database): the serving process writes
+        them beside the daemon and records them with UpsertPages; these verbs keep the store honest.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -289,7 +250,7 @@ class ContextdServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpsertBlocks(self, request, context):
-        """Semantic blocks (units and clusters) and their tags.
+        """Semantic blocks (units and clusters, with their summaries).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -301,20 +262,8 @@ class ContextdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def SetTags(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def QueryTags(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def SetPins(self, request, context):
-        """Pins, leases, usefulness scores.
+        """Pins and leases.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -338,26 +287,15 @@ class ContextdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def SetScores(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def QueryScores(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def AppendLedger(self, request, context):
-        """The tool-call ledger (append-only per session).
+    def WriteRecord(self, request, context):
+        """The session record: counters, turn, fingerprint and the transcript's segments, written at
+        the end of every turn in one transaction (segments are appended, or cut back on a rewind).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def QueryLedger(self, request, context):
+    def ReadRecord(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -419,11 +357,6 @@ def add_ContextdServicer_to_server(servicer, server):
                     request_deserializer=contextd_dot___gen_dot_contextd__pb2.ListSessionsRequest.FromString,
                     response_serializer=contextd_dot___gen_dot_contextd__pb2.ListSessionsResponse.SerializeToString,
             ),
-            'UpdateSession': grpc.unary_unary_rpc_method_handler(
-                    servicer.UpdateSession,
-                    request_deserializer=contextd_dot___gen_dot_contextd__pb2.UpdateSessionRequest.FromString,
-                    response_serializer=contextd_dot___gen_dot_contextd__pb2.Session.SerializeToString,
-            ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
                     request_deserializer=contextd_dot___gen_dot_contextd__pb2.SessionRef.FromString,
@@ -449,20 +382,15 @@ def add_ContextdServicer_to_server(servicer, server):
                     request_deserializer=contextd_dot___gen_dot_contextd__pb2.QueryPagesRequest.FromString,
                     response_serializer=contextd_dot___gen_dot_contextd__pb2.QueryPagesResponse.SerializeToString,
             ),
+            'GetPages': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPages,
+                    request_deserializer=contextd_dot___gen_dot_contextd__pb2.GetPagesRequest.FromString,
+                    response_serializer=contextd_dot___gen_dot_contextd__pb2.QueryPagesResponse.SerializeToString,
+            ),
             'DeletePages': grpc.unary_unary_rpc_method_handler(
                     servicer.DeletePages,
                     request_deserializer=contextd_dot___gen_dot_contextd__pb2.DeletePagesRequest.FromString,
                     response_serializer=contextd_dot___gen_dot_contextd__pb2.WriteAck.SerializeToString,
-            ),
-            'WritePageData': grpc.unary_unary_rpc_method_handler(
-                    servicer.WritePageData,
-                    request_deserializer=contextd_dot___gen_dot_contextd__pb2.WritePageDataRequest.FromString,
-                    response_serializer=contextd_dot___gen_dot_contextd__pb2.WriteAck.SerializeToString,
-            ),
-            'ReadPageData': grpc.unary_unary_rpc_method_handler(
-                    servicer.ReadPageData,
-                    request_deserializer=contextd_dot___gen_dot_contextd__pb2.PageRef.FromString,
-                    response_serializer=contextd_dot___gen_dot_contextd__pb2.PageData.SerializeToString,
             ),
             'ReportCorrupt': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportCorrupt,
@@ -484,16 +412,6 @@ def add_ContextdServicer_to_server(servicer, server):
                     request_deserializer=contextd_dot___gen_dot_contextd__pb2.QueryBlocksRequest.FromString,
                     response_serializer=contextd_dot___gen_dot_contextd__pb2.QueryBlocksResponse.SerializeToString,
             ),
-            'SetTags': grpc.unary_unary_rpc_method_handler(
-                    servicer.SetTags,
-                    request_deserializer=contextd_dot___gen_dot_contextd__pb2.SetTagsRequest.FromString,
-                    response_serializer=contextd_dot___gen_dot_contextd__pb2.WriteAck.SerializeToString,
-            ),
-            'QueryTags': grpc.unary_unary_rpc_method_handler(
-                    servicer.QueryTags,
-                    request_deserializer=contextd_dot___gen_dot_contextd__pb2.QueryTagsRequest.FromString,
-                    response_serializer=contextd_dot___gen_dot_contextd__pb2.QueryTagsResponse.SerializeToString,
-            ),
             'SetPins': grpc.unary_unary_rpc_method_handler(
                     servicer.SetPins,
                     request_deserializer=contextd_dot___gen_dot_contextd__pb2.SetPinsRequest.FromString,
@@ -514,25 +432,15 @@ def add_ContextdServicer_to_server(servicer, server):
                     request_deserializer=contextd_dot___gen_dot_contextd__pb2.SessionRef.FromString,
                     response_serializer=contextd_dot___gen_dot_contextd__pb2.QueryLeasesResponse.SerializeToString,
             ),
-            'SetScores': grpc.unary_unary_rpc_method_handler(
-                    servicer.SetScores,
-                    request_deserializer=contextd_dot___gen_dot_contextd__pb2.SetScoresRequest.FromString,
+            'WriteRecord': grpc.unary_unary_rpc_method_handler(
+                    servicer.WriteRecord,
+                    request_deserializer=contextd_dot___gen_dot_contextd__pb2.WriteRecordRequest.FromString,
                     response_serializer=contextd_dot___gen_dot_contextd__pb2.WriteAck.SerializeToString,
             ),
-            'QueryScores': grpc.unary_unary_rpc_method_handler(
-                    servicer.QueryScores,
+            'ReadRecord': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadRecord,
                     request_deserializer=contextd_dot___gen_dot_contextd__pb2.SessionRef.FromString,
-                    response_serializer=contextd_dot___gen_dot_contextd__pb2.QueryScoresResponse.SerializeToString,
-            ),
-            'AppendLedger': grpc.unary_unary_rpc_method_handler(
-                    servicer.AppendLedger,
-                    request_deserializer=contextd_dot___gen_dot_contextd__pb2.AppendLedgerRequest.FromString,
-                    response_serializer=contextd_dot___gen_dot_contextd__pb2.WriteAck.SerializeToString,
-            ),
-            'QueryLedger': grpc.unary_unary_rpc_method_handler(
-                    servicer.QueryLedger,
-                    request_deserializer=contextd_dot___gen_dot_contextd__pb2.SessionRef.FromString,
-                    response_serializer=contextd_dot___gen_dot_contextd__pb2.QueryLedgerResponse.SerializeToString,
+                    response_serializer=contextd_dot___gen_dot_contextd__pb2.RecordReply.SerializeToString,
             ),
             'PutSnapshot': grpc.unary_unary_rpc_method_handler(
                     servicer.PutSnapshot,
@@ -646,33 +554,6 @@ class Contextd:
             '/kv_elision.contextd.v1.Contextd/ListSessions',
             contextd_dot___gen_dot_contextd__pb2.ListSessionsRequest.SerializeToString,
             contextd_dot___gen_dot_contextd__pb2.ListSessionsResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def UpdateSession(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kv_elision.contextd.v1.Contextd/UpdateSession',
-            contextd_dot___gen_dot_contextd__pb2.UpdateSessionRequest.SerializeToString,
-            contextd_dot___gen_dot_contextd__pb2.Session.FromString,
             options,
             channel_credentials,
             insecure,
@@ -819,6 +700,33 @@ class Contextd:
             _registered_method=True)
 
     @staticmethod
+    def GetPages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kv_elision.contextd.v1.Contextd/GetPages',
+            contextd_dot___gen_dot_contextd__pb2.GetPagesRequest.SerializeToString,
+            contextd_dot___gen_dot_contextd__pb2.QueryPagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def DeletePages(request,
             target,
             options=(),
@@ -835,60 +743,6 @@ class Contextd:
             '/kv_elision.contextd.v1.Contextd/DeletePages',
             contextd_dot___gen_dot_contextd__pb2.DeletePagesRequest.SerializeToString,
             contextd_dot___gen_dot_contextd__pb2.WriteAck.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def WritePageData(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kv_elision.contextd.v1.Contextd/WritePageData',
-            contextd_dot___gen_dot_contextd__pb2.WritePageDataRequest.SerializeToString,
-            contextd_dot___gen_dot_contextd__pb2.WriteAck.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ReadPageData(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kv_elision.contextd.v1.Contextd/ReadPageData',
-            contextd_dot___gen_dot_contextd__pb2.PageRef.SerializeToString,
-            contextd_dot___gen_dot_contextd__pb2.PageData.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1008,60 +862,6 @@ class Contextd:
             _registered_method=True)
 
     @staticmethod
-    def SetTags(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kv_elision.contextd.v1.Contextd/SetTags',
-            contextd_dot___gen_dot_contextd__pb2.SetTagsRequest.SerializeToString,
-            contextd_dot___gen_dot_contextd__pb2.WriteAck.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def QueryTags(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kv_elision.contextd.v1.Contextd/QueryTags',
-            contextd_dot___gen_dot_contextd__pb2.QueryTagsRequest.SerializeToString,
-            contextd_dot___gen_dot_contextd__pb2.QueryTagsResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
     def SetPins(request,
             target,
             options=(),
@@ -1170,7 +970,7 @@ class Contextd:
             _registered_method=True)
 
     @staticmethod
-    def SetScores(request,
+    def WriteRecord(request,
             target,
             options=(),
             channel_credentials=None,
@@ -1183,8 +983,8 @@ class Contextd:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kv_elision.contextd.v1.Contextd/SetScores',
-            contextd_dot___gen_dot_contextd__pb2.SetScoresRequest.SerializeToString,
+            '/kv_elision.contextd.v1.Contextd/WriteRecord',
+            contextd_dot___gen_dot_contextd__pb2.WriteRecordRequest.SerializeToString,
             contextd_dot___gen_dot_contextd__pb2.WriteAck.FromString,
             options,
             channel_credentials,
@@ -1197,7 +997,7 @@ class Contextd:
             _registered_method=True)
 
     @staticmethod
-    def QueryScores(request,
+    def ReadRecord(request,
             target,
             options=(),
             channel_credentials=None,
@@ -1210,63 +1010,9 @@ class Contextd:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kv_elision.contextd.v1.Contextd/QueryScores',
+            '/kv_elision.contextd.v1.Contextd/ReadRecord',
             contextd_dot___gen_dot_contextd__pb2.SessionRef.SerializeToString,
-            contextd_dot___gen_dot_contextd__pb2.QueryScoresResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def AppendLedger(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kv_elision.contextd.v1.Contextd/AppendLedger',
-            contextd_dot___gen_dot_contextd__pb2.AppendLedgerRequest.SerializeToString,
-            contextd_dot___gen_dot_contextd__pb2.WriteAck.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def QueryLedger(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kv_elision.contextd.v1.Contextd/QueryLedger',
-            contextd_dot___gen_dot_contextd__pb2.SessionRef.SerializeToString,
-            contextd_dot___gen_dot_contextd__pb2.QueryLedgerResponse.FromString,
+            contextd_dot___gen_dot_contextd__pb2.RecordReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,5 +1,6 @@
 // Where the extension finds the kv-elision server and contextd. Every value comes from the
 // environment so the same extension file serves a user's Pi and an isolated test run.
+import { existsSync } from "node:fs";
 import { homedir } from "node:os";
 import { join, resolve } from "node:path";
 import { fileURLToPath } from "node:url";
@@ -9,15 +10,19 @@ export const STATUS_KEY = "kv-elision";
 export const DEFAULT_URL = "http://127.0.0.1:8088/v1";
 export const DEFAULT_MODEL_ID = "smollm2-135m";
 // Pi compacts when context tokens exceed contextWindow - reserveTokens, and treats usage above
-// contextWindow as an overflow (dropping the answer). A paging server has no such wall, so a
-// model without a reported window gets one far beyond anything a session reaches.
+// contextWindow as an overflow (dropping the answer). A paging server has no such wall: it reports
+// the addressable session as its window, and a model without a reported window gets the same.
 export const DEFAULT_CONTEXT_WINDOW = 1_000_000;
-export const DEFAULT_MAX_TOKENS = 4096;
+// Pi treats a `length` stop below the model's maxTokens as a truncated attempt: it omits that
+// answer from later requests and tries to compact. So maxTokens must be the server's own cap
+// (its max_output_tokens); without a reported one, the cap `kv-elision serve` starts with.
+export const DEFAULT_MAX_TOKENS = 1024;
 // Reading /v1/models happens while Pi starts up; a dead or black-holed server must not stall it.
 export const MODELS_TIMEOUT_MS = 2000;
-// Pi resolves apiKey as an env var name first and sends the name itself when the var is unset;
-// a local server ignores it, a server behind a key reads it from this variable.
+// A local server needs no key; one behind a key gets it from this variable. Without it the
+// provider sends API_KEY_NONE, since Pi's OpenAI client refuses to send a request with no key.
 export const API_KEY_ENV = "KV_ELISION_API_KEY";
+export const API_KEY_NONE = "kv-elision";
 
 const EXTENSION_DIR = resolve(fileURLToPath(new URL(".", import.meta.url)), "..");
 
@@ -41,10 +46,12 @@ export function socketPath(env: NodeJS.ProcessEnv = process.env, home: string = 
   return join(root, "run", "contextd.sock");
 }
 
-// The proto lives next to the extension in the repository; KV_ELISION_PROTO serves a copy of
-// the extension that was moved out of the checkout.
-export function protoPath(env: NodeJS.ProcessEnv = process.env): string {
-  return env.KV_ELISION_PROTO || join(EXTENSION_DIR, "..", "proto", "contextd.proto");
+// In the repository the proto sits next to the extension (../proto); `npm pack` copies it into
+// the package (proto/), so an installed package finds its own. KV_ELISION_PROTO overrides both.
+export function protoPath(env: NodeJS.ProcessEnv = process.env, extensionDir: string = EXTENSION_DIR): string {
+  if (env.KV_ELISION_PROTO) return env.KV_ELISION_PROTO;
+  const packaged = join(extensionDir, "proto", "contextd.proto");
+  return existsSync(packaged) ? packaged : join(extensionDir, "..", "proto", "contextd.proto");
 }
 
 export function loadConfig(env: NodeJS.ProcessEnv = process.env): KvConfig {

@@ -1,69 +1,73 @@
 // The model list comes from the server's OpenAI-style GET /v1/models, read once while Pi loads
 // the extension. A server that is down must not stop Pi from starting, so every failure turns
 // into the default model plus a message the extension shows once a UI exists.
-import type { ProviderModelConfig } from "@mariozechner/pi-coding-agent";
-import {
-  DEFAULT_CONTEXT_WINDOW,
-  DEFAULT_MAX_TOKENS,
-  DEFAULT_MODEL_ID,
-  MODELS_TIMEOUT_MS,
-} from "./config.ts";
+import type { Model } from "@earendil-works/pi-ai";
+import { DEFAULT_CONTEXT_WINDOW, DEFAULT_MAX_TOKENS, DEFAULT_MODEL_ID, MODELS_TIMEOUT_MS, PROVIDER } from "./config.ts";
+
+export type KvModel = Model<"openai-completions">;
 
 export interface ModelList {
-  models: ProviderModelConfig[];
+  models: KvModel[];
   // Set when the server could not be read and the default model stands in.
   problem?: string;
 }
 
-export function modelConfig(
-  id: string,
-  opts: { name?: string; contextWindow?: number; maxTokens?: number; reasoning?: boolean } = {},
-): ProviderModelConfig {
+export interface ModelOptions {
+  name?: string;
+  contextWindow?: number;
+  maxTokens?: number;
+  reasoning?: boolean;
+}
+
+export function modelConfig(id: string, baseUrl: string, opts: ModelOptions = {}): KvModel {
   return {
     id,
     name: opts.name ?? `${id} (kv-elision)`,
+    api: "openai-completions",
+    provider: PROVIDER,
+    baseUrl,
     reasoning: opts.reasoning ?? false,
     input: ["text"],
     // Local inference: nothing to bill, and Pi's cost column stays at zero.
     cost: { input: 0, output: 0, cacheRead: 0, cacheWrite: 0 },
     contextWindow: opts.contextWindow ?? DEFAULT_CONTEXT_WINDOW,
     maxTokens: opts.maxTokens ?? DEFAULT_MAX_TOKENS,
-    // Pi sends the system prompt as a "developer" message to reasoning models unless told not
-    // to; local chat templates know only "system".
-    compat: { supportsDeveloperRole: false },
+    // Pi sends its session id on every agent request (x-session-affinity, x-client-request-id);
+    // the server keys its paged cache by it. Summaries Pi makes outside the session carry none.
+    compat: { sendSessionAffinityHeaders: true, sessionAffinityFormat: "openai-nosession" },
   };
 }
 
-export function defaultModels(problem: string): ModelList {
-  return { models: [modelConfig(DEFAULT_MODEL_ID)], problem };
+export function defaultModels(baseUrl: string, problem: string): ModelList {
+  return { models: [modelConfig(DEFAULT_MODEL_ID, baseUrl)], problem };
 }
 
 function positiveInt(value: unknown): number | undefined {
   return typeof value === "number" && Number.isInteger(value) && value > 0 ? value : undefined;
 }
 
-// Accepts {data: [{id, name?, context_window?, max_tokens?, reasoning?}, ...]}; entries without
-// a usable id are skipped rather than failing the whole list.
-export function parseModels(body: unknown): ProviderModelConfig[] {
+// Accepts {data: [{id, name?, context_window?, max_output_tokens?, reasoning?}, ...]}; entries
+// without a usable id are skipped rather than failing the whole list.
+export function parseModels(body: unknown, baseUrl: string): KvModel[] {
   if (typeof body !== "object" || body === null || !Array.isArray((body as { data?: unknown }).data)) {
     throw new Error("response has no `data` array");
   }
   const seen = new Set<string>();
-  const models: ProviderModelConfig[] = [];
+  const models: KvModel[] = [];
   for (const entry of (body as { data: unknown[] }).data) {
     if (typeof entry !== "object" || entry === null) continue;
     const raw = entry as Record<string, unknown>;
     const id = typeof raw.id === "string" ? raw.id.trim() : "";
     if (!id || seen.has(id)) continue;
     seen.add(id);
-    const opts: Parameters<typeof modelConfig>[1] = {};
+    const opts: ModelOptions = {};
     if (typeof raw.name === "string" && raw.name.trim()) opts.name = raw.name.trim();
     const contextWindow = positiveInt(raw.context_window);
     if (contextWindow !== undefined) opts.contextWindow = contextWindow;
-    const maxTokens = positiveInt(raw.max_tokens);
+    const maxTokens = positiveInt(raw.max_output_tokens);
     if (maxTokens !== undefined) opts.maxTokens = maxTokens;
     if (typeof raw.reasoning === "boolean") opts.reasoning = raw.reasoning;
-    models.push(modelConfig(id, opts));
+    models.push(modelConfig(id, baseUrl, opts));
   }
   if (models.length === 0) throw new Error("the server lists no models");
   return models;
@@ -73,10 +77,10 @@ export async function fetchModels(url: string, timeoutMs: number = MODELS_TIMEOU
   const endpoint = `${url}/models`;
   try {
     const response = await fetch(endpoint, { signal: AbortSignal.timeout(timeoutMs) });
-    if (!response.ok) return defaultModels(`GET ${endpoint} answered HTTP ${response.status}`);
-    return { models: parseModels(await response.json()) };
+    if (!response.ok) return defaultModels(url, `GET ${endpoint} answered HTTP ${response.status}`);
+    return { models: parseModels(await response.json(), url) };
   } catch (error) {
-    return defaultModels(`GET ${endpoint} failed: ${describeFetchError(error)}`);
+    return defaultModels(url, `GET ${endpoint} failed: ${describeFetchError(error)}`);
   }
 }
 

@@ -1,5 +1,7 @@
 import assert from "node:assert/strict";
-import { existsSync } from "node:fs";
+import { existsSync, mkdirSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join, resolve } from "node:path";
 import { test } from "node:test";
 import { protoPath, serveHint, serverUrl, socketPath } from "../src/config.ts";
 
@@ -17,8 +19,21 @@ test("socket path follows contextd's own default", () => {
 });
 
 test("the proto is found in the repository next to the extension", () => {
+  assert.equal(protoPath({}), resolve(import.meta.dirname, "..", "..", "proto", "contextd.proto"));
   assert.ok(existsSync(protoPath({})), protoPath({}));
   assert.equal(protoPath({ KV_ELISION_PROTO: "/p/c.proto" }), "/p/c.proto");
+});
+
+test("an installed package uses the proto `npm pack` put into it", () => {
+  const installed = mkdtempSync(join(tmpdir(), "kv-pkg-"));
+  try {
+    assert.equal(protoPath({}, installed), join(installed, "..", "proto", "contextd.proto"));
+    mkdirSync(join(installed, "proto"));
+    writeFileSync(join(installed, "proto", "contextd.proto"), "");
+    assert.equal(protoPath({}, installed), join(installed, "proto", "contextd.proto"));
+  } finally {
+    rmSync(installed, { recursive: true, force: true });
+  }
 });
 
 test("the start hint uses the URL's port", () => {

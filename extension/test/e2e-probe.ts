@@ -7,7 +7,7 @@
 //     leaf moves to its parent, so the next prompt replaces that message and everything after it),
 //     and logs {"kind":"rewind","target":ID,"leaf":ID,"cancelled":false,"session":"..."}.
 import { appendFileSync } from "node:fs";
-import type { ExtensionAPI, ExtensionContext } from "@mariozechner/pi-coding-agent";
+import type { ExtensionAPI, ExtensionContext } from "@earendil-works/pi-coding-agent";
 
 export default function e2eProbe(pi: ExtensionAPI): void {
   const logPath = process.env.KV_E2E_PROBE_LOG;

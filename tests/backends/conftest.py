@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from backends import Backend, load_backend
-from backends.corpus import sample_tokens
 from backends.models import load_tokenizer, resolve
+from benchmarks.corpus import sample_tokens
 
 from .mlx_harness import MlxHarness
 

@@ -24,7 +24,7 @@ from backends import (
     UnsupportedModelError,
     load_backend,
 )
-from backends.base import FORMAT_VERSION, restore_block_file
+from backends.blockfile import FORMAT_VERSION, checksum
 
 from .conftest import Harness, Models
 
@@ -105,23 +105,36 @@ def test_block_round_trip_is_exact_and_laid_out_as_documented(models: Models) ->
     assert back.keys.shape == (1, 2, 128, 32) and back.nbytes == blk.nbytes
 
 
+def _write(path: Path, data: bytes) -> tuple[str, int]:
+    """A payload file as the canonical store writes it; its manifest checksum and size."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return checksum(data), len(data)
+
+
 def test_block_and_snapshot_files_round_trip(models: Models, tmp_path: Path) -> None:
     be, blk = _block(models, "tiny-qwen3-next")
     path = tmp_path / "page.kvblock"
-    assert blk.to_file(path) == len(blk.to_bytes()) == path.stat().st_size
-    assert path.read_bytes() == blk.to_bytes()
-    back = Block.from_file(path, expect=be.layer_view)
+    digest, size = _write(path, blk.to_bytes())
+    assert size == sum(len(p) for p in blk.pieces())
+    back = Block.read(path, digest, size, expect=be.layer_view)
     np.testing.assert_array_equal(back.keys, blk.keys)
     np.testing.assert_array_equal(back.values, blk.values)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
     with pytest.raises(BlockFormatError, match="checksum"):
-        Block.from_file(path)
+        Block.read(path, digest, size)
+    with pytest.raises(BlockFormatError, match="manifest says"):
+        Block.read(path, digest, size + 1)
+    with pytest.raises(BlockFormatError, match="missing"):
+        Block.read(tmp_path / "gone", digest, size)
     snap = be.snapshot_recurrent()
     assert snap is not None
-    snap.to_file(tmp_path / "state.rs")
-    assert RecurrentSnapshot.from_file(tmp_path / "state.rs").equals(snap)
+    snap_digest, snap_size = _write(tmp_path / "state.rs", snap.to_bytes())
+    assert RecurrentSnapshot.read(tmp_path / "state.rs", snap_digest, snap_size).equals(snap)
 
 
 def _drop_from_page_cache(path: Path, cold: bool) -> None:
@@ -140,41 +153,38 @@ def test_file_restore_equals_insert_and_refuses_corruption(models: Models, tmp_p
     be.prefill(models.tokens[:700])
     ref = be.fork()
     path = tmp_path / "page.kvblock"
-    be.save_block(256, 384).to_file(path)
+    saved = be.save_block(256, 384)
+    digest, size = _write(path, saved.to_bytes())
     be.remove_attention_range(256, 384)
     be.compact_positions()
     twin = be.fork()
-    twin.insert_block(Block.from_file(path, expect=twin.layer_view), 256)
+    twin.insert_block(Block.read(path, digest, size, expect=twin.layer_view), 256)
     _drop_from_page_cache(path, cold)
-    restore_block_file(be, path, 256)
+    back = be.insert_block_file(path, 256, checksum=digest, size=size, token_ids=saved.token_ids)
+    np.testing.assert_array_equal(back.keys, saved.keys)
     np.testing.assert_array_equal(be.rotated_keys(), twin.rotated_keys())
     np.testing.assert_array_equal(be.rotated_keys(), ref.rotated_keys())
     assert be.counters == twin.counters
 
-    data = bytearray(path.read_bytes())
-    data[-100] ^= 0x10
-    with open(path, "wb") as f:
-        f.write(bytes(data))
-        f.flush()
-        os.fsync(f.fileno())
-    _drop_from_page_cache(path, cold)
     be.remove_attention_range(256, 384)
     before = be.fork()
+    with pytest.raises(BlockMismatchError, match="other tokens"):
+        be.insert_block_file(path, 256, checksum=digest, size=size, token_ids=saved.token_ids[::-1].copy())
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x10
+    _write(path, bytes(data))
+    _drop_from_page_cache(path, cold)
     with pytest.raises(BlockFormatError, match="checksum"):
-        restore_block_file(be, path, 256)
+        be.insert_block_file(path, 256, checksum=digest, size=size)
     assert be.attention_tokens == before.attention_tokens and be.counters == before.counters
     assert [be.decode() for _ in range(3)] == [before.decode() for _ in range(3)]
     with pytest.raises(BlockMismatchError):
-        restore_block_file(models.fresh("tiny-llama"), tmp_path / "page.kvblock", 0)
+        models.fresh("tiny-llama").insert_block_file(path, 0, checksum=digest, size=size)
 
 
 def test_corrupt_or_foreign_bytes_are_refused(models: Models) -> None:
     _, blk = _block(models)
     data = bytearray(blk.to_bytes())
-    flipped = bytearray(data)
-    flipped[-300] ^= 0x40
-    with pytest.raises(BlockFormatError, match="checksum"):
-        Block.from_bytes(bytes(flipped))
     with pytest.raises(BlockFormatError):
         Block.from_bytes(bytes(data[:-1]))
     with pytest.raises(BlockFormatError, match="magic"):

@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 from backends import Backend, Block, BlockMismatchError, RecurrentSnapshot, load_backend
-from backends.corpus import sample_tokens
 from backends.models import TINY_MODELS, load_tokenizer, resolve
+from benchmarks.corpus import sample_tokens
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("mlx") is None or importlib.util.find_spec("torch") is None,

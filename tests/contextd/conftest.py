@@ -1,68 +1,37 @@
-"""Fixtures that run the real contextd as a separate process on a real Unix socket."""
+"""Fixtures that run the real contextd as a separate process on a real Unix socket (serving.launcher)."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from contextd.client import Client
+from contextd.client import Client, pb
+from serving.launcher import ContextdProcess
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-@dataclass
-class DaemonProcess:
-    """A contextd process; `restart()` reuses its root and socket."""
+def store_payload(client: Client, session_id: str, page: pb.Page, data: bytes) -> pb.Page:
+    """Write a page's payload the way the serving process does (a file beside the daemon, then
+    its manifest record) and return the record."""
+    blob = client.payloads().write(session_id, page.page_id, data)
+    stored = pb.Page()
+    stored.CopyFrom(page)
+    stored.locator, stored.byte_size, stored.checksum = blob.locator, blob.byte_size, blob.checksum
+    client.upsert_pages(session_id, [stored])
+    return stored
 
-    root: Path
-    socket: Path
-    extra: list[str] = field(default_factory=list)
-    proc: subprocess.Popen[str] | None = None
-    client: Client | None = None
 
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "contextd.cli", "serve", "--root", str(self.root), "--socket",
-                str(self.socket), *self.extra]
-
-    def start(self) -> Client:
-        self.proc = subprocess.Popen(self.command(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
-        self.client = Client(self.socket, timeout=60.0)
-        try:
-            self.client.wait_ready(timeout=30.0)
-        except Exception:
-            self.proc.kill()
-            raise RuntimeError(f"contextd did not start: {self.proc.communicate()[0]}") from None
-        return self.client
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> str:
-        """SIGTERM, wait, return everything the process printed."""
-        if self.client is not None:
-            self.client.close()
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        out, _ = self.proc.communicate(timeout=30)
-        return out
-
-    def restart(self) -> Client:
-        if self.client is not None:
-            self.client.close()
-        return self.start()
+def states(changes: list[tuple[str, int]], turn: int = 0) -> list[pb.PageStateChange]:
+    return [pb.PageStateChange(page_id=page_id, state=state, last_used_turn=turn)  # type: ignore[arg-type]
+            for page_id, state in changes]
 
 
 def short_tempdir() -> Path:
@@ -72,13 +41,13 @@ def short_tempdir() -> Path:
 
 @pytest.fixture
 def daemon_factory() -> Iterator[object]:
-    made: list[DaemonProcess] = []
+    made: list[ContextdProcess] = []
     folders: list[Path] = []
 
-    def make(*extra: str, start: bool = True) -> DaemonProcess:
+    def make(*extra: str, start: bool = True) -> ContextdProcess:
         base = short_tempdir()
         folders.append(base)
-        proc = DaemonProcess(root=base / "root", socket=base / "run" / "c.sock", extra=list(extra))
+        proc = ContextdProcess(root=base / "root", socket=base / "run" / "c.sock", extra=list(extra))
         made.append(proc)
         if start:
             proc.start()
@@ -96,7 +65,7 @@ def daemon_factory() -> Iterator[object]:
 
 
 @pytest.fixture
-def daemon(daemon_factory: object) -> DaemonProcess:
+def daemon(daemon_factory: object) -> ContextdProcess:
     """A running daemon with no free-space reserve (tests that need one make their own)."""
     return daemon_factory("--reserve-bytes", "0")  # type: ignore[operator, no-any-return]
 

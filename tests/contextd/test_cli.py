@@ -8,21 +8,23 @@ import sys
 import time
 
 from contextd.client import pb
-from tests.contextd.conftest import REPO, DaemonProcess, run_cli
+from serving.launcher import ContextdProcess
+from tests.contextd.conftest import REPO, run_cli, states, store_payload
 
 
-def _fill(daemon: DaemonProcess) -> None:
+def _fill(daemon: ContextdProcess) -> None:
     client = daemon.client
     assert client is not None
     client.open_session("alpha", model_id="smollm2-135m", budget_tokens=4096)
-    client.upsert_pages("alpha", [pb.Page(page_id=f"p{i}", token_start=i * 128, token_end=(i + 1) * 128)
-                                  for i in range(6)])
-    client.write_page_data("alpha", "p0", b"k" * 2048)
-    client.set_page_states("alpha", [("p0", pb.COLD), ("p1", pb.PINNED)])
-    client.update_session("alpha", attention_tokens=640, turn=2, counters={"restored_pages": 3})
+    records = [pb.Page(page_id=f"p{i}", token_start=i * 128, token_end=(i + 1) * 128) for i in range(6)]
+    client.upsert_pages("alpha", records)
+    store_payload(client, "alpha", records[0], b"k" * 2048)
+    client.set_page_states("alpha", states([("p0", pb.COLD), ("p1", pb.PINNED)]))
+    client.write_record("alpha", pb.SessionRecord(turn=2, attention_tokens=640, unit_salt="s",
+                                                  counters={"restored_pages": 3}), 0, [])
 
 
-def test_status_prints_a_table_and_json(daemon: DaemonProcess) -> None:
+def test_status_prints_a_table_and_json(daemon: ContextdProcess) -> None:
     _fill(daemon)
     table = run_cli("status", "--socket", str(daemon.socket))
     assert table.returncode == 0, table.stderr
@@ -40,7 +42,7 @@ def test_status_prints_a_table_and_json(daemon: DaemonProcess) -> None:
     assert data["sync_mode"] == "full" and int(data["reserve_bytes"]) == 0
 
 
-def test_watch_prints_one_line_per_change(daemon: DaemonProcess) -> None:
+def test_watch_prints_one_line_per_change(daemon: ContextdProcess) -> None:
     _fill(daemon)
     proc = subprocess.Popen([sys.executable, "-m", "contextd.cli", "watch", "--socket", str(daemon.socket)],
                             cwd=REPO, stdout=subprocess.PIPE, text=True)
@@ -49,14 +51,14 @@ def test_watch_prints_one_line_per_change(daemon: DaemonProcess) -> None:
     assert "alpha: hot 4 cold 1 pinned 1 | attn 640/4096 | restored 3" in first
     client = daemon.client
     assert client is not None
-    client.set_page_states("alpha", [("p2", pb.PINNED)])
+    client.set_page_states("alpha", states([("p2", pb.PINNED)]))
     second = proc.stdout.readline()
     assert "hot 3 cold 1 pinned 2" in second
     proc.terminate()
     proc.wait(timeout=10)
 
 
-def test_gc_removes_orphans_but_not_referenced_payloads(daemon: DaemonProcess) -> None:
+def test_gc_removes_orphans_but_not_referenced_payloads(daemon: ContextdProcess) -> None:
     _fill(daemon)
     store = daemon.root / "store" / "alpha"
     orphan = store / "leftover.0000.kv"

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.agent import AgentRun, ServerProcess
+from benchmarks.agent import AgentRun
 from benchmarks.workload import evidence_files
 from contextd.client import Client, pb
+from serving.launcher import ServerProcess
 
 BUDGET = 4096
 SESSION_TOKENS = 60_000

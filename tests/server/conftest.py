@@ -1,9 +1,10 @@
-"""Fixtures that run the real `kv-elision serve` process (with its own contextd) on a free port."""
+"""Fixtures that run the real `kv-elision serve` process (with its own contextd) on a free port.
+
+Every server and contextd a test starts is ended by the launcher, by pid (serving.launcher)."""
 
 from __future__ import annotations
 
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.agent import ServerProcess
+from serving.launcher import ServerProcess
 
 
 @pytest.fixture
@@ -32,7 +33,5 @@ def server_factory() -> Iterator[Any]:
     yield make
     for server in made:
         server.stop()
-    # the contextd each server started is its child; a killed server leaves it running
-    subprocess.run(["pkill", "-f", "contextd.cli serve --root /tmp/kvs-"], check=False)
     for folder in folders:
         shutil.rmtree(folder, ignore_errors=True)

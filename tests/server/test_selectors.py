@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from benchmarks.agent import ServerProcess
 from benchmarks.workload import TOOLS, agent_turns, evidence_files, opening_messages
 from contextd.client import Client
+from serving.launcher import ServerProcess
 from tests.server.test_server import assistant
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from backends.models import load_tokenizer, resolve
-from benchmarks.agent import ServerProcess
+from serving.launcher import ServerProcess
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. Be brief."}
 TOOLS = [{"type": "function", "function": {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.pager import PAGE_TOKENS, Decision, Pager, PagerConfig, PageState, PinKind, Plan, chain_key
+from controller.pager import PAGE_TOKENS, Decision, Pager, PagerConfig, PageState, PinKind, Plan
 
 
 def grow(pager: Pager, tokens: int, pin: PinKind | None = None) -> None:
@@ -122,9 +122,3 @@ def test_a_plan_over_budget_is_rejected_whole_and_evicts_nothing_because_of_it()
     decision = pager.decide(Plan(restore=cold[:20], evict_first=cold[20:]))
     assert not decision.plan_used and "low watermark" in decision.plan_rejected
     assert decision.evict == [] and decision.restore == []
-
-
-def test_chain_keys_identify_a_page_and_its_whole_history() -> None:
-    a = chain_key(0, [1, 2, 3])
-    assert a == chain_key(0, [1, 2, 3])
-    assert chain_key(a, [4]) != chain_key(chain_key(0, [1, 2, 9]), [4])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from backends.models import load_tokenizer, resolve
-from backends.transcript import ChatFormat, Fingerprint, Transcript, assistant_key
+from serving.transcript import ChatFormat, Fingerprint, Segment, Transcript, assistant_key
 
 
 def test_two_answers_with_one_key_render_each_as_it_was_generated() -> None:
@@ -19,8 +19,18 @@ def test_two_answers_with_one_key_render_each_as_it_was_generated() -> None:
     assert [m["content"] for m in normal if m["role"] == "assistant"] == [first, second, second]
 
 
-def test_a_record_from_before_lists_still_loads() -> None:
-    record = Transcript(Fingerprint("t", "c", "x", "off"), generated={"k": ["raw"]}).to_record()
-    assert Transcript.from_record(record).generated == {"k": ["raw"]}
-    record["generated"] = {"k": "raw"}  # the format of earlier versions: one raw text per key
-    assert Transcript.from_record(record).generated == {"k": ["raw"]}
+def test_appended_and_cut_segments_keep_ids_text_and_generated_answers_in_step() -> None:
+    transcript = Transcript(Fingerprint("t", "c", "x", "off"))
+    transcript.append(Segment("<user>a", [1, 2]))
+    transcript.append(Segment("The payment is processed", [3, 4, 5], generated=True))
+    transcript.append(Segment("<user>b", [6]))
+    transcript.append(Segment(" The payment is processed", [7, 8], generated=True))
+    key = assistant_key("The payment is processed", [])
+    assert transcript.generated == {key: ["The payment is processed", " The payment is processed"]}
+    assert (transcript.ids, transcript.tokens, transcript.text_length) == ([1, 2, 3, 4, 5, 6, 7, 8], 8,
+                                                                           len(transcript.text))
+    transcript.cut(2)
+    assert transcript.generated == {key: ["The payment is processed"]}
+    assert transcript.ids == [1, 2, 3, 4, 5] and transcript.text == "<user>aThe payment is processed"
+    transcript.cut(0)
+    assert (transcript.generated, transcript.ids, transcript.text_length) == ({}, [], 0)

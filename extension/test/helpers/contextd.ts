@@ -79,3 +79,12 @@ export class Contextd {
     rmSync(this.root, { recursive: true, force: true });
   }
 }
+
+// What the server writes at the end of a turn, reduced to what the status line shows.
+export async function writeRecord(
+  client: grpc.Client,
+  sessionId: string,
+  record: { attention_tokens: number; counters: Record<string, number> },
+): Promise<void> {
+  await callContextd(client, "WriteRecord", { session_id: sessionId, record: { ...record, unit_salt: "test" } });
+}

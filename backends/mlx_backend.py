@@ -52,9 +52,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import os
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -63,30 +61,22 @@ import numpy as np
 from mlx.nn.layers.base import Module
 from mlx_lm.models.cache import ArraysCache
 
-from .base import (
-    ROPE_LAYOUT_NEOX,
+from .models import ModelSource, build_tiny_model, check_supported
+from .protocol import (
     Backend,
     BackendError,
     BackendUnavailableError,
-    Block,
-    BlockFileReader,
     BlockMismatchError,
-    Counters,
-    LayerView,
     RecurrentSnapshot,
-    Tokenizer,
     UnsupportedModelError,
 )
-from .models import ModelSource, check_supported, load_tokenizer, resolve
-from .slots import SlotBookkeeping, as_run, checked_token_ids, model_identity, pick_token
+from .runtime import LoadedModel, SlotBackend, SlotStore, check_layer_split
+from .slots import as_run, model_identity
 
 __all__ = ["MlxBackend", "load"]
 
 _DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _DTYPE_NAMES: dict[mx.Dtype, str] = {v: k for k, v in _DTYPES.items()}
-
-# Key elements per step of page work (see _SlotStore._layer_groups).
-_GROUP_ELEMENTS = 1 << 20
 
 # Families whose attention computes the pre-rotary key in k_norm (per-head RMSNorm after k_proj);
 # the others produce it directly in k_proj as [batch, seq, heads * head_dim].
@@ -162,19 +152,8 @@ def _hf_form_from_torch(model: Any, dtype: mx.Dtype) -> _HfForm:
 
 
 def _hf_form_tiny(source: ModelSource, dtype: str) -> _HfForm:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    assert source.tiny_config is not None
-    cfg_dict = dict(source.tiny_config)
-    config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
-    check_supported(config)
-    # The torch backend's recipe exactly: seeded on a forked RNG, float32 init, then cast.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(source.seed)
-        model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-            config, dtype=torch.float32, attn_implementation="sdpa")
-    model = model.to(dtype=_torch_dtype(dtype))
+    # The torch backend's recipe exactly: the same seeded float32 model, then cast.
+    model = build_tiny_model(source, "sdpa").to(dtype=_torch_dtype(dtype))
     return _hf_form_from_torch(model, _DTYPES[dtype])
 
 
@@ -356,29 +335,15 @@ class _Tap(Module):
         return out
 
 
-@dataclasses.dataclass
-class _Runtime:
-    source: ModelSource
+@dataclasses.dataclass(kw_only=True)
+class _Runtime(LoadedModel):
+    """One loaded mlx-lm model, shared by a backend and its forks."""
+
     model: Module
-    family: str
     device: mx.Device
     dtype: mx.Dtype
-    dtype_name: str
-    attention_layers: tuple[int, ...]
-    linear_layers: tuple[int, ...]
-    num_kv_heads: int
-    head_dim: int
-    value_head_dim: int
-    rotary_dim: int
     rope: Module
     array_offsets_exact: bool
-    max_position_embeddings: int
-    vocab_size: int
-    view: LayerView
-    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
-    active: _SlotStore | None = None
-    page_op: MlxBackend | None = None
-    tokenizer: Tokenizer | None = None
 
     def head(self, h: mx.array) -> mx.array:
         """The model's output head (tied embedding or lm_head) on hidden states `h`."""
@@ -471,13 +436,7 @@ def _make_runtime(source: ModelSource, device: str, dtype: str, model_id: str | 
     layers = model.model.layers
     attention_layers = tuple(i for i, layer in enumerate(layers) if "self_attn" in layer)
     linear_layers = tuple(i for i, layer in enumerate(layers) if "linear_attn" in layer)
-    if not attention_layers:
-        raise UnsupportedModelError(f"{family}: the model has no attention layers to page")
-    if len(attention_layers) + len(linear_layers) != len(layers):
-        raise UnsupportedModelError(f"{family}: some layers are neither attention nor linear attention")
-    hf_types = cfg.get("layer_types")
-    if hf_types and tuple(i for i, t in enumerate(hf_types) if t == "full_attention") != attention_layers:
-        raise UnsupportedModelError(f"{family}: mlx-lm's attention layers {attention_layers} differ from the config")
+    check_layer_split(family, len(layers), attention_layers, linear_layers, cfg.get("layer_types"))
     attn = layers[attention_layers[0]].self_attn
     kv_heads = int(cfg["num_key_value_heads"])
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
@@ -497,16 +456,12 @@ def _make_runtime(source: ModelSource, device: str, dtype: str, model_id: str | 
         if key_module not in layers[i].self_attn:
             raise UnsupportedModelError(
                 f"{family}: attention layer {i} has no {key_module} to read pre-rotary keys from")
-    view = LayerView(
-        model_id=identity, family=family, attention_layers=attention_layers, num_kv_heads=kv_heads,
-        head_dim=head_dim, value_head_dim=value_head_dim, rotary_dim=rotary_dim, rope_layout=ROPE_LAYOUT_NEOX,
-        dtype=dtype,
-    )
     rt = _Runtime(
-        source=source, model=model, family=family, device=dev, dtype=_DTYPES[dtype], dtype_name=dtype,
+        source=source, model=model, family=family, device=dev, dtype=_DTYPES[dtype],
         attention_layers=attention_layers, linear_layers=linear_layers, num_kv_heads=kv_heads, head_dim=head_dim,
         value_head_dim=value_head_dim, rotary_dim=rotary_dim, rope=rope_mod, array_offsets_exact=exact_offsets,
-        max_position_embeddings=int(cfg["max_position_embeddings"]), vocab_size=int(cfg["vocab_size"]), view=view,
+        max_position_embeddings=int(cfg["max_position_embeddings"]), vocab_size=int(cfg["vocab_size"]),
+        model_id=identity, dtype_name=dtype,
     )
     _install_taps(rt, key_module)
     return rt
@@ -564,43 +519,35 @@ def _take(buf: mx.array, slots: np.ndarray) -> mx.array:
     return mx.take(buf, mx.array(slots.astype(np.int32)), axis=2)
 
 
-class _SlotStore:
-    """Slot buffers and per-slot metadata of one session (see the module docstring)."""
+class _SlotStore(SlotStore):
+    """Slot buffers of one session, one set per attention layer (see the module docstring)."""
+
+    # One `mx.fast.rope` call per layer group of about four megabytes: per-call overhead made 30
+    # per-layer calls ~5x slower than one call over all layers of a page.
+    group_elements = 1 << 20
+    rt: _Runtime
 
     def __init__(self, rt: _Runtime, capacity: int) -> None:
-        self.rt = rt
-        self.capacity = 0
         L = len(rt.attention_layers)
         H = rt.num_kv_heads
         with mx.stream(rt.device):
             self.k_rot = [mx.zeros((1, H, 0, rt.head_dim), dtype=rt.dtype) for _ in range(L)]
             self.k_canon = [mx.zeros((1, H, 0, rt.rotary_dim), dtype=rt.dtype) for _ in range(L)]
             self.v = [mx.zeros((1, H, 0, rt.value_head_dim), dtype=rt.dtype) for _ in range(L)]
-        self.pos = np.zeros(0, dtype=np.int64)
-        self.occupied = np.zeros(0, dtype=bool)
-        self.tokens = np.zeros(0, dtype=np.int32)
-        self.order = np.zeros(0, dtype=np.int64)
-        # Set for the duration of one forward: where its tokens go, how far attention reads, its mask.
-        self.fwd_slots: np.ndarray | None = None
-        self.fwd_high_water = 0
+        # Set for the duration of one forward besides the slots: its first position and its mask.
         self.fwd_offset = 0
         self.fwd_mask: mx.array | None = None
-        self.owner_counters: Counters | None = None
-        self.grow(capacity)
+        super().__init__(rt, capacity)
 
     def buffers(self) -> list[mx.array]:
         return [*self.k_rot, *self.k_canon, *self.v]
 
-    def grow(self, capacity: int) -> None:
-        if capacity <= self.capacity:
-            return
+    def _grow_buffers(self, capacity: int) -> None:
         extra = capacity - self.capacity
 
         def bigger(bufs: list[mx.array]) -> None:
             for a in range(len(bufs)):
                 pad = mx.zeros((*bufs[a].shape[:2], extra, bufs[a].shape[3]), dtype=bufs[a].dtype)
-                # zeros, not uninitialised memory: masked slots still take part in the weights @
-                # values product, where a weight of 0 times NaN bits would still be NaN.
                 bufs[a] = mx.concatenate([bufs[a], pad], axis=2)
 
         with mx.stream(self.rt.device):
@@ -608,40 +555,17 @@ class _SlotStore:
             bigger(self.k_canon)
             bigger(self.v)
             mx.eval(self.buffers())
-        self.pos = np.concatenate([self.pos, np.zeros(extra, dtype=np.int64)])
-        self.occupied = np.concatenate([self.occupied, np.zeros(extra, dtype=bool)])
-        self.tokens = np.concatenate([self.tokens, np.zeros(extra, dtype=np.int32)])
-        self.capacity = capacity
 
-    def allocate(self, n: int) -> np.ndarray:
-        """The `n` lowest free slots (growing the buffers if needed); keeps the high-water mark low."""
-        free = np.flatnonzero(~self.occupied)
-        if free.shape[0] < n:
-            self.grow(max(2 * self.capacity, self.capacity + n - free.shape[0]))
-            free = np.flatnonzero(~self.occupied)
-        return free[:n].astype(np.int64)
-
-    def high_water(self) -> int:
-        occ = np.flatnonzero(self.occupied)
-        return int(occ[-1]) + 1 if occ.shape[0] else 0
-
-    def clone(self) -> _SlotStore:
-        other = _SlotStore.__new__(_SlotStore)
-        other.rt = self.rt
-        other.capacity = self.capacity
+    def _copy_buffers(self) -> None:
         # Copied now (mx.array(x) copies), like torch's clone: sharing the buffers would be correct
         # too (MLX copies a shared buffer on its first write instead of donating it), but the first
         # page operation after a fork would then pay a copy of the whole cache.
         with mx.stream(self.rt.device):
-            other.k_rot = [mx.array(x) for x in self.k_rot]
-            other.k_canon = [mx.array(x) for x in self.k_canon]
-            other.v = [mx.array(x) for x in self.v]
-            mx.eval(other.buffers())
-        other.pos, other.occupied = self.pos.copy(), self.occupied.copy()
-        other.tokens, other.order = self.tokens.copy(), self.order.copy()
-        other.fwd_slots, other.fwd_high_water, other.fwd_offset, other.fwd_mask = None, 0, 0, None
-        other.owner_counters = None
-        return other
+            self.k_rot = [mx.array(x) for x in self.k_rot]
+            self.k_canon = [mx.array(x) for x in self.k_canon]
+            self.v = [mx.array(x) for x in self.v]
+            mx.eval(self.buffers())
+        self.fwd_offset, self.fwd_mask = 0, None
 
     # -- called from inside the model's forward ------------------------------------------------
     def write_layer(self, a: int, k_rot: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
@@ -658,21 +582,12 @@ class _SlotStore:
         self.k_canon[a] = _put(self.k_canon[a], self.fwd_slots, k_pre[..., : self.rt.rotary_dim])
 
     # -- page operations (callers evaluate the buffers when done) ------------------------------
-    def _layer_groups(self, n_tokens: int) -> Iterator[tuple[int, int]]:
-        """Ranges of attention layers whose slice of a page is about four megabytes: one
-        `mx.fast.rope` call per group (per-call overhead made 30 per-layer calls ~5x slower than one
-        call over all layers of a page), without whole-cache temporaries for a full compaction."""
-        n_layers, heads, dim = len(self.k_rot), self.rt.num_kv_heads, self.rt.head_dim
-        group = max(1, _GROUP_ELEMENTS // max(1, heads * n_tokens * dim))
-        for a0 in range(0, n_layers, group):
-            yield a0, min(n_layers, a0 + group)
-
     def reanchor(self, slots: np.ndarray, positions: np.ndarray) -> None:
         """k_rot[slots, :r] = rope(k_canon[slots], positions), for every attention layer."""
         if slots.shape[0] == 0:
             return
         H = self.rt.num_kv_heads
-        for a0, a1 in self._layer_groups(int(slots.shape[0])):
+        for a0, a1 in self.layer_groups(int(slots.shape[0])):
             canon = mx.concatenate([_take(self.k_canon[a], slots) for a in range(a0, a1)], axis=1)
             rot = self.rt.rotate(canon, positions)  # [1, group * H, n, r]
             for a in range(a0, a1):
@@ -680,13 +595,25 @@ class _SlotStore:
                 self.k_rot[a] = _put(self.k_rot[a], slots, rot[:, j:j + H])
         self.pos[slots] = positions
 
-    def write_keys(self, slots: np.ndarray, a0: int, a1: int, keys: mx.array, positions: np.ndarray | None) -> None:
-        """Store canonical keys [a1 - a0, H, n, D] of attention layers [a0, a1) in `slots` and, with
+    def gather(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        rt = self.rt
+        canon = mx.stack([_take(k, slots)[0] for k in self.k_canon])
+        if rt.rotary_dim < rt.head_dim:
+            passthrough = mx.stack([_take(k, slots)[0, :, :, rt.rotary_dim:] for k in self.k_rot])
+            canon = mx.concatenate([canon, passthrough], axis=-1)
+        return _to_numpy(canon), _to_numpy(mx.stack([_take(v, slots)[0] for v in self.v]))
+
+    def rotated(self, slots: np.ndarray) -> np.ndarray:
+        with mx.stream(self.rt.device):
+            return np.array(mx.stack([_take(k, slots)[0] for k in self.k_rot]).astype(mx.float32))
+
+    def write_keys(self, slots: np.ndarray, a0: int, a1: int, keys: np.ndarray, positions: np.ndarray | None) -> None:
+        """Canonical keys [a1 - a0, H, n, D] of attention layers [a0, a1) into `slots` and, with
         `positions`, their rotation there (without, the keys are placed unrotated for a compaction
-        to rotate). The slots' positions are the caller's to set."""
+        to rotate). Evaluated before returning, so a streamed insert overlaps the next read."""
         r, d, H = self.rt.rotary_dim, self.rt.head_dim, self.rt.num_kv_heads
         n = int(slots.shape[0])
-        k = keys.reshape(1, (a1 - a0) * H, n, d)
+        k = _from_numpy(keys, self.rt.dtype).reshape(1, (a1 - a0) * H, n, d)
         canon = k if r == d else mx.contiguous(k[..., :r])
         rows = k
         if positions is not None:
@@ -696,16 +623,18 @@ class _SlotStore:
             j = (a - a0) * H
             self.k_canon[a] = _put(self.k_canon[a], slots, canon[:, j:j + H])
             self.k_rot[a] = _put(self.k_rot[a], slots, rows[:, j:j + H])
+        mx.eval(self.buffers())
 
-    def write_values(self, slots: np.ndarray, a0: int, a1: int, values: mx.array) -> None:
+    def write_values(self, slots: np.ndarray, a0: int, a1: int, values: np.ndarray) -> None:
+        v = _from_numpy(values, self.rt.dtype)
         for a in range(a0, a1):
-            self.v[a] = _put(self.v[a], slots, values[a - a0][None])
+            self.v[a] = _put(self.v[a], slots, v[a - a0][None])
 
-    def write_block(self, slots: np.ndarray, keys: mx.array, values: mx.array, positions: np.ndarray | None) -> None:
-        """A whole block's keys [L, H, n, D] and values, layer group by layer group."""
-        for a0, a1 in self._layer_groups(int(slots.shape[0])):
-            self.write_keys(slots, a0, a1, keys[a0:a1], positions)
-            self.write_values(slots, a0, a1, values[a0:a1])
+    def clear(self, slots: np.ndarray) -> None:
+        for bufs in (self.k_rot, self.k_canon, self.v):
+            for a in range(len(bufs)):
+                bufs[a] = _put(bufs[a], slots, mx.zeros_like(_take(bufs[a], slots)))
+        mx.eval(self.buffers())
 
 
 class _SlotLayer:
@@ -754,115 +683,36 @@ def _copy_arrays_cache(c: ArraysCache) -> ArraysCache:
 # The backend
 # ------------------------------------------------------------------------------------------------
 
-class MlxBackend(SlotBookkeeping):
+class MlxBackend(SlotBackend):
     """`Backend` on mlx-lm. Construct with `load_backend("mlx", ...)`."""
 
     name = "mlx"
+    _rt: _Runtime
     _store: _SlotStore
+    _cache: list[Any]
 
-    def __init__(self, rt: _Runtime, model_name: str, *, capacity: int = 4096, prefill_chunk: int = 512,
-                 position_limit: int | None = None, seed: int = 0) -> None:
-        self._rt = rt
-        self.model_name = model_name
-        self.device = "cpu" if rt.device.type == mx.cpu else "gpu"
-        self.prefill_chunk = int(prefill_chunk)
-        if self.prefill_chunk < 1:
-            raise ValueError("prefill_chunk must be >= 1")
-        # Compaction runs when a token would get a position >= position_limit.
-        self.position_limit = int(position_limit or rt.max_position_embeddings)
-        self._counters = Counters()
-        self._rng = np.random.default_rng(seed)
-        self._store = _SlotStore(rt, max(1, int(capacity)))
-        self._store.owner_counters = self._counters
-        self._cache = self._new_cache(self._store)
-        self._stream_tokens = 0
-        self._pending: int | None = None
-        self._last_logits: np.ndarray | None = None
-        self._broken: str | None = None
+    _load_model = staticmethod(_make_runtime)
 
-    # -- identity ----------------------------------------------------------------------------
     @property
     def mlx_model(self) -> Module:
         """The underlying mlx-lm model (shared with forks; for harnesses and diagnostics)."""
         return self._rt.model
 
-    @property
-    def model_id(self) -> str:
-        return self._rt.view.model_id
+    def _device_name(self) -> str:
+        return "cpu" if self._rt.device.type == mx.cpu else "gpu"
 
-    @property
-    def layer_view(self) -> LayerView:
-        return self._rt.view
+    def _new_store(self, capacity: int) -> _SlotStore:
+        return _SlotStore(self._rt, capacity)
 
-    @property
-    def tokenizer(self) -> Tokenizer:
-        with self._rt.lock:
-            if self._rt.tokenizer is None:
-                self._rt.tokenizer = load_tokenizer(self._rt.source)
-            return self._rt.tokenizer
+    def _new_cache(self) -> list[Any]:
+        att = {layer: a for a, layer in enumerate(self._rt.attention_layers)}
+        return [_SlotLayer(self._store, att[i]) if i in att else ArraysCache(size=2)
+                for i in range(len(self._rt.model.model.layers))]
 
-    @property
-    def vocab_size(self) -> int:
-        return self._rt.vocab_size
-
-    @property
-    def is_hybrid(self) -> bool:
-        return bool(self._rt.linear_layers)
-
-    @property
-    def max_position(self) -> int:
-        return self._rt.max_position_embeddings - 1
-
-    # -- state -------------------------------------------------------------------------------
-    def rotated_keys(self, start: int = 0, end: int | None = None) -> np.ndarray:
-        end = self.attention_tokens if end is None else end
-        self._check_range(start, end)
-        slots = self._store.order[start:end]
-        with mx.stream(self._rt.device):
-            keys = mx.stack([_take(k, slots)[0] for k in self._store.k_rot]).astype(mx.float32)
-            return np.array(keys)
-
-    # -- running the model -------------------------------------------------------------------
-    def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
-        ids = checked_token_ids(token_ids, self._rt.vocab_size)
-        if not ids:
-            raise ValueError("prefill needs at least one token")
-        self._pending = None
-        for i in range(0, len(ids), self.prefill_chunk):
-            chunk = ids[i:i + self.prefill_chunk]
-            self._run_model(chunk)
-            self._counters.new_prefill_tokens += len(chunk)
-        return self.last_logits()
-
-    def decode(self, token: int | None = None, *, greedy: bool = True, temperature: float = 1.0,
-               top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> int:
-        feed = token if token is not None else self._pending
-        if feed is not None:
-            self._run_model(checked_token_ids([feed], self._rt.vocab_size))
-            self._counters.decoded_tokens += 1
-        elif self._last_logits is None:
-            raise BackendError("decode needs a prefill (or an explicit token) first")
-        if seed is not None:
-            self._rng = np.random.default_rng(seed)
-        assert self._last_logits is not None
-        nxt = pick_token(self._last_logits, greedy, temperature, top_k, top_p, self._rng)
-        self._pending = nxt
-        return nxt
-
-    def _run_model(self, ids: list[int]) -> None:
-        """The one place that runs the model: allocate slots, build the slot mask, forward, evaluate."""
-        self._check_usable()
+    def _forward(self, ids: list[int], positions: np.ndarray, slots: np.ndarray, high_water: int) -> np.ndarray:
         st, rt = self._store, self._rt
-        n = len(ids)
-        positions = self._next_positions(n)
-        slots = st.allocate(n)
-        st.pos[slots] = positions
-        st.occupied[slots] = True
-        st.tokens[slots] = ids
-        st.order = np.concatenate([st.order, slots])
-        hw = st.high_water()
-        mask = st.occupied[None, :hw] & (st.pos[None, :hw] <= positions[:, None])
-        st.fwd_slots, st.fwd_high_water, st.fwd_offset = slots, hw, int(positions[0])
+        mask = st.occupied[None, :high_water] & (st.pos[None, :high_water] <= positions[:, None])
+        st.fwd_slots, st.fwd_high_water, st.fwd_offset = slots, high_water, int(positions[0])
         try:
             with rt.lock, mx.stream(rt.device):
                 st.fwd_mask = mx.array(mask)[None, None]
@@ -872,85 +722,20 @@ class MlxBackend(SlotBookkeeping):
                     logits = rt.head(hidden[:, -1:, :])[0, -1].astype(mx.float32)
                 finally:
                     rt.active = None
-                states = [c.cache for c in self._linear_caches()]
-                mx.eval(logits, st.buffers(), states)
-        except BaseException as e:
-            # Linear-attention layers before the failure may already have advanced their state, so
-            # the session no longer describes any prefix of the stream.
-            self._broken = f"a forward pass failed ({type(e).__name__}: {e})"
-            raise
+                mx.eval(logits, st.buffers(), [c.cache for c in self._linear_caches()])
         finally:
             st.fwd_slots, st.fwd_mask = None, None
-        self._stream_tokens += n
-        self._last_logits = np.array(logits)
+        return np.array(logits)
 
-    # -- page operations ---------------------------------------------------------------------
     @contextlib.contextmanager
     def _page_op(self) -> Iterator[None]:
         """Page operations are synchronous: their buffer updates are evaluated before they return."""
-        self._check_usable()
-        with self._rt.lock, mx.stream(self._rt.device):
-            self._rt.page_op = self
-            try:
-                yield
-                mx.eval(self._store.buffers())
-            finally:
-                self._rt.page_op = None
+        with self._rt.lock, mx.stream(self._rt.device), self._marked_page_op():
+            yield
+            mx.eval(self._store.buffers())
 
-    def save_block(self, start: int, end: int) -> Block:
-        self._check_range(start, end, nonempty=True)
-        st, rt = self._store, self._rt
-        with self._page_op():
-            slots = st.order[start:end]
-            canon = mx.stack([_take(k, slots)[0] for k in st.k_canon])
-            if rt.rotary_dim < rt.head_dim:
-                passthrough = mx.stack([_take(k, slots)[0, :, :, rt.rotary_dim:] for k in st.k_rot])
-                canon = mx.concatenate([canon, passthrough], axis=-1)
-            values = mx.stack([_take(v, slots)[0] for v in st.v])
-            return Block(
-                view=rt.view,
-                keys=_to_numpy(canon),
-                values=_to_numpy(values),
-                positions=st.pos[slots].copy(),
-                token_ids=st.tokens[slots].copy(),
-                model_name=self.model_name,
-            )
-
-    def insert_block(self, blk: Block, at: int) -> None:
-        rt, st = self._rt, self._store
-        rt.view.require_same(blk.view)
-        self._check_insert_at(at)
-        with self._page_op():
-            plan = self._plan_insert(at, blk.positions)
-            slots = st.allocate(blk.n_tokens)
-            st.write_block(slots, _from_numpy(blk.keys, rt.dtype), _from_numpy(blk.values, rt.dtype),
-                           None if plan.compact else plan.block_pos)
-            self._commit_insert(at, plan, slots, blk.token_ids)
-
-    def insert_block_file(self, path: str | os.PathLike[str], at: int) -> None:
-        """`insert_block(Block.from_file(path), at)`, with the disk read overlapped: keys are copied
-        and rotated into free slots layer group by layer group as they arrive. Nothing becomes
-        visible before the whole file has been read and its checksum verified (see
-        `base.restore_block_file`)."""
-        rt, st = self._rt, self._store
-        self._check_insert_at(at)
-        with BlockFileReader(path, expect=rt.view) as rd, self._page_op():
-            n = rd.n_tokens
-            rd.wait("positions")
-            plan = self._plan_insert(at, rd.arrays["positions"])
-            slots = st.allocate(n)
-            positions = None if plan.compact else plan.block_pos
-            groups = list(st._layer_groups(n))
-            for a0, a1 in groups:
-                rd.wait("keys", rows=a1)
-                st.write_keys(slots, a0, a1, _from_numpy(rd.arrays["keys"][a0:a1], rt.dtype), positions)
-                mx.eval(st.buffers())  # while the reader thread fetches the next layers
-            for a0, a1 in groups:
-                rd.wait("values", rows=a1)
-                st.write_values(slots, a0, a1, _from_numpy(rd.arrays["values"][a0:a1], rt.dtype))
-            blk = rd.finish()
-            # The slots stay free (and so invisible) until here: a failed read leaves no trace.
-            self._commit_insert(at, plan, slots, blk.token_ids)
+    def synchronize(self) -> None:
+        mx.synchronize()
 
     # -- recurrent state ---------------------------------------------------------------------
     # Snapshots use the Hugging Face layout, so they mean the same in both runtimes: conv state
@@ -965,33 +750,24 @@ class MlxBackend(SlotBookkeeping):
         return (1, int(la.conv_dim), int(la.conv_kernel_size)), (1, int(la.num_v_heads), int(la.head_k_dim),
                                                                     int(la.head_v_dim))
 
-    def snapshot_recurrent(self) -> RecurrentSnapshot | None:
-        if not self.is_hybrid:
-            return None
+    def _read_recurrent(self) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         states: dict[str, np.ndarray] = {}
         dtypes: dict[str, str] = {}
-        with self._page_op():
-            for i in self._rt.linear_layers:
-                c = self._cache[i]
-                assert isinstance(c, ArraysCache)
-                conv, rec = c[0], c[1]
-                if conv is None or rec is None:
-                    continue
-                pad = mx.zeros((conv.shape[0], 1, conv.shape[2]), dtype=conv.dtype)
-                hf_conv = mx.concatenate([pad, conv], axis=1).transpose(0, 2, 1)
-                hf_rec = rec.swapaxes(-1, -2)
-                for key, arr in ((f"conv/{i}/0", hf_conv), (f"recurrent/{i}/0", hf_rec)):
-                    states[key] = _to_numpy(arr)
-                    dtypes[key] = _DTYPE_NAMES[arr.dtype]
-        return RecurrentSnapshot(model_id=self.model_id, stream_tokens=self._stream_tokens,
-                                 states=states, dtypes=dtypes)
+        for i in self._rt.linear_layers:
+            c = self._cache[i]
+            assert isinstance(c, ArraysCache)
+            conv, rec = c[0], c[1]
+            if conv is None or rec is None:
+                continue
+            pad = mx.zeros((conv.shape[0], 1, conv.shape[2]), dtype=conv.dtype)
+            hf_conv = mx.concatenate([pad, conv], axis=1).transpose(0, 2, 1)
+            hf_rec = rec.swapaxes(-1, -2)
+            for key, arr in ((f"conv/{i}/0", hf_conv), (f"recurrent/{i}/0", hf_rec)):
+                states[key] = _to_numpy(arr)
+                dtypes[key] = _DTYPE_NAMES[arr.dtype]
+        return states, dtypes
 
-    def restore_recurrent(self, snap: RecurrentSnapshot) -> None:
-        if not self.is_hybrid:
-            raise BackendError("this model has no recurrent layers")
-        if snap.model_id != self.model_id:
-            raise BlockMismatchError(
-                f"recurrent snapshot belongs to model_id {snap.model_id}, this backend is {self.model_id}")
+    def _write_recurrent(self, snap: RecurrentSnapshot) -> None:
         updates: dict[int, tuple[mx.array, mx.array] | None] = {}
         for i in self._rt.linear_layers:
             conv_key, rec_key = f"conv/{i}/0", f"recurrent/{i}/0"
@@ -1004,81 +780,24 @@ class MlxBackend(SlotBookkeeping):
                 raise BlockMismatchError(
                     f"recurrent snapshot layer {i} has conv {got_conv} / recurrent {got_rec}, this model needs "
                     f"{want_conv} / {want_rec}")
-            for key in (conv_key, rec_key):
-                if snap.dtypes[key] not in _DTYPES:
-                    raise BlockMismatchError(f"recurrent snapshot state {key} has unsupported dtype {snap.dtypes[key]}")
             conv = _from_numpy(snap.states[conv_key], _DTYPES[snap.dtypes[conv_key]])
             rec = _from_numpy(snap.states[rec_key], _DTYPES[snap.dtypes[rec_key]])
             updates[i] = (mx.contiguous(conv.transpose(0, 2, 1)[:, 1:, :]), mx.contiguous(rec.swapaxes(-1, -2)))
-        with self._page_op():
-            for i, upd in updates.items():
-                c = self._cache[i]
-                assert isinstance(c, ArraysCache)
-                c[0], c[1] = (None, None) if upd is None else upd
-            mx.eval([c.cache for c in self._linear_caches()])
-            self._stream_tokens = snap.stream_tokens
-            # Logits and the pending token belong to the stream point being left.
-            self._last_logits = None
-            self._pending = None
+        for i, upd in updates.items():
+            c = self._cache[i]
+            assert isinstance(c, ArraysCache)
+            c[0], c[1] = (None, None) if upd is None else upd
+        mx.eval([c.cache for c in self._linear_caches()])
 
-    # -- session -----------------------------------------------------------------------------
-    def synchronize(self) -> None:
-        mx.synchronize()
-
-    def fork(self) -> MlxBackend:
-        other = MlxBackend.__new__(MlxBackend)
-        other._rt = self._rt
-        other.model_name = self.model_name
-        other.device = self.device
-        other.prefill_chunk = self.prefill_chunk
-        other.position_limit = self.position_limit
-        other._counters = self._counters.copy()
-        other._rng = np.random.default_rng()
-        other._rng.bit_generator.state = self._rng.bit_generator.state
-        with self._rt.lock:
-            other._store = self._store.clone()
-        other._store.owner_counters = other._counters
-        other._cache = other._new_cache(other._store)
+    def _copy_recurrent_to(self, other: SlotBackend) -> None:
+        assert isinstance(other, MlxBackend)
         for i in self._rt.linear_layers:
             c = self._cache[i]
             assert isinstance(c, ArraysCache)
             other._cache[i] = _copy_arrays_cache(c)
-        other._stream_tokens = self._stream_tokens
-        other._pending = self._pending
-        other._last_logits = None if self._last_logits is None else self._last_logits.copy()
-        other._broken = self._broken
-        return other
 
-    def reset(self) -> None:
-        st = self._store
-        st.occupied[:] = False
-        st.order = np.zeros(0, dtype=np.int64)
-        self._cache = self._new_cache(st)
-        self._stream_tokens = 0
-        self._pending = None
-        self._last_logits = None
-        self._broken = None
 
-    def _new_cache(self, store: _SlotStore) -> list[Any]:
-        att = {layer: a for a, layer in enumerate(self._rt.attention_layers)}
-        return [_SlotLayer(store, att[i]) if i in att else ArraysCache(size=2)
-                for i in range(len(self._rt.model.model.layers))]
-
-def load(model: str, device: str = "cpu", dtype: str = "float32", *, capacity: int = 4096,
-         prefill_chunk: int = 512, position_limit: int | None = None, seed: int = 0,
-         model_id: str | None = None) -> MlxBackend:
-    """Load `model` (name or path, see backends.models) into a new MLX backend session.
-
-    device: "cpu" (default), or "gpu" / "metal" / "cuda" where this MLX build has that backend.
-    capacity: initial slots per attention layer (grows by doubling). prefill_chunk: tokens per
-    forward during prefill. position_limit: positions at or above it trigger compaction (default:
-    the model's max_position_embeddings). model_id: skip hashing the weights and use this identity.
-    """
-    source = resolve(model)
-    rt = _make_runtime(source, device, dtype, model_id)
-    return MlxBackend(rt, source.name, capacity=capacity, prefill_chunk=prefill_chunk,
-                      position_limit=position_limit, seed=seed)
-
+load = MlxBackend.load
 
 # Static conformance: mypy checks MlxBackend against the protocol here.
 _conforms: type[Backend] = MlxBackend

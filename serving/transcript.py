@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
@@ -123,61 +123,91 @@ class Fingerprint:
 
 @dataclass
 class Segment:
-    """A run of cached tokens and the exact text they spell (a prompt suffix or a generation)."""
+    """A run of cached tokens and the exact text they spell: one client message, the template's
+    opening of the assistant's turn (`opener`, rendered anew at the end of every prompt), or an
+    answer the model generated (`generated`)."""
 
     text: str
     ids: list[int]
     generated: bool = False
+    opener: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class Alignment:
-    keep_segments: int      # segments of the cache that stay valid
+    """How a new render lines up with the cache: the first `keep_segments` segments stay, the
+    rest leave attention (no forward pass: a truncation), `new_text` is prefilled.
+
+    `reason` says why the client's own history no longer matches ("" when it does). Dropping
+    only the cache's own answers and the turn openers before them is no such change: that is a
+    client that did not replay an answer (Pi omits an answer cut at its length limit or aborted)
+    or that retries one, and it is served as a tail drop, without a rebuild."""
+
+    keep_segments: int
     keep_tokens: int
-    new_text: str           # text to tokenize and prefill after the kept segments
-    reason: str = ""        # why anything was dropped ("" when the cache simply extends)
+    new_text: str
+    reason: str = ""
 
     @property
     def rebuild(self) -> bool:
         return bool(self.reason)
 
 
-@dataclass
 class Transcript:
-    """The cache's side of the conversation for one session."""
+    """The cache's side of the conversation for one session: segments that spell the cached
+    tokens exactly, appended and cut through `append` / `cut` so the flat views stay in step."""
 
-    fingerprint: Fingerprint
-    segments: list[Segment] = field(default_factory=list)
-    # assistant_key -> the raw texts generated under it, oldest first. A list because two answers
-    # can share a key (the key ignores whitespace) yet differ in their raw text: the n-th message
-    # with a key is given the n-th raw text, so each renders exactly as it was generated.
-    generated: dict[str, list[str]] = field(default_factory=dict)
-    message_hashes: list[str] = field(default_factory=list)  # the client's per-message hashes, if sent
+    def __init__(self, fingerprint: Fingerprint, segments: list[Segment] | None = None,
+                 message_hashes: list[str] | None = None) -> None:
+        self.fingerprint = fingerprint
+        self.message_hashes = list(message_hashes or [])  # the client's per-message hashes, if sent
+        self.segments: list[Segment] = []
+        self._ids: list[int] = []
+        self._text_length = 0
+        # assistant_key -> the raw texts generated under it, oldest first. A list because two
+        # answers can share a key (the key ignores whitespace) yet differ in their raw text: the
+        # n-th message with a key is given the n-th raw text, so each renders exactly as generated.
+        self.generated: dict[str, list[str]] = {}
+        for segment in segments or []:
+            self.append(segment)
+
+    def append(self, segment: Segment) -> None:
+        self.segments.append(segment)
+        self._ids.extend(segment.ids)
+        self._text_length += len(segment.text)
+        if segment.generated:
+            content, calls = parse_tool_calls(segment.text)
+            self.generated.setdefault(assistant_key(content, calls), []).append(segment.text)
+
+    def cut(self, keep: int) -> None:
+        """Keep the first `keep` segments (and the generated answers among them)."""
+        for segment in self.segments[keep:]:
+            if segment.generated:
+                content, calls = parse_tool_calls(segment.text)
+                raws = self.generated[assistant_key(content, calls)]
+                raws.remove(segment.text)
+                if not raws:
+                    del self.generated[assistant_key(content, calls)]
+        del self.segments[keep:]
+        self._ids = self._ids[:sum(len(s.ids) for s in self.segments)]
+        self._text_length = sum(len(s.text) for s in self.segments)
 
     @property
     def text(self) -> str:
         return "".join(s.text for s in self.segments)
 
     @property
+    def text_length(self) -> int:
+        return self._text_length
+
+    @property
     def ids(self) -> list[int]:
-        return [t for s in self.segments for t in s.ids]
+        """Every cached token id in order (the transcript's own list: read, never modify)."""
+        return self._ids
 
     @property
     def tokens(self) -> int:
-        return sum(len(s.ids) for s in self.segments)
-
-    def to_record(self) -> dict[str, Any]:
-        return {"fingerprint": [self.fingerprint.tokenizer, self.fingerprint.template, self.fingerprint.tools,
-                                self.fingerprint.thinking],
-                "segments": [[s.text, s.ids, s.generated] for s in self.segments],
-                "generated": self.generated, "message_hashes": self.message_hashes}
-
-    @classmethod
-    def from_record(cls, record: dict[str, Any]) -> Transcript:
-        return cls(fingerprint=Fingerprint(*record["fingerprint"]),
-                   segments=[Segment(t, list(i), bool(g)) for t, i, g in record["segments"]],
-                   generated={k: [v] if isinstance(v, str) else list(v) for k, v in record["generated"].items()},
-                   message_hashes=list(record["message_hashes"]))
+        return len(self._ids)
 
 
 class ChatFormat:
@@ -254,9 +284,10 @@ class ChatFormat:
     def message_ends(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, thinking: str,
                      generated: dict[str, list[str]], rendered: str, after: int) -> list[tuple[int, int]]:
         """(character offset in `rendered`, message index) where each message after offset `after`
-        ends, newest last. Only offsets where the template renders prefixes stably are returned."""
+        ends, newest last; the last message's end is where the turn opener starts. Only offsets
+        where the template renders prefixes stably are returned."""
         ends: list[tuple[int, int]] = []
-        for count in range(len(messages) - 1, 0, -1):
+        for count in range(len(messages), 0, -1):
             normal = self.normalize(messages[:count], tools, generated)
             kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": False}
             if self.native_tools and tools:
@@ -280,6 +311,9 @@ class ChatFormat:
         return str(self.tokenizer.decode(ids, skip_special_tokens=False))
 
 
+CHANGED_TEXT = "transcript changed before the cached end (edited or retried)"
+
+
 def align(transcript: Transcript, fingerprint: Fingerprint, rendered: str,
           message_hashes: list[str] | None = None) -> Alignment:
     """How much of the cache a new render keeps, and the text still to prefill."""
@@ -298,7 +332,7 @@ def align(transcript: Transcript, fingerprint: Fingerprint, rendered: str,
     cached = transcript.text
     if rendered.startswith(cached):
         return Alignment(len(transcript.segments), transcript.tokens, rendered[len(cached):])
-    return _keep_common_prefix(transcript, rendered, "transcript changed before the cached end (edited or retried)")
+    return _keep_common_prefix(transcript, rendered, CHANGED_TEXT)
 
 
 def _keep_common_prefix(transcript: Transcript, rendered: str, reason: str) -> Alignment:
@@ -309,4 +343,21 @@ def _keep_common_prefix(transcript: Transcript, rendered: str, reason: str) -> A
         if rendered[kept_chars:end] != segment.text:
             break
         kept_chars, kept_tokens, keep = end, kept_tokens + len(segment.ids), keep + 1
+    if reason == CHANGED_TEXT and all(s.generated or s.opener for s in transcript.segments[keep:]):
+        reason = ""
     return Alignment(keep, kept_tokens, rendered[kept_chars:], reason=reason)
+
+
+def recomputed_tokens(dropped: list[Segment], new_text: str) -> int:
+    """Tokens of dropped segments whose text comes back, in order, in the text to prefill: what
+    a rebuild computes a second time. Turn openers are rendered anew every turn, so they never count."""
+    cursor = 0
+    count = 0
+    for segment in dropped:
+        if segment.opener or not segment.text:
+            continue
+        found = new_text.find(segment.text, cursor)
+        if found >= 0:
+            count += len(segment.ids)
+            cursor = found + len(segment.text)
+    return count

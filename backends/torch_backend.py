@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import sys
-import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -45,38 +43,26 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
 from . import rope
-from .base import (
-    ROPE_LAYOUT_NEOX,
+from .models import ModelSource, build_tiny_model, check_supported
+from .protocol import (
     Backend,
     BackendError,
     BackendUnavailableError,
-    Block,
-    BlockFileReader,
-    BlockMismatchError,
-    Counters,
-    LayerView,
     RecurrentSnapshot,
-    Tokenizer,
     UnsupportedModelError,
 )
-from .models import ModelSource, check_supported, load_tokenizer, resolve
-from .slots import SlotBookkeeping, as_run, checked_token_ids, model_identity, pick_token
+from .runtime import LoadedModel, SlotBackend, SlotStore, check_layer_split
+from .slots import as_run, model_identity
 
 __all__ = ["TorchBackend", "ATTENTION_IMPLEMENTATION", "load"]
 
 ATTENTION_IMPLEMENTATION = "kv_elision_slots"
-
-# Key elements per step of page work (see _SlotStore.layer_groups).
-_GROUP_ELEMENTS = 1 << 18
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 # Families whose attention computes the pre-rotary key in k_norm (per-head RMSNorm after k_proj);
 # the others produce it directly in k_proj as [batch, seq, heads * head_dim].
 _KEY_FROM_K_NORM = frozenset({"qwen3", "qwen3_next"})
-
-# Config keys that do not change what the model computes; left out of the identity hash so the
-# same weights loaded from another path or by another transformers version keep their identity.
 
 
 def _slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -118,96 +104,44 @@ def _tensor_from_np(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> 
     return t.to(device=device, dtype=dtype, non_blocking=False)
 
 
-@dataclasses.dataclass
-class _Runtime:
-    """One loaded model, shared by a backend and its forks."""
+@dataclasses.dataclass(kw_only=True)
+class _Runtime(LoadedModel):
+    """One loaded transformers model, shared by a backend and its forks."""
 
-    source: ModelSource
     model: PreTrainedModel
-    family: str
     device: torch.device
     dtype: torch.dtype
-    dtype_name: str
-    attention_layers: tuple[int, ...]
-    linear_layers: tuple[int, ...]
-    num_kv_heads: int
-    head_dim: int
-    value_head_dim: int
-    rotary_dim: int
     inv_freq: torch.Tensor
     attention_scaling: float
-    max_position_embeddings: int
-    vocab_size: int
-    view: LayerView
-    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
-    active: _SlotStore | None = None
-    page_op: TorchBackend | None = None
-    tokenizer: Tokenizer | None = None
 
 
-class _SlotStore:
-    """Slot buffers and per-slot metadata of one session (see the module docstring)."""
+class _SlotStore(SlotStore):
+    """Slot buffers of one session, stacked over the attention layers (see the module docstring)."""
+
+    group_elements = 1 << 18  # a layer group's slice of a page: about a megabyte
+    rt: _Runtime
 
     def __init__(self, rt: _Runtime, capacity: int) -> None:
-        self.rt = rt
-        self.capacity = 0
         L, H = len(rt.attention_layers), rt.num_kv_heads
         self.k_rot = torch.zeros((L, 1, H, 0, rt.head_dim), dtype=rt.dtype, device=rt.device)
         self.k_canon = torch.zeros((L, 1, H, 0, rt.rotary_dim), dtype=rt.dtype, device=rt.device)
         self.v = torch.zeros((L, 1, H, 0, rt.value_head_dim), dtype=rt.dtype, device=rt.device)
-        self.pos = np.zeros(0, dtype=np.int64)
-        self.occupied = np.zeros(0, dtype=bool)
-        self.tokens = np.zeros(0, dtype=np.int32)
-        self.order = np.zeros(0, dtype=np.int64)
-        # Set for the duration of one forward: where this forward's tokens go, how far attention reads.
-        self.fwd_slots: np.ndarray | None = None
-        self.fwd_high_water = 0
-        # The counters of the session owning this store; the embedding hook adds forward tokens here.
-        self.owner_counters: Counters | None = None
-        self.grow(capacity)
+        super().__init__(rt, capacity)
 
-    def grow(self, capacity: int) -> None:
-        if capacity <= self.capacity:
-            return
+    def _grow_buffers(self, capacity: int) -> None:
         old = self.capacity
 
         def bigger(t: torch.Tensor) -> torch.Tensor:
             shape = list(t.shape)
             shape[3] = capacity
-            # zeros, not empty: masked slots still take part in SDPA's weights @ values product,
-            # where a weight of 0 times uninitialised NaN bits would still be NaN.
             out = torch.zeros(shape, dtype=t.dtype, device=t.device)
             out[:, :, :, :old] = t
             return out
 
         self.k_rot, self.k_canon, self.v = bigger(self.k_rot), bigger(self.k_canon), bigger(self.v)
-        self.pos = np.concatenate([self.pos, np.zeros(capacity - old, dtype=np.int64)])
-        self.occupied = np.concatenate([self.occupied, np.zeros(capacity - old, dtype=bool)])
-        self.tokens = np.concatenate([self.tokens, np.zeros(capacity - old, dtype=np.int32)])
-        self.capacity = capacity
 
-    def allocate(self, n: int) -> np.ndarray:
-        """The `n` lowest free slots (growing the buffers if needed); keeps the high-water mark low."""
-        free = np.flatnonzero(~self.occupied)
-        if free.shape[0] < n:
-            self.grow(max(2 * self.capacity, self.capacity + n - free.shape[0]))
-            free = np.flatnonzero(~self.occupied)
-        return free[:n].astype(np.int64)
-
-    def high_water(self) -> int:
-        occ = np.flatnonzero(self.occupied)
-        return int(occ[-1]) + 1 if occ.shape[0] else 0
-
-    def clone(self) -> _SlotStore:
-        other = _SlotStore.__new__(_SlotStore)
-        other.rt = self.rt
-        other.capacity = self.capacity
-        other.k_rot, other.k_canon, other.v = self.k_rot.clone(), self.k_canon.clone(), self.v.clone()
-        other.pos, other.occupied = self.pos.copy(), self.occupied.copy()
-        other.tokens, other.order = self.tokens.copy(), self.order.copy()
-        other.fwd_slots, other.fwd_high_water = None, 0
-        other.owner_counters = None
-        return other
+    def _copy_buffers(self) -> None:
+        self.k_rot, self.k_canon, self.v = self.k_rot.clone(), self.k_canon.clone(), self.v.clone()
 
     def index(self, slots: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self.rt.device)
@@ -245,15 +179,6 @@ class _SlotStore:
         self.put(self.k_canon[a], self.fwd_slots, k_pre[..., : self.rt.rotary_dim])
 
     # -- page operations ---------------------------------------------------------------------
-    def layer_groups(self, n_tokens: int) -> Iterator[tuple[int, int]]:
-        """Ranges of attention layers whose slice of a page is about a megabyte: whole-cache
-        temporaries made compaction several times slower, and one step per layer made a page
-        restore pay per-op overhead thirty times over."""
-        n_layers, heads, dim = self.k_rot.shape[0], self.k_rot.shape[2], self.k_rot.shape[4]
-        group = max(1, _GROUP_ELEMENTS // max(1, heads * n_tokens * dim))
-        for a0 in range(0, n_layers, group):
-            yield a0, min(n_layers, a0 + group)
-
     def reanchor(self, slots: np.ndarray, positions: np.ndarray) -> None:
         """k_rot[slots] = rope(k_canon[slots], positions), for every attention layer."""
         if slots.shape[0] == 0:
@@ -273,31 +198,40 @@ class _SlotStore:
                 self.k_rot[a0:a1, 0, :, :, :r].index_copy_(2, idx, rope.apply_torch(src, cos, sin))
         self.pos[slots] = positions
 
-    def write_keys(self, slots: np.ndarray, layers: tuple[int, int], keys: torch.Tensor,
-                   cos_sin: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Store canonical keys [a1 - a0, heads, n, head_dim] of attention layers `layers` in
-        `slots` and, given cos / sin, their rotation at those positions. The keys are read a
-        second time for the rotation while still in cache."""
-        a0, a1 = layers
-        r = self.rt.rotary_dim
-        self.put(self.k_canon[a0:a1, 0], slots, keys[..., :r])
-        if r < self.rt.head_dim:
-            self.put(self.k_rot[a0:a1, 0, :, :, r:], slots, keys[..., r:])
-        if cos_sin is None:
+    def gather(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        rt = self.rt
+        canon = self.take(self.k_canon[:, 0], slots)
+        if rt.rotary_dim < rt.head_dim:
+            canon = torch.cat([canon, self.take(self.k_rot[:, 0, :, :, rt.rotary_dim:], slots)], dim=-1)
+        return _np_from_tensor(canon, copy=False), _np_from_tensor(self.take(self.v[:, 0], slots), copy=False)
+
+    def rotated(self, slots: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return self.take(self.k_rot[:, 0], slots).float().cpu().numpy()
+
+    def write_keys(self, slots: np.ndarray, a0: int, a1: int, keys: np.ndarray, positions: np.ndarray | None) -> None:
+        """Canonical keys [a1 - a0, heads, n, head_dim] of attention layers [a0, a1) into `slots` and,
+        given positions, their rotation there. The keys are read a second time for the rotation
+        while still in cache."""
+        rt = self.rt
+        r = rt.rotary_dim
+        k = _tensor_from_np(keys, rt.dtype, rt.device)
+        self.put(self.k_canon[a0:a1, 0], slots, k[..., :r])
+        if r < rt.head_dim:
+            self.put(self.k_rot[a0:a1, 0, :, :, r:], slots, k[..., r:])
+        if positions is None:
             return
-        cos, sin = cos_sin
+        cos, sin = rope.cos_sin_torch(rt.inv_freq, torch.from_numpy(positions), rt.attention_scaling)
         run = as_run(slots)
         if run is not None:
-            rope.apply_torch(keys[..., :r], cos, sin, out=self.k_rot[a0:a1, 0, :, run[0]:run[1], :r])
+            rope.apply_torch(k[..., :r], cos, sin, out=self.k_rot[a0:a1, 0, :, run[0]:run[1], :r])
         else:
-            rotated = rope.apply_torch(keys[..., :r], cos, sin)
-            self.k_rot[a0:a1, 0, :, :, :r].index_copy_(2, self.index(slots), rotated)
+            self.k_rot[a0:a1, 0, :, :, :r].index_copy_(2, self.index(slots), rope.apply_torch(k[..., :r], cos, sin))
 
-    def write_values(self, slots: np.ndarray, layers: tuple[int, int], values: torch.Tensor) -> None:
-        self.put(self.v[layers[0]:layers[1], 0], slots, values)
+    def write_values(self, slots: np.ndarray, a0: int, a1: int, values: np.ndarray) -> None:
+        self.put(self.v[a0:a1, 0], slots, _tensor_from_np(values, self.rt.dtype, self.rt.device))
 
     def clear(self, slots: np.ndarray) -> None:
-        """Zero `slots` (after an aborted write: free slots must hold finite numbers, see grow)."""
         for buf in (self.k_rot, self.k_canon, self.v):
             self.put(buf[:, 0], slots, torch.zeros_like(self.take(buf[:, 0], slots)))
 
@@ -394,17 +328,7 @@ def _clone_linear_layer(layer: LinearAttentionLayer) -> LinearAttentionLayer:
 
 def _build_model(source: ModelSource, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
     if source.kind == "tiny":
-        assert source.tiny_config is not None
-        cfg_dict = dict(source.tiny_config)
-        config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
-        check_supported(config)
-        # Seeded on a forked RNG: the same tiny model every time, without disturbing the caller's RNG.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(source.seed)
-            model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-                config, dtype=torch.float32, attn_implementation=ATTENTION_IMPLEMENTATION
-            )
-        model = model.to(dtype=dtype)
+        model = build_tiny_model(source, ATTENTION_IMPLEMENTATION).to(dtype=dtype)
     else:
         assert source.path is not None
         kw: dict[str, Any] = {"gguf_file": source.gguf_file} if source.kind == "gguf" else {}
@@ -458,10 +382,7 @@ def _make_runtime(source: ModelSource, device: str, dtype: str, model_id: str | 
     layers = model.model.layers
     attention_layers = tuple(i for i, layer in enumerate(layers) if hasattr(layer, "self_attn"))
     linear_layers = tuple(i for i, layer in enumerate(layers) if hasattr(layer, "linear_attn"))
-    if not attention_layers:
-        raise UnsupportedModelError(f"{family}: the model has no attention layers to page")
-    if len(attention_layers) + len(linear_layers) != len(layers):
-        raise UnsupportedModelError(f"{family}: some layers are neither attention nor linear attention")
+    check_layer_split(family, len(layers), attention_layers, linear_layers, getattr(config, "layer_types", None))
     attn = layers[attention_layers[0]].self_attn
     head_dim = int(attn.head_dim)
     kv_heads = int(config.num_key_value_heads)
@@ -479,23 +400,12 @@ def _make_runtime(source: ModelSource, device: str, dtype: str, model_id: str | 
     identity = model_id or model_identity(model.config.to_dict(), (
         (name, _np_from_tensor(p, copy=False), str(p.dtype)) for name, p in model.named_parameters()))
     rotary_dim = 2 * int(inv_freq.shape[0])
-    view = LayerView(
-        model_id=identity,
-        family=family,
-        attention_layers=attention_layers,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        value_head_dim=value_head_dim,
-        rotary_dim=rotary_dim,
-        rope_layout=ROPE_LAYOUT_NEOX,
-        dtype=dtype,
-    )
     rt = _Runtime(
-        source=source, model=model, family=family, device=dev, dtype=_DTYPES[dtype], dtype_name=dtype,
+        source=source, model=model, family=family, device=dev, dtype=_DTYPES[dtype],
         attention_layers=attention_layers, linear_layers=linear_layers, num_kv_heads=kv_heads,
         head_dim=head_dim, value_head_dim=value_head_dim, rotary_dim=rotary_dim, inv_freq=inv_freq,
         attention_scaling=scaling, max_position_embeddings=int(config.max_position_embeddings),
-        vocab_size=int(config.vocab_size), view=view,
+        vocab_size=int(config.vocab_size), model_id=identity, dtype_name=dtype,
     )
     _install_hooks(rt, module_name)
     return rt
@@ -530,118 +440,39 @@ def _install_hooks(rt: _Runtime, module_name: str) -> None:
     rt.model.model.embed_tokens.register_forward_pre_hook(count_tokens)
 
 
-class TorchBackend(SlotBookkeeping):
+class TorchBackend(SlotBackend):
     """`Backend` on Hugging Face transformers. Construct with `load_backend("torch", ...)`."""
 
     name = "torch"
+    _rt: _Runtime
     _store: _SlotStore
+    _cache: _SlotCache
 
-    def __init__(self, rt: _Runtime, model_name: str, *, capacity: int = 4096, prefill_chunk: int = 512,
-                 position_limit: int | None = None, seed: int = 0) -> None:
-        self._rt = rt
-        self.model_name = model_name
-        self.device = str(rt.device)
-        self.prefill_chunk = int(prefill_chunk)
-        if self.prefill_chunk < 1:
-            raise ValueError("prefill_chunk must be >= 1")
-        # Compaction runs when a token would get a position >= position_limit.
-        self.position_limit = int(position_limit or rt.max_position_embeddings)
-        self._counters = Counters()
-        self._rng = np.random.default_rng(seed)
-        self._store = _SlotStore(rt, max(1, int(capacity)))
-        self._store.owner_counters = self._counters
-        self._cache = self._new_cache(self._store)
-        self._stream_tokens = 0
-        self._pending: int | None = None
-        self._last_logits: np.ndarray | None = None
-        self._broken: str | None = None
+    _load_model = staticmethod(_make_runtime)
 
-    # -- identity ----------------------------------------------------------------------------
     @property
     def hf_model(self) -> PreTrainedModel:
         """The underlying transformers model (shared with forks; for harnesses and diagnostics)."""
         return self._rt.model
 
-    @property
-    def model_id(self) -> str:
-        return self._rt.view.model_id
+    def _device_name(self) -> str:
+        return str(self._rt.device)
 
-    @property
-    def layer_view(self) -> LayerView:
-        return self._rt.view
+    def _new_store(self, capacity: int) -> _SlotStore:
+        return _SlotStore(self._rt, capacity)
 
-    @property
-    def tokenizer(self) -> Tokenizer:
-        with self._rt.lock:
-            if self._rt.tokenizer is None:
-                self._rt.tokenizer = load_tokenizer(self._rt.source)
-            return self._rt.tokenizer
+    def _new_cache(self) -> _SlotCache:
+        states = int(getattr(self._rt.model.config, "number_of_conv_states", 1))
+        return _SlotCache(self._store, len(self._rt.model.model.layers), self._rt.attention_layers, states)
 
-    @property
-    def vocab_size(self) -> int:
-        return self._rt.vocab_size
-
-    @property
-    def is_hybrid(self) -> bool:
-        return bool(self._rt.linear_layers)
-
-    @property
-    def max_position(self) -> int:
-        return self._rt.max_position_embeddings - 1
-
-    # -- state -------------------------------------------------------------------------------
-    def rotated_keys(self, start: int = 0, end: int | None = None) -> np.ndarray:
-        end = self.attention_tokens if end is None else end
-        self._check_range(start, end)
-        with torch.no_grad():
-            return self._store.take(self._store.k_rot[:, 0], self._store.order[start:end]).float().cpu().numpy()
-
-    # -- running the model -------------------------------------------------------------------
-    def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
-        ids = checked_token_ids(token_ids, self._rt.vocab_size)
-        if not ids:
-            raise ValueError("prefill needs at least one token")
-        self._pending = None
-        for i in range(0, len(ids), self.prefill_chunk):
-            chunk = ids[i:i + self.prefill_chunk]
-            self._run_model(chunk)
-            self._counters.new_prefill_tokens += len(chunk)
-        return self.last_logits()
-
-    def decode(self, token: int | None = None, *, greedy: bool = True, temperature: float = 1.0,
-               top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> int:
-        feed = token if token is not None else self._pending
-        if feed is not None:
-            self._run_model(checked_token_ids([feed], self._rt.vocab_size))
-            self._counters.decoded_tokens += 1
-        elif self._last_logits is None:
-            raise BackendError("decode needs a prefill (or an explicit token) first")
-        if seed is not None:
-            self._rng = np.random.default_rng(seed)
-        assert self._last_logits is not None
-        nxt = pick_token(self._last_logits, greedy, temperature, top_k, top_p, self._rng)
-        self._pending = nxt
-        return nxt
-
-    def _run_model(self, ids: list[int]) -> None:
-        """The one place that runs the model: allocate slots, build the slot mask, forward."""
-        self._check_usable()
+    def _forward(self, ids: list[int], positions: np.ndarray, slots: np.ndarray, high_water: int) -> np.ndarray:
         st, rt = self._store, self._rt
-        n = len(ids)
-        positions = self._next_positions(n)
-        slots = st.allocate(n)
-        st.pos[slots] = positions
-        st.occupied[slots] = True
-        st.tokens[slots] = ids
-        st.order = np.concatenate([st.order, slots])
-        hw = st.high_water()
         dev = rt.device
         q_pos = torch.from_numpy(positions).to(dev)
-        key_pos = torch.from_numpy(st.pos[:hw]).to(dev)
-        occupied = torch.from_numpy(st.occupied[:hw]).to(dev)
+        key_pos = torch.from_numpy(st.pos[:high_water]).to(dev)
+        occupied = torch.from_numpy(st.occupied[:high_water]).to(dev)
         mask = (occupied[None, :] & (key_pos[None, :] <= q_pos[:, None]))[None, None]
-        st.fwd_slots = slots
-        st.fwd_high_water = hw
+        st.fwd_slots, st.fwd_high_water = slots, high_water
         input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
         try:
             with rt.lock, torch.no_grad():
@@ -651,92 +482,21 @@ class TorchBackend(SlotBookkeeping):
                                    cache=self._cache, use_cache=True, logits_to_keep=1)
                 finally:
                     rt.active = None
-        except BaseException as e:
-            # Linear-attention layers before the failure may already have advanced their state, so
-            # the session no longer describes any prefix of the stream.
-            self._broken = f"a forward pass failed ({type(e).__name__}: {e})"
-            raise
         finally:
             st.fwd_slots = None
-        self._stream_tokens += n
-        self._last_logits = out.logits[0, -1].float().cpu().numpy()
+        logits: np.ndarray = out.logits[0, -1].float().cpu().numpy()
+        return logits
 
-    # -- page operations ---------------------------------------------------------------------
     @contextlib.contextmanager
     def _page_op(self) -> Iterator[None]:
-        self._check_usable()
-        with self._rt.lock, torch.no_grad(), _single_threaded(self._rt.device):
-            self._rt.page_op = self
-            try:
-                yield
-            finally:
-                self._rt.page_op = None
+        with self._rt.lock, torch.no_grad(), _single_threaded(self._rt.device), self._marked_page_op():
+            yield
 
-    def save_block(self, start: int, end: int) -> Block:
-        self._check_range(start, end, nonempty=True)
-        st, rt = self._store, self._rt
-        with self._page_op():
-            slots = st.order[start:end]
-            canon = st.take(st.k_canon[:, 0], slots)
-            if rt.rotary_dim < rt.head_dim:
-                canon = torch.cat([canon, st.take(st.k_rot[:, 0, :, :, rt.rotary_dim:], slots)], dim=-1)
-            values = st.take(st.v[:, 0], slots)
-            return Block(
-                view=rt.view,
-                keys=_np_from_tensor(canon, copy=False),
-                values=_np_from_tensor(values, copy=False),
-                positions=st.pos[slots].copy(),
-                token_ids=st.tokens[slots].copy(),
-                model_name=self.model_name,
-            )
+    def synchronize(self) -> None:
+        if self._rt.device.type == "cuda":
+            torch.cuda.synchronize(self._rt.device)
 
-    def insert_block(self, blk: Block, at: int) -> None:
-        rt, st = self._rt, self._store
-        rt.view.require_same(blk.view)
-        self._check_insert_at(at)
-        with self._page_op():
-            plan = self._plan_insert(at, blk.positions)
-            slots = st.allocate(blk.n_tokens)
-            keys = _tensor_from_np(blk.keys, rt.dtype, rt.device)
-            values = _tensor_from_np(blk.values, rt.dtype, rt.device)
-            cos_sin = None if plan.compact else self._cos_sin(plan.block_pos)
-            for layers in st.layer_groups(blk.n_tokens):
-                st.write_keys(slots, layers, keys[layers[0]:layers[1]], cos_sin)
-                st.write_values(slots, layers, values[layers[0]:layers[1]])
-            self._commit_insert(at, plan, slots, blk.token_ids)
-
-    def insert_block_file(self, path: str | os.PathLike[str], at: int) -> None:
-        """`insert_block(Block.from_file(path), at)`, with the disk read overlapped: keys are copied
-        and rotated layer group by layer group as they arrive. Nothing becomes visible before the
-        whole file has been read and its checksum verified."""
-        rt, st = self._rt, self._store
-        self._check_insert_at(at)
-        with BlockFileReader(path, expect=rt.view) as rd, self._page_op():
-            n = rd.n_tokens
-            rd.wait("positions")
-            plan = self._plan_insert(at, rd.arrays["positions"])
-            slots = st.allocate(n)
-            try:
-                cos_sin = None if plan.compact else self._cos_sin(plan.block_pos)
-                groups = list(st.layer_groups(n))
-                for a0, a1 in groups:
-                    rd.wait("keys", rows=a1)
-                    keys = _tensor_from_np(rd.arrays["keys"][a0:a1], rt.dtype, rt.device)
-                    st.write_keys(slots, (a0, a1), keys, cos_sin)
-                for a0, a1 in groups:
-                    rd.wait("values", rows=a1)
-                    st.write_values(slots, (a0, a1), _tensor_from_np(rd.arrays["values"][a0:a1], rt.dtype, rt.device))
-                blk = rd.finish()
-            except BaseException:
-                st.clear(slots)
-                raise
-            self._commit_insert(at, plan, slots, blk.token_ids)
-
-    def _cos_sin(self, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        rt = self._rt
-        return rope.cos_sin_torch(rt.inv_freq, torch.from_numpy(positions), rt.attention_scaling)
-
-    # -- recurrent state ---------------------------------------------------------------------
+    # -- recurrent state: transformers' own LinearAttentionLayer, in its own layout ------------
     def _linear_layers(self) -> list[tuple[int, LinearAttentionLayer]]:
         out = []
         for i in self._rt.linear_layers:
@@ -745,113 +505,50 @@ class TorchBackend(SlotBookkeeping):
             out.append((i, layer))
         return out
 
-    def snapshot_recurrent(self) -> RecurrentSnapshot | None:
-        if not self.is_hybrid:
-            return None
+    def _read_recurrent(self) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         states: dict[str, np.ndarray] = {}
         dtypes: dict[str, str] = {}
-        with self._page_op():
-            for i, layer in self._linear_layers():
-                for s in range(layer.number_of_states):
-                    for kind, tensors, ready in (("conv", layer.conv_states, layer.is_conv_states_initialized),
-                                                 ("recurrent", layer.recurrent_states,
-                                                  layer.is_recurrent_states_initialized)):
-                        t = tensors[s]
-                        if ready[s] and layer.has_previous_state[s] and t is not None:
-                            key = f"{kind}/{i}/{s}"
-                            states[key] = _np_from_tensor(t)
-                            dtypes[key] = str(t.dtype).removeprefix("torch.")
-        return RecurrentSnapshot(model_id=self.model_id, stream_tokens=self._stream_tokens,
-                                 states=states, dtypes=dtypes)
+        for i, layer in self._linear_layers():
+            for s in range(layer.number_of_states):
+                for kind, tensors, ready in (("conv", layer.conv_states, layer.is_conv_states_initialized),
+                                             ("recurrent", layer.recurrent_states,
+                                              layer.is_recurrent_states_initialized)):
+                    t = tensors[s]
+                    if ready[s] and layer.has_previous_state[s] and t is not None:
+                        key = f"{kind}/{i}/{s}"
+                        states[key] = _np_from_tensor(t)
+                        dtypes[key] = str(t.dtype).removeprefix("torch.")
+        return states, dtypes
 
-    def restore_recurrent(self, snap: RecurrentSnapshot) -> None:
-        if not self.is_hybrid:
-            raise BackendError("this model has no recurrent layers")
-        if snap.model_id != self.model_id:
-            raise BlockMismatchError(
-                f"recurrent snapshot belongs to model_id {snap.model_id}, this backend is {self.model_id}")
-        with self._page_op():
-            for i, layer in self._linear_layers():
-                for s in range(layer.number_of_states):
-                    conv_key, rec_key = f"conv/{i}/{s}", f"recurrent/{i}/{s}"
-                    if conv_key not in snap.states:
-                        layer.reset()
+    def _write_recurrent(self, snap: RecurrentSnapshot) -> None:
+        for i, layer in self._linear_layers():
+            for s in range(layer.number_of_states):
+                conv_key, rec_key = f"conv/{i}/{s}", f"recurrent/{i}/{s}"
+                if conv_key not in snap.states:
+                    layer.reset()
+                    continue
+                for key, tensors, ready in ((conv_key, layer.conv_states, layer.is_conv_states_initialized),
+                                            (rec_key, layer.recurrent_states, layer.is_recurrent_states_initialized)):
+                    if key not in snap.states:
                         continue
-                    for key, tensors, ready in ((conv_key, layer.conv_states, layer.is_conv_states_initialized),
-                                                (rec_key, layer.recurrent_states,
-                                                 layer.is_recurrent_states_initialized)):
-                        if key not in snap.states:
-                            continue
-                        t = _tensor_from_np(snap.states[key], _DTYPES[snap.dtypes[key]], self._rt.device)
-                        cur = tensors[s]
-                        if ready[s] and cur is not None and cur.shape == t.shape and cur.dtype == t.dtype:
-                            cur.copy_(t)
-                        else:
-                            tensors[s] = t.clone()
-                            ready[s] = True
-                    layer.conv_kernel_size[s] = int(snap.states[conv_key].shape[-1])
-                    layer.device, layer.dtype = self._rt.device, self._rt.dtype  # type: ignore[assignment]
-                    layer.has_previous_state[s] = True
-            self._stream_tokens = snap.stream_tokens
-            # Logits and the pending token belong to the stream point being left.
-            self._last_logits = None
-            self._pending = None
+                    t = _tensor_from_np(snap.states[key], _DTYPES[snap.dtypes[key]], self._rt.device)
+                    cur = tensors[s]
+                    if ready[s] and cur is not None and cur.shape == t.shape and cur.dtype == t.dtype:
+                        cur.copy_(t)
+                    else:
+                        tensors[s] = t.clone()
+                        ready[s] = True
+                layer.conv_kernel_size[s] = int(snap.states[conv_key].shape[-1])
+                layer.device, layer.dtype = self._rt.device, self._rt.dtype  # type: ignore[assignment]
+                layer.has_previous_state[s] = True
 
-    # -- session -----------------------------------------------------------------------------
-    def synchronize(self) -> None:
-        if self._rt.device.type == "cuda":
-            torch.cuda.synchronize(self._rt.device)
-
-    def fork(self) -> TorchBackend:
-        other = TorchBackend.__new__(TorchBackend)
-        other._rt = self._rt
-        other.model_name = self.model_name
-        other.device = self.device
-        other.prefill_chunk = self.prefill_chunk
-        other.position_limit = self.position_limit
-        other._counters = self._counters.copy()
-        other._rng = np.random.default_rng()
-        other._rng.bit_generator.state = self._rng.bit_generator.state
-        with self._rt.lock:
-            other._store = self._store.clone()
-        other._store.owner_counters = other._counters
-        other._cache = other._new_cache(other._store)
+    def _copy_recurrent_to(self, other: SlotBackend) -> None:
+        assert isinstance(other, TorchBackend)
         for i, layer in self._linear_layers():
             other._cache.layers[i] = _clone_linear_layer(layer)
-        other._stream_tokens = self._stream_tokens
-        other._pending = self._pending
-        other._last_logits = None if self._last_logits is None else self._last_logits.copy()
-        other._broken = self._broken
-        return other
 
-    def reset(self) -> None:
-        st = self._store
-        st.occupied[:] = False
-        st.order = np.zeros(0, dtype=np.int64)
-        self._cache = self._new_cache(st)
-        self._stream_tokens = 0
-        self._pending = None
-        self._last_logits = None
-        self._broken = None
 
-    def _new_cache(self, store: _SlotStore) -> _SlotCache:
-        states = int(getattr(self._rt.model.config, "number_of_conv_states", 1))
-        return _SlotCache(store, len(self._rt.model.model.layers), self._rt.attention_layers, states)
-
-def load(model: str, device: str = "cpu", dtype: str = "float32", *, capacity: int = 4096,
-         prefill_chunk: int = 512, position_limit: int | None = None, seed: int = 0,
-         model_id: str | None = None) -> TorchBackend:
-    """Load `model` (name or path, see backends.models) into a new torch backend session.
-
-    capacity: initial slots per attention layer (grows by doubling). prefill_chunk: tokens per
-    forward during prefill. position_limit: positions at or above it trigger compaction (default:
-    the model's max_position_embeddings). model_id: skip hashing the weights and use this identity.
-    """
-    source = resolve(model)
-    rt = _make_runtime(source, device, dtype, model_id)
-    return TorchBackend(rt, source.name, capacity=capacity, prefill_chunk=prefill_chunk,
-                        position_limit=position_limit, seed=seed)
-
+load = TorchBackend.load
 
 # Static conformance: mypy checks TorchBackend against the protocol here.
 _conforms: type[Backend] = TorchBackend

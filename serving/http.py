@@ -7,12 +7,13 @@ Routes:
   GET  /health
 
 Request threads parse and validate; the single worker runs turns in arrival order and streams
-events back through a queue. Session identity: the `X-KV-Session` header, else a digest of the
-transcript's first messages. Response headers say what the server did: `X-KV-Session`,
-`X-KV-Prefilled-Tokens`, and `X-KV-Rebuilt` / `X-KV-Sampled` with a reason when it had to.
+events back through a queue. Session identity: the `X-KV-Session` header, else the
+`X-Session-Affinity` header Pi sends, else a digest of the transcript's first messages. Response
+headers say what the server did: `X-KV-Session`, `X-KV-Prefilled-Tokens`, and `X-KV-Rebuilt` /
+`X-KV-Sampled` with a reason when it had to.
 
 Bad requests get a 4xx with an OpenAI-style error body; nothing a client sends crashes the worker.
-Depends on backends.engine, backends.transcript and contextd.errors.
+Depends on serving.engine, serving.transcript and contextd.errors.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from backends.engine import ChatRequest, Engine, TurnResult
-from backends.transcript import TOOL_CALL_OPEN, TranscriptError, digest
 from contextd.errors import ContextdError, DaemonUnavailable, StoreFull
+from serving.engine import ChatRequest, Engine, Prepared, TurnEvent, TurnResult
+from serving.transcript import TOOL_CALL_OPEN, TranscriptError, digest
 
 log = logging.getLogger("kv_elision.server")
 
@@ -52,7 +53,7 @@ class RequestError(Exception):
 @dataclass
 class _Job:
     request: ChatRequest
-    events: queue.Queue[tuple[str, Any]]
+    events: queue.Queue[TurnEvent | RequestError]
     gone: threading.Event  # the client disconnected: a queued turn is dropped, a running one ends
 
 
@@ -78,31 +79,27 @@ class Worker(threading.Thread):
                 return
             if job.gone.is_set():
                 log.info("session %s: the client left before its turn started; dropped", job.request.session_id)
-                job.events.put(("error", RequestError(HTTPStatus.BAD_REQUEST, "the client disconnected")))
+                job.events.put(RequestError(HTTPStatus.BAD_REQUEST, "the client disconnected"))
                 continue
             with self.lock:
                 try:
                     for event in self.engine.chat(job.request):
-                        if event.final is not None:
-                            job.events.put(("final", event.final))
-                        elif event.prepared is not None:
-                            job.events.put(("prepared", event.prepared))
-                        else:
-                            job.events.put(("delta", event.delta))
+                        job.events.put(event)
                 except TranscriptError as exc:
-                    job.events.put(("error", RequestError(HTTPStatus.BAD_REQUEST, str(exc))))
+                    job.events.put(RequestError(HTTPStatus.BAD_REQUEST, str(exc)))
                 except StoreFull as exc:
-                    job.events.put(("error", RequestError(HTTPStatus.INSUFFICIENT_STORAGE, str(exc), "store_full")))
+                    job.events.put(RequestError(HTTPStatus.INSUFFICIENT_STORAGE, str(exc), "store_full"))
                 except DaemonUnavailable as exc:
-                    job.events.put(("error", RequestError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "contextd_down")))
+                    self.engine.forget_active()
+                    job.events.put(RequestError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "contextd_down"))
                 except ContextdError as exc:
-                    job.events.put(("error", RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc),
-                                                          "contextd_error")))
+                    self.engine.forget_active()
+                    job.events.put(RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc), "contextd_error"))
                 except Exception as exc:  # noqa: BLE001 - the worker must outlive any one turn
                     log.exception("turn failed")
                     self.engine.forget_active()
-                    job.events.put(("error", RequestError(HTTPStatus.INTERNAL_SERVER_ERROR,
-                                                          f"{type(exc).__name__}: {exc}", "server_error")))
+                    job.events.put(RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}",
+                                                "server_error"))
 
 
 CONTEXT_MAX_PIECES = 80  # X-KV-Context, X-KV-Context-2, ...: one header line is capped at 64 KiB
@@ -167,7 +164,8 @@ def parse_chat(body: Any, headers: Any, model_id: str) -> tuple[ChatRequest, boo
             raise RequestError(HTTPStatus.BAD_REQUEST, "X-KV-Context is not JSON") from None
         if not isinstance(context, dict) or not isinstance(context.get("messages", []), list):
             raise RequestError(HTTPStatus.BAD_REQUEST, "X-KV-Context must be an object with a messages list")
-    session_id = headers.get("X-KV-Session") or ""
+    # Pi sends its session id itself (provider compat `sendSessionAffinityHeaders`).
+    session_id = headers.get("X-KV-Session") or headers.get("X-Session-Affinity") or ""
     if not session_id:
         opening = [m for m in messages if m.get("role") in ("system", "developer")][:1] + \
                   [m for m in messages if m.get("role") == "user"][:1]
@@ -300,7 +298,7 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
             except OSError:
                 return True
 
-        def _next(self, job: _Job) -> tuple[str, Any]:
+        def _next(self, job: _Job) -> TurnEvent | RequestError:
             """The turn's next event; while waiting, notice a client that went away and tell the
             worker, which ends the turn at the next decoded token (or drops it if still queued)."""
             while True:
@@ -315,33 +313,34 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                 except queue.Empty:
                     pass
 
-        def _wait_prepared(self, job: _Job) -> tuple[str, Any]:
-            kind, value = self._next(job)
-            while kind == "delta":  # cannot happen before "prepared", kept defensive
-                kind, value = self._next(job)
-            return kind, value
+        def _wait_prepared(self, job: _Job) -> Prepared | RequestError:
+            """The first event of a turn: the prompt is in (or the turn failed before it was)."""
+            event = self._next(job)
+            if isinstance(event, RequestError):
+                return event
+            assert event.prepared is not None, "a turn announces its prompt before anything else"
+            return event.prepared
 
-        def _headers_for(self, request: ChatRequest, prepared: dict[str, Any]) -> dict[str, str]:
-            headers = {"X-KV-Session": request.session_id,
-                       "X-KV-Prefilled-Tokens": str(prepared["prefilled_tokens"])}
-            if prepared["rebuilt"]:
-                headers["X-KV-Rebuilt"] = prepared["rebuilt"]
+        def _headers_for(self, request: ChatRequest, prepared: Prepared) -> dict[str, str]:
+            headers = {"X-KV-Session": request.session_id, "X-KV-Prefilled-Tokens": str(prepared.prefilled_tokens)}
+            if prepared.rebuilt:
+                headers["X-KV-Rebuilt"] = prepared.rebuilt
             return headers
 
         def _complete(self, request: ChatRequest, job: _Job) -> None:
-            kind, value = self._wait_prepared(job)
-            if kind == "error":
-                self._error(value)
+            prepared = self._wait_prepared(job)
+            if isinstance(prepared, RequestError):
+                self._error(prepared)
                 return
-            headers = self._headers_for(request, value)
+            headers = self._headers_for(request, prepared)
             while True:
-                kind, value = self._next(job)
-                if kind == "error":
-                    self._error(value)
+                event = self._next(job)
+                if isinstance(event, RequestError):
+                    self._error(event)
                     return
-                if kind == "final":
+                if event.final is not None:
+                    result = event.final
                     break
-            result: TurnResult = value
             if result.sampled:
                 headers["X-KV-Sampled"] = result.sampled
             message: dict[str, Any] = {"role": "assistant", "content": result.content or None}
@@ -351,18 +350,18 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                 "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": model_id, "choices": [{"index": 0, "message": message,
                                                 "finish_reason": result.finish_reason}],
-                "usage": _usage(result), "kv": result.counters}, headers)
+                "usage": _usage(result), "kv": result.counters.as_dict()}, headers)
 
         def _stream(self, request: ChatRequest, job: _Job, include_usage: bool) -> None:
-            kind, value = self._wait_prepared(job)
-            if kind == "error":
-                self._error(value)
+            prepared = self._wait_prepared(job)
+            if isinstance(prepared, RequestError):
+                self._error(prepared)
                 return
             self.send_response(HTTPStatus.OK)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
             self.send_header("Connection", "close")
-            for name, header in self._headers_for(request, value).items():
+            for name, header in self._headers_for(request, prepared).items():
                 self.send_header(name, header)
             self.end_headers()
             self.close_connection = True
@@ -376,39 +375,41 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                 self.wfile.flush()
 
             content = _ContentFilter()
+            finished = False
             try:
                 chunk({"role": "assistant", "content": ""})
-                while True:
-                    kind, value = self._next(job)
-                    if kind == "delta":
-                        text = content.feed(value)
-                        if text:
-                            chunk({"content": text})
-                    elif kind == "error":
-                        error = {"error": {"message": str(value), "type": value.kind, "code": value.status.value}}
+                while not finished:
+                    event = self._next(job)
+                    if isinstance(event, RequestError):
+                        finished = True
+                        error = {"error": {"message": str(event), "type": event.kind, "code": event.status.value}}
                         self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
-                        break
-                    elif kind == "final":
-                        result: TurnResult = value
+                    elif event.final is not None:
+                        finished = True
+                        result = event.final
                         rest = content.finish(result.content)
                         if rest:
                             chunk({"content": rest})
                         if result.tool_calls:
                             chunk({"tool_calls": [dict(call, index=n) for n, call in enumerate(result.tool_calls)]})
-                        chunk({}, result.finish_reason, kv=result.counters,
+                        chunk({}, result.finish_reason, kv=result.counters.as_dict(),
                               **({"x_kv_sampled": result.sampled} if result.sampled else {}))
                         if include_usage:
                             payload = {"id": ident, "object": "chat.completion.chunk", "created": created,
                                        "model": model_id, "choices": [], "usage": _usage(result)}
                             self.wfile.write(f"data: {json.dumps(payload)}\n\n".encode())
-                        break
+                    else:
+                        text = content.feed(event.delta)
+                        if text:
+                            chunk({"content": text})
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
             except (BrokenPipeError, ConnectionResetError):
                 log.info("client left session %s mid-stream; ending its turn", request.session_id)
                 job.gone.set()
-                while kind not in ("final", "error"):
-                    kind, value = job.events.get()
+                while not finished:
+                    event = job.events.get()
+                    finished = isinstance(event, RequestError) or event.final is not None
 
     return Handler
 

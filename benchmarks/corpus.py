@@ -2,12 +2,12 @@
 
 Prose, code, a stack trace, JSON and several scripts (Japanese, Arabic, Spanish, Russian), so the
 token ids look like an agent's context rather than random integers. Nothing here is fetched.
-Dependency rules: pure Python; backends know nothing about contextd or policy.
+Depends on the Tokenizer protocol only.
 """
 
 from __future__ import annotations
 
-from .base import Tokenizer
+from backends import Tokenizer
 
 __all__ = ["SAMPLE_TEXT", "sample_tokens"]
 

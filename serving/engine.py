@@ -1,0 +1,562 @@
+"""One turn: activate the session, align the transcript, prefill the new text, apply the plan,
+generate, finish. Pages move only through serving.paging.PageMover.
+
+Per turn: render the client's transcript, align it with the session's cache
+(serving.transcript), prefill only the new tail in chunks (the mover evicts between chunks when
+the pager says so), let the selector advise which cold pages come back (controller), generate
+(evicting during decode when a long answer needs room), then persist: every page not yet in the
+canonical store, the recurrent snapshot and the session record. A restore copies the exact stored
+tensors back: `historical_forward_during_restore` stays 0.
+
+The backend holds one session's cache at a time. Another session's turn resets the backend and
+restores that session's resident pages and recurrent state from the store: copies, never a
+forward pass. The same path brings a session back after a crash.
+
+Depends on backends (protocol), controller, contextd.client and serving.paging / session /
+transcript.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from backends import Backend
+from contextd.client import Client, pb
+from controller.keyindex import KeyIndex, KeyIndexConfig
+from controller.pager import Decision, Pager, PagerConfig, PinKind, Plan
+from controller.selectors import RecencySelector, SelectionContext, Selector
+from controller.units import Unit, UnitIndex
+from serving.paging import PageMover, Tally
+from serving.session import LastAnswer, Session, SessionCounters
+from serving.transcript import (
+    Alignment,
+    ChatFormat,
+    Fingerprint,
+    Segment,
+    Transcript,
+    TranscriptError,
+    align,
+    parse_tool_calls,
+    recomputed_tokens,
+)
+
+log = logging.getLogger("kv_elision.engine")
+
+# What a tokenizer decodes a partial UTF-8 sequence to; such text is held back from the stream.
+INCOMPLETE_CHARACTER = chr(0xFFFD)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    budget_tokens: int = 4096
+    high_watermark: float = 1.0
+    low_watermark: float = 0.875
+    tail_tokens: int = 512
+    lease_turns: int = 2
+    prefill_chunk: int = 256
+    max_new_tokens: int = 512
+    fixed_point_seed: int = 1234
+    key_index: KeyIndexConfig = field(default_factory=KeyIndexConfig)
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk <= 0 or self.max_new_tokens <= 0:
+            raise ValueError("prefill_chunk and max_new_tokens must be positive")
+        self.pager_config()  # validates the budget knobs
+
+    def pager_config(self) -> PagerConfig:
+        return PagerConfig(budget_tokens=self.budget_tokens, high_watermark=self.high_watermark,
+                           low_watermark=self.low_watermark, tail_tokens=self.tail_tokens,
+                           lease_turns=self.lease_turns)
+
+
+@dataclass
+class ChatRequest:
+    """What the server extracted from one /v1/chat/completions body."""
+
+    session_id: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    thinking: str = "default"
+    max_tokens: int | None = None
+    temperature: float = 0.0
+    seed: int | None = None
+    message_hashes: list[str] | None = None
+    plan: Plan | None = None
+    cancelled: Callable[[], bool] | None = None  # polled between decoded tokens (the client went away)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The prompt is in: how much was prefilled, and why cached state was not reused ("" if it was)."""
+
+    prefilled_tokens: int
+    rebuilt: str
+
+
+@dataclass
+class TurnResult:
+    content: str
+    tool_calls: list[dict[str, Any]]
+    finish_reason: str
+    prompt_tokens: int           # tokens of the whole transcript as rendered
+    prefilled_tokens: int        # tokens that went through the model for the prompt this turn
+    completion_tokens: int
+    counters: SessionCounters
+    rebuilt: str = ""            # why cached state was not reused ("" when it was)
+    sampled: str = ""            # why this turn was sampled instead of greedy
+
+
+@dataclass(frozen=True)
+class TurnEvent:
+    """Streamed out of `Engine.chat`: one `prepared` once the prompt is in, text deltas, one `final`."""
+
+    delta: str = ""
+    prepared: Prepared | None = None
+    final: TurnResult | None = None
+
+
+@dataclass(frozen=True)
+class PromptPiece:
+    """One message's share of the new text: its tokens, the hard pin it gets, whether it closes a tool call."""
+
+    segment: Segment
+    pin: PinKind | None
+    tool_call: bool
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    restore: list[int]
+    resident: list[int]
+    decided_ms: float
+    note: str
+
+
+class Engine:
+    """Owns the backend. Not thread-safe: the server runs every call on one worker thread."""
+
+    def __init__(self, backend: Backend, chat_format: ChatFormat, contextd: Client, config: EngineConfig,
+                 selector: Selector | None = None) -> None:
+        self.backend = backend
+        self.format = chat_format
+        self.contextd = contextd
+        self.config = config
+        self.selector: Selector = selector or RecencySelector()
+        self.tally = Tally()
+        self.mover = PageMover(backend, contextd, self.tally, self._key_index)
+        self.sessions: dict[str, Session] = {}
+        self.active: str | None = None
+        tokenizer = chat_format.tokenizer
+        self.stop_ids = {int(t) for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                                          tokenizer.convert_tokens_to_ids("<|endoftext|>")) if t is not None
+                         and int(t) >= 0 and int(t) != getattr(tokenizer, "unk_token_id", -1)}
+
+    @property
+    def totals(self) -> SessionCounters:
+        return self.tally.totals
+
+    # ------------------------------------------------------------------ sessions
+
+    def _key_index(self, wanted: bool | None = None) -> KeyIndex | None:
+        """A new, empty model-native index when the selector (or the caller) wants one."""
+        if not (self.selector.uses_key_index if wanted is None else wanted):
+            return None
+        return KeyIndex(self.config.key_index, len(self.backend.layer_view.attention_layers))
+
+    def _activate(self, session_id: str, fingerprint: Fingerprint) -> Session:
+        """Make `session_id` the backend's session: from memory, from contextd, or new."""
+        session = self.sessions.get(session_id)
+        if self.active == session_id and session is not None:
+            return session
+        self.backend.reset()
+        self.active = None
+        if session is None:
+            session = self.mover.recover(session_id, self.config.pager_config())
+            if session is None:
+                session = Session(session_id, Transcript(fingerprint), Pager(self.config.pager_config()),
+                                  UnitIndex(), key_index=self._key_index())
+                self.contextd.open_session(session_id, model_id=self.backend.model_name,
+                                           fingerprint=fingerprint.combined(), budget_tokens=self.config.budget_tokens)
+            else:
+                self.tally.count(session, recovered_pages=self.mover.fill_resident(session))
+                self.mover.index_stored_pages(session)
+                log.info("session %s recovered from contextd: %d tokens, %d resident pages", session_id,
+                         session.transcript.tokens, sum(1 for p in session.pager.pages if p.resident))
+            self.sessions[session_id] = session
+        else:
+            self.mover.fill_resident(session)
+        self.active = session_id
+        return session
+
+    # ------------------------------------------------------------------ the turn
+
+    def chat(self, request: ChatRequest) -> Iterator[TurnEvent]:
+        """Run one turn; yield text deltas, then one final event with the result."""
+        before = dict(self.backend.counters)
+        fingerprint = self.format.fingerprint(request.tools, request.thinking)
+        self.format.normalize(request.messages, request.tools, {})  # a malformed request fails before any work
+        session = self._activate(request.session_id, fingerprint)
+        rendered = self.format.render(request.messages, request.tools, request.thinking, session.transcript.generated)
+        session.pager.begin_turn()
+        self.tally.count(session, turns=1)
+        session.counters.restored_pages_turn = session.counters.evicted_pages_turn = 0
+
+        alignment = align(session.transcript, fingerprint, rendered, request.message_hashes)
+        cached = len(session.transcript.segments)
+        if not alignment.new_text and alignment.keep_segments == cached and not alignment.rebuild:
+            # The client re-sent exactly what is cached (a retry of the last turn): regenerate it.
+            alignment = Alignment(alignment.keep_segments, alignment.keep_tokens, "",
+                                  reason="the request repeats the cached transcript; regenerating the last answer")
+        rebuilt = alignment.reason
+        reprefilled = 0
+        if alignment.rebuild or alignment.keep_segments < cached:
+            alignment, dropped = self._cut_back(session, alignment, rendered)
+            reprefilled = recomputed_tokens(dropped, alignment.new_text)
+            if not rebuilt and reprefilled:
+                rebuilt = "answers the client did not replay were dropped; the state before them was prefilled again"
+            if rebuilt:
+                self.tally.count(session, rebuilds=1, reprefilled_tokens=reprefilled)
+            else:
+                self.tally.count(session, tail_drops=1)
+            session.transcript.fingerprint = fingerprint
+        if request.message_hashes is not None:
+            session.transcript.message_hashes = list(request.message_hashes)
+
+        pieces = self._prompt_pieces(session, request, rendered, alignment.new_text)
+        prompt_ids = [t for piece in pieces for t in piece.segment.ids]
+        if not prompt_ids:
+            raise TranscriptError("the request adds nothing after the cached transcript; send the next message")
+        for piece in pieces:
+            self._prefill(session, piece.segment, piece.pin)
+            session.message_ends.add(len(session.pager.pages) - 1)
+            if piece.tool_call:
+                session.pager.mark_ledger(len(session.pager.pages) - 1)
+        self._apply_plan(session, request, alignment.new_text, len(prompt_ids))
+        yield TurnEvent(prepared=Prepared(prefilled_tokens=len(prompt_ids), rebuilt=rebuilt))
+
+        picked, finish, sampled = yield from self._generate(session, request, prompt_ids)
+        result = self._finish_turn(session, picked, finish, before)
+        result.prefilled_tokens = len(prompt_ids)
+        result.prompt_tokens = session.transcript.tokens - len(picked)
+        result.rebuilt = rebuilt
+        result.sampled = sampled
+        yield TurnEvent(final=result)
+
+    def _prompt_pieces(self, session: Session, request: ChatRequest, rendered: str, text: str) -> list[PromptPiece]:
+        """Tokenize the new text in one segment per message, so a later edit keeps every message
+        before it. On a fresh session the system message (with the tool schemas a template puts
+        there) and everything up to the end of the first user message (the objective) are pinned."""
+        if not text:
+            return []
+        start = len(rendered) - len(text)
+        ends = self.format.message_ends(request.messages, request.tools, request.thinking,
+                                        session.transcript.generated, rendered, start)
+        first_user = next((i for i, m in enumerate(request.messages) if m.get("role") == "user"), -1)
+        fresh = session.transcript.tokens == 0
+        pieces: list[PromptPiece] = []
+        cut = start
+        for offset, index in [*ends, (len(rendered), len(request.messages))]:
+            piece = rendered[cut:offset]
+            if not piece:
+                continue
+            # After the last message: the template's opening of the assistant's turn.
+            opener = index == len(request.messages)
+            message = request.messages[index] if not opener else {}
+            pin = None
+            if fresh and index <= first_user:
+                opening = message.get("role") in ("system", "developer")
+                pin = (PinKind.TOOLS if request.tools else PinKind.SYSTEM) if opening else PinKind.OBJECTIVE
+            tool_call = message.get("role") == "assistant" and bool(message.get("tool_calls"))
+            pieces.append(PromptPiece(Segment(piece, self.format.encode(piece), opener=opener), pin, tool_call))
+            cut = offset
+        return pieces
+
+    def _selection_context(self, session: Session, incoming: str, new_tokens: int,
+                           key_index: KeyIndex | None) -> SelectionContext:
+        pager = session.pager
+        held = sum(pager.pages[i].tokens for i in pager.protected() if pager.pages[i].resident)
+        return SelectionContext(session.session_id, pager, session.units, incoming,
+                                incoming_keys=self._incoming_keys(new_tokens, key_index), key_index=key_index,
+                                room_tokens=max(0, pager.config.low_tokens - held))
+
+    def _apply_plan(self, session: Session, request: ChatRequest, incoming: str, new_tokens: int) -> None:
+        """Between prefill and decode: the request's own plan, else the selector's, through the
+        pager's rules. Restored pages land at their place in the timeline, before the new text."""
+        pager = session.pager
+        if request.plan is not None:
+            plan: Plan | None = request.plan
+            session.last_selection = "plan from the request"
+        else:
+            selection = self.selector.select(self._selection_context(session, incoming, new_tokens, session.key_index))
+            plan = selection.plan
+            session.last_selection = f"{self.selector.name}: {selection.note} ({selection.decided_ms:.0f} ms)"
+            self.tally.count(session, selector_ms=int(selection.decided_ms))
+        if plan is None:
+            return
+        decision = pager.decide(plan, incoming_tokens=0)
+        self.tally.count(session, plans_used=int(decision.plan_used), plans_rejected=int(not decision.plan_used))
+        if decision.plan_rejected:
+            session.last_selection += f"; rejected: {decision.plan_rejected}"
+        self.mover.execute(session, decision)
+
+    def _incoming_keys(self, new_tokens: int, key_index: KeyIndex | None) -> np.ndarray | None:
+        """Canonical keys of the turn's newest tokens (still in attention), for the key index."""
+        if key_index is None:
+            return None
+        end = self.backend.attention_tokens
+        n = min(new_tokens, self.config.key_index.incoming_tokens, end)
+        return self.backend.save_block(end - n, end).keys if n > 0 else None
+
+    def _prefill(self, session: Session, segment: Segment, pin: PinKind | None) -> None:
+        chunk = self.config.prefill_chunk
+        for i in range(0, len(segment.ids), chunk):
+            part = segment.ids[i:i + chunk]
+            self.mover.make_room(session, len(part))
+            self.backend.prefill(part)
+            session.pager.append(part, pin=pin)
+            self.tally.peak(session, self.backend.attention_tokens)
+        session.transcript.append(segment)
+        self.mover.snapshot_recurrent(session)
+
+    # ------------------------------------------------------------------ rebuilds
+
+    def _cut_back(self, session: Session, alignment: Alignment, rendered: str) -> tuple[Alignment, list[Segment]]:
+        """Take every cached token after the kept prefix out (a truncation: no forward pass);
+        return what to prefill and the segments dropped."""
+        transcript = session.transcript
+        # The recurrent state of a hybrid cannot be cut: keep only up to a segment boundary that has
+        # a snapshot. At least one segment must be prefilled again, or there would be no logits.
+        keep = alignment.keep_segments
+        while keep and (len(rendered) <= sum(len(s.text) for s in transcript.segments[:keep])
+                        or (self.backend.is_hybrid
+                            and sum(len(s.ids) for s in transcript.segments[:keep]) not in session.snapshots)):
+            keep -= 1
+        kept_text = "".join(s.text for s in transcript.segments[:keep])
+        if not rendered.startswith(kept_text):
+            keep, kept_text = 0, ""
+        keep_tokens = sum(len(s.ids) for s in transcript.segments[:keep])
+        dropped = transcript.segments[keep:]
+        if alignment.reason:
+            log.warning("session %s: %s; keeping %d of %d cached tokens", session.session_id, alignment.reason,
+                        keep_tokens, transcript.tokens)
+        self.mover.truncate(session, keep_tokens)
+        session.cut_segments(keep)
+        session.last_answer = None
+        return Alignment(keep, keep_tokens, rendered[len(kept_text):], reason=alignment.reason), dropped
+
+    # ------------------------------------------------------------------ generation
+
+    def _generate(self, session: Session, request: ChatRequest, prompt_ids: list[int]
+                  ) -> Generator[TurnEvent, None, tuple[list[int], str, str]]:
+        limit = min(request.max_tokens or self.config.max_new_tokens, self.config.max_new_tokens)
+        greedy = request.temperature <= 0.0
+        previous = session.last_answer
+        repeated = greedy and previous is not None and previous.prompt_ids == prompt_ids
+        repeat_of = previous.answer_ids if repeated and previous is not None else None
+        prompt_logits = self.backend.last_logits()
+        tokens_before = session.transcript.tokens
+        segments_before = len(session.transcript.segments)
+        picked, finish = yield from self._decode_loop(session, limit, greedy, request.temperature, request.seed,
+                                                      hold_while=repeat_of, cancelled=request.cancelled)
+        sampled = ""
+        if repeat_of is not None and picked == repeat_of and finish != "cancelled":
+            # The fixed point: the same input on the same working set gave the same greedy answer.
+            # Take that answer back out of attention and sample this turn instead (seeded, reported).
+            session.cut_segments(segments_before)
+            self.mover.truncate(session, tokens_before)
+            seed = self.config.fixed_point_seed + session.pager.turn
+            first = _sample(prompt_logits, 0.8, seed)
+            picked, finish = yield from self._decode_loop(session, limit, False, 0.8, seed, first=first,
+                                                          cancelled=request.cancelled)
+            self.tally.count(session, fixed_point_resamples=1)
+            sampled = f"fixed point: the greedy answer repeated the previous turn's; sampled with seed {seed}"
+        session.last_answer = LastAnswer(session.pager.turn, prompt_ids, picked)
+        return picked, finish, sampled
+
+    def _decode_loop(self, session: Session, limit: int, greedy: bool, temperature: float, seed: int | None,
+                     first: int | None = None, hold_while: list[int] | None = None,
+                     cancelled: Callable[[], bool] | None = None) -> Generator[TurnEvent, None, tuple[list[int], str]]:
+        """Pick tokens until a stop token or the limit. Every picked token but a stop is fed, so the
+        cache spells exactly the answer. With `hold_while`, text is held back while the answer
+        matches that earlier answer (it may be replaced by a sampled one)."""
+        pager = session.pager
+        picked: list[int] = []
+        emitted = ""
+        finish = "length"
+        gone = cancelled or (lambda: False)
+        token = self.backend.decode(greedy=greedy, temperature=temperature, seed=seed) if first is None else first
+        reseed = seed if first is not None else None  # a given first token was sampled outside: seed what follows
+        while True:
+            if token in self.stop_ids:
+                finish = "stop"
+                break
+            picked.append(token)
+            holding = hold_while is not None and picked == hold_while[:len(picked)]
+            text = self.format.decode(picked)
+            if not holding and not text.endswith(INCOMPLETE_CHARACTER) and len(text) > len(emitted):
+                yield TurnEvent(delta=text[len(emitted):])
+                emitted = text
+            self.mover.make_room(session, 1)
+            token = self.backend.decode(picked[-1], greedy=greedy, temperature=temperature, seed=reseed)
+            reseed = None
+            pager.append([picked[-1]])
+            self.tally.peak(session, self.backend.attention_tokens)
+            if len(picked) >= limit:
+                break
+            if gone():
+                # The turn ends here as if the limit were reached: the cache holds exactly what was
+                # picked, and the turn is written through like any other.
+                finish = "cancelled"
+                self.tally.count(session, cancelled_turns=1)
+                break
+        text = self.format.decode(picked)
+        if len(text) > len(emitted) and not (hold_while is not None and picked == hold_while):
+            yield TurnEvent(delta=text[len(emitted):])
+        session.transcript.append(Segment(text, list(picked), generated=True))
+        return picked, finish
+
+    # ------------------------------------------------------------------ end of turn
+
+    def _finish_turn(self, session: Session, picked: list[int], finish: str, before: dict[str, int]) -> TurnResult:
+        pager = session.pager
+        content, calls = parse_tool_calls(session.transcript.segments[-1].text)
+        if calls and pager.pages:
+            pager.mark_ledger(pager.pages[-1].index)
+        if pager.pages:
+            session.message_ends.add(len(pager.pages) - 1)
+        self.mover.snapshot_recurrent(session)
+        after = self.backend.counters
+        self.tally.count(session, **{name: after[name] - before[name] for name in (
+            "model_forward_tokens", "new_prefill_tokens", "decoded_tokens", "historical_forward_during_restore",
+            "reanchored_keys", "compactions")})
+        self.mover.persist(session, lambda: self._record(session))
+        self._index_units(session)
+        return TurnResult(content=content, tool_calls=calls, finish_reason="tool_calls" if calls else finish,
+                          prompt_tokens=0, prefilled_tokens=0, completion_tokens=len(picked),
+                          counters=SessionCounters.from_dict(session.counters.as_dict()))
+
+    def _record(self, session: Session) -> pb.SessionRecord:
+        fingerprint = session.transcript.fingerprint
+        return pb.SessionRecord(
+            turn=session.pager.turn, attention_tokens=self.backend.attention_tokens,
+            fingerprint=fingerprint.combined(),
+            fingerprint_parts=[fingerprint.tokenizer, fingerprint.template, fingerprint.tools, fingerprint.thinking],
+            message_hashes=session.transcript.message_hashes, unit_salt=session.units.salt,
+            ledger_pages=session.pager.ledger, counters=session.counters.as_dict(),
+            resident_pages=list(session.resident_positions),
+            resident_positions=list(session.resident_positions.values()))
+
+    def _index_units(self, session: Session) -> None:
+        """Close new units, record the new and changed units and clusters (with any summaries
+        written since) in contextd, and hand the new units to the selector for background summaries."""
+        units = session.units
+        closed = units.update(session.pager, session.message_ends)
+        pages = session.pager.pages
+        recorded = session.recorded_summaries
+        blocks = [pb.Block(block_id=u.unit_id, kind="unit", parent_id=u.cluster_id, summary=u.summary,
+                           page_ids=[pages[i].page_id for i in u.pages],
+                           token_count=sum(pages[i].tokens for i in u.pages))
+                  for u in units.units.values() if recorded.get(u.unit_id) != u.summary]
+        blocks += [pb.Block(block_id=c.cluster_id, kind="cluster", child_ids=c.unit_ids, summary=c.summary)
+                   for c in units.clusters.values()
+                   if recorded.get(c.cluster_id) != c.summary or c.cluster_id in {u.cluster_id for u in closed}]
+        if blocks:
+            self.contextd.upsert_blocks(session.session_id, blocks)
+            recorded.update({b.block_id: b.summary for b in blocks})
+        ids = session.transcript.ids
+
+        def text_of(unit: Unit) -> str:
+            return self.format.decode(ids[pages[unit.pages[0]].token_start:pages[unit.pages[-1]].token_end])
+
+        self.selector.after_turn(SelectionContext(session.session_id, session.pager, units, ""), closed, text_of)
+
+    # ------------------------------------------------------------------ measuring selectors
+
+    def probe(self, request: ChatRequest, selectors: list[Selector]) -> dict[str, ProbeResult]:
+        """Prefill the request's new messages, ask each selector what it would restore, then take the
+        new tokens back out: nothing is generated and the session is left as it was. For measuring
+        selectors (benchmarks.selectors and the retrieval tests)."""
+        fingerprint = self.format.fingerprint(request.tools, request.thinking)
+        session = self._activate(request.session_id, fingerprint)
+        rendered = self.format.render(request.messages, request.tools, request.thinking, session.transcript.generated)
+        alignment = align(session.transcript, fingerprint, rendered, request.message_hashes)
+        if alignment.rebuild or not alignment.new_text:
+            raise TranscriptError("a probe must extend the cached transcript")
+        segments_before = len(session.transcript.segments)
+        tokens_before = session.transcript.tokens
+        resident_before = {p.index for p in session.pager.pages if p.resident}
+        new_tokens = 0
+        for piece in self._prompt_pieces(session, request, rendered, alignment.new_text):
+            self._prefill(session, piece.segment, piece.pin)
+            new_tokens += len(piece.segment.ids)
+        pager = session.pager
+        index = session.key_index
+        if index is None and any(s.uses_key_index for s in selectors):
+            index = session.key_index = self._key_index(wanted=True)
+            self.mover.index_stored_pages(session)
+        context = self._selection_context(session, alignment.new_text, new_tokens, index)
+        results: dict[str, ProbeResult] = {}
+        for selector in selectors:
+            selection = selector.select(context)
+            restore: list[int] = []
+            if selection.plan is not None:
+                cleaned, rejected = pager.validate(selection.plan)
+                restore = [] if rejected else cleaned.restore
+            results[selector.name] = ProbeResult(restore=restore, resident=[p.index for p in pager.pages if p.resident],
+                                                 decided_ms=selection.decided_ms, note=selection.note)
+        session.cut_segments(segments_before)
+        self.mover.truncate(session, tokens_before)
+        resident_now = {p.index for p in session.pager.pages if p.resident}
+        self.mover.execute(session, Decision(evict=sorted(resident_now - resident_before),
+                                             restore=sorted(resident_before - resident_now), plan_used=False))
+        return results
+
+    def forget_active(self) -> None:
+        """After a failed turn the backend's state is unknown: the next turn reloads from contextd."""
+        if self.active is not None:
+            self.sessions.pop(self.active, None)
+        self.active = None
+        self.backend.reset()
+
+    # ------------------------------------------------------------------ reading
+
+    def kv_bytes_per_token(self) -> int:
+        """Attention K/V resident per held token: rotated keys, canonical rotary keys, values."""
+        view = self.backend.layer_view
+        itemsize = 4 if view.dtype == "float32" else 2
+        return len(view.attention_layers) * view.num_kv_heads * (
+            view.head_dim + view.rotary_dim + view.value_head_dim) * itemsize
+
+    def stats(self, session_id: str | None) -> dict[str, Any]:
+        """Counters, page states and budget of one session, or the server's totals (JSON for /v1/kv/stats)."""
+        if session_id is None:
+            return {"counters": self.totals.as_dict(), "sessions": sorted(self.sessions),
+                    "budget_tokens": self.config.budget_tokens, "active_session": self.active,
+                    "attention_tokens": self.backend.attention_tokens,
+                    "kv_bytes_per_token": self.kv_bytes_per_token()}
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise KeyError(session_id)
+        pager = session.pager
+        return {"session_id": session_id, "counters": session.counters.as_dict(), "pages": pager.counts(),
+                "session_tokens": session.transcript.tokens, "hot_tokens": pager.hot_tokens,
+                "budget_tokens": self.config.budget_tokens, "turn": pager.turn,
+                "attention_tokens": self.backend.attention_tokens if self.active == session_id else pager.hot_tokens,
+                "fingerprint": session.transcript.fingerprint.combined(),
+                "kv_bytes_per_token": self.kv_bytes_per_token(), "last_selection": session.last_selection,
+                "recovery_notes": session.recovery_notes,
+                "key_index_pages": len(session.key_index.pages) if session.key_index else 0,
+                "key_index_bytes": session.key_index.nbytes if session.key_index else 0}
+
+
+def _sample(logits: np.ndarray, temperature: float, seed: int) -> int:
+    z = np.asarray(logits, dtype=np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    return int(np.random.default_rng(seed).choice(p.shape[0], p=p))
+

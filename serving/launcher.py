@@ -1,0 +1,225 @@
+"""The one process launcher: contextd and `kv-elision serve` as child processes, ended by pid.
+
+The CLI (a server that starts its own contextd), the demo, the benchmarks and the tests all start
+processes through here. A launcher ends only what it started, by pid; nothing is ever killed by
+name or pattern, so two test runs (or a user's own server) on one machine never touch each other.
+A contextd started for a server is asked to die with its parent (PR_SET_PDEATHSIG on Linux), so a
+server killed with SIGKILL does not leave a daemon behind.
+
+Depends on contextd.client (to wait until the daemon answers) and the standard library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from contextd.client import Client
+from contextd.errors import DaemonUnavailable
+
+REPO = Path(__file__).resolve().parent.parent
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux; elsewhere a no-op)."""
+    libc_name = ctypes.util.find_library("c")
+    if sys.platform.startswith("linux") and libc_name:
+        ctypes.CDLL(libc_name, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _end(proc: subprocess.Popen[Any], timeout: float = 60.0) -> None:
+    """SIGTERM, wait, SIGKILL if it does not go: this one process, by pid."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@dataclass
+class ContextdProcess:
+    """`contextd serve` on `root` and `socket`; `start()` again reuses both (a restart)."""
+
+    root: Path
+    socket: Path
+    extra: Sequence[str] = ()
+    log: Path | None = None          # where its output goes (None: a pipe, read by `stop()`)
+    tied_to_parent: bool = False     # die with this process (a server's own daemon)
+    proc: subprocess.Popen[str] | None = None
+    client: Client | None = None
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "contextd.cli", "serve", "--root", str(self.root), "--socket",
+                str(self.socket), *self.extra]
+
+    def start(self, timeout: float = 30.0) -> Client:
+        if self.client is not None:
+            self.client.close()
+        output: Any = subprocess.PIPE if self.log is None else open(self.log, "ab")  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(self.command(), cwd=REPO, stdout=output, stderr=subprocess.STDOUT,
+                                         text=True, preexec_fn=_die_with_parent if self.tied_to_parent else None)
+        finally:
+            if self.log is not None:
+                output.close()
+        self.client = Client(self.socket, timeout=60.0)
+        try:
+            self.client.wait_ready(timeout=timeout)
+        except DaemonUnavailable:
+            self.proc.kill()
+            out = self.proc.communicate()[0] if self.log is None else self.log.read_text(errors="replace")
+            raise RuntimeError(f"contextd did not start: {out}") from None
+        return self.client
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> str:
+        """SIGTERM, wait; return what the process printed (when it printed to a pipe)."""
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.proc is None:
+            return ""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = self.proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        return out or ""
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]  # lower-case names
+    body: Any                # parsed JSON, or the text when the body is not JSON
+
+
+@dataclass
+class ServerProcess:
+    """`kv-elision serve` as a child process with its data under `root`, and its own contextd
+    (started first, on `root/run/c.sock` unless `socket_path` is given), both ended by pid."""
+
+    root: Path
+    model: str = "smollm2-135m"
+    budget: int = 4096
+    extra: Sequence[str] = ()
+    socket_path: Path | None = None
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+    contextd: ContextdProcess | None = field(default=None)
+
+    @property
+    def socket(self) -> Path:
+        return self.socket_path or self.root / "run" / "c.sock"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "server.log"
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+    def start(self, timeout: float = 300.0) -> ServerProcess:
+        self.root.mkdir(parents=True, exist_ok=True)
+        if self.contextd is None:
+            self.contextd = ContextdProcess(self.root / "contextd", self.socket, log=self.root / "contextd.log")
+        if not self.contextd.running:
+            self.contextd.start()
+        self.port = free_port()
+        command = [sys.executable, "-m", "serving.cli", "serve", "--model", self.model, "--budget", str(self.budget),
+                   "--root", str(self.root), "--socket", str(self.socket), "--port", str(self.port), *self.extra]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kv-elision serve exited:\n{self.log_tail()}")
+            try:
+                if self.get("/health").status == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"kv-elision serve did not answer within {timeout:.0f}s:\n{self.log_tail()}")
+
+    def request(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
+                raw: bytes | None = None, timeout: float = 3600.0) -> Reply:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        text = response.read().decode()
+        conn.close()
+        try:
+            parsed: Any = json.loads(text)
+        except json.JSONDecodeError:
+            parsed = text
+        return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, parsed)
+
+    def get(self, path: str) -> Reply:
+        return self.request("GET", path, timeout=5.0)
+
+    def chat(self, messages: list[dict[str, Any]], session: str | None = None, **body: Any) -> Reply:
+        headers = {"X-KV-Session": session} if session else {}
+        return self.request("POST", "/v1/chat/completions", {"model": self.model, "messages": messages, **body},
+                            headers=headers)
+
+    def stats(self, session: str | None = None) -> dict[str, Any]:
+        reply = self.request("GET", "/v1/kv/stats" + (f"?session={session}" if session else ""), timeout=30.0)
+        if reply.status != 200:
+            raise RuntimeError(f"/v1/kv/stats answered {reply.status}: {reply.body}")
+        return reply.body  # type: ignore[no-any-return]
+
+    def kill9(self) -> None:
+        """SIGKILL the server alone (its contextd keeps running, as after a crash of the server)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        """End the server, then its contextd."""
+        if self.proc is not None:
+            _end(self.proc)
+        if self.contextd is not None:
+            self.contextd.stop()
+
+
+def start_tied_contextd(root: Path, socket_path: Path) -> ContextdProcess:
+    """A contextd for a server that found none answering: it logs beside its data and dies with
+    the server."""
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    daemon = ContextdProcess(root, socket_path, log=root / "contextd.log", tied_to_parent=True)
+    daemon.start()
+    return daemon

@@ -1,0 +1,103 @@
+"""One session's serving state in memory, and its counters.
+
+A `Session` is what the engine and the page mover share for one client conversation: the
+transcript (serving.transcript), the pager (controller.pager), the semantic units, the
+model-native key index, the recurrent snapshots of a hybrid and the bookkeeping of what is in
+contextd already. Its durable form is the manifest (page states, pins, leases: contextd is the
+truth for where a page is) plus the session record (serving.paging writes both).
+
+Depends on backends (RecurrentSnapshot), controller and serving.transcript.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from backends import RecurrentSnapshot
+from controller.keyindex import KeyIndex
+from controller.pager import Pager
+from controller.units import UnitIndex
+from serving.transcript import Transcript
+
+
+@dataclass
+class SessionCounters:
+    """What the engine counts per session and per server. Tokens through the model:
+    `model_forward_tokens == new_prefill_tokens + decoded_tokens` and
+    `historical_forward_during_restore == 0`; the rest describe page traffic and decisions."""
+
+    model_forward_tokens: int = 0
+    new_prefill_tokens: int = 0
+    decoded_tokens: int = 0
+    historical_forward_during_restore: int = 0
+    restored_pages: int = 0
+    evicted_pages: int = 0
+    peak_attention_tokens: int = 0
+    reprefilled_tokens: int = 0
+    rebuilds: int = 0
+    tail_drops: int = 0
+    recovered_pages: int = 0
+    stored_pages: int = 0
+    stored_bytes: int = 0
+    reanchored_keys: int = 0
+    compactions: int = 0
+    fixed_point_resamples: int = 0
+    turns: int = 0
+    restored_pages_turn: int = 0
+    evicted_pages_turn: int = 0
+    plans_used: int = 0
+    plans_rejected: int = 0
+    selector_ms: int = 0
+    cancelled_turns: int = 0
+
+    def add(self, **deltas: int) -> None:
+        for name, n in deltas.items():
+            setattr(self, name, getattr(self, name) + n)
+
+    def peak(self, attention_tokens: int) -> None:
+        self.peak_attention_tokens = max(self.peak_attention_tokens, attention_tokens)
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, int]) -> SessionCounters:
+        """Counters recorded by this or an earlier version (unknown names are left out)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: int(v) for k, v in values.items() if k in names})
+
+
+@dataclass(frozen=True)
+class LastAnswer:
+    """The previous turn's greedy answer, to notice a fixed point (the same input, the same answer)."""
+
+    turn: int
+    prompt_ids: list[int]
+    answer_ids: list[int]
+
+
+@dataclass
+class Session:
+    session_id: str
+    transcript: Transcript
+    pager: Pager
+    units: UnitIndex
+    key_index: KeyIndex | None = None
+    counters: SessionCounters = field(default_factory=SessionCounters)
+    snapshots: dict[int, RecurrentSnapshot] = field(default_factory=dict)  # tokens -> state (hybrids)
+    last_answer: LastAnswer | None = None
+    stored_ids: dict[int, str] = field(default_factory=dict)   # page index -> id of its stored version
+    superseded: list[str] = field(default_factory=list)        # stored partial versions to delete
+    recorded_pins: set[str] = field(default_factory=set)        # pins contextd already holds
+    recorded_summaries: dict[str, str] = field(default_factory=dict)  # unit / cluster id -> summary in contextd
+    stored_segments: int = 0                                    # transcript segments in the session record
+    resident_positions: dict[int, int] = field(default_factory=dict)  # page -> first RoPE position, at turn end
+    message_ends: set[int] = field(default_factory=set)        # pages where a message ends
+    last_selection: str = ""
+    recovery_notes: list[str] = field(default_factory=list)    # what recovery found and fixed
+
+    def cut_segments(self, keep: int) -> None:
+        """The transcript keeps its first `keep` segments; the record then keeps no more either."""
+        self.transcript.cut(keep)
+        self.stored_segments = min(self.stored_segments, keep)

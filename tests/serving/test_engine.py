@@ -1,0 +1,212 @@
+"""The engine in-process: a tiny real model, a real contextd process, nothing of ours faked.
+
+What the redesign must keep: every page move goes through the page mover and lands in the
+manifest; the manifest is the truth a new engine recovers from; recovery brings back the exact
+session (same next answer, same selector choice) and says what it had to fix; a corrupt payload
+is reported and never served.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from backends import Backend, load_backend
+from contextd.client import Client, pb
+from contextd.wire import PageState as WireState
+from controller.pager import PageState
+from controller.selectors import AttentionSelector
+from serving.engine import ChatRequest, Engine, EngineConfig, Prepared, TurnResult
+from serving.launcher import ContextdProcess
+from serving.transcript import ChatFormat
+
+SYSTEM = {"role": "system", "content": "You are a coding agent. Be brief."}
+CONFIG = EngineConfig(budget_tokens=1024, tail_tokens=256, max_new_tokens=6)
+
+
+@pytest.fixture
+def contextd() -> Iterator[ContextdProcess]:
+    base = Path(tempfile.mkdtemp(prefix="kve-", dir="/tmp"))
+    daemon = ContextdProcess(base / "root", base / "c.sock", extra=["--reserve-bytes", "0"])
+    daemon.start()
+    yield daemon
+    daemon.stop()
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def backend() -> Backend:
+    return load_backend("torch", "tiny-llama", capacity=CONFIG.budget_tokens + 256)
+
+
+def engine_on(backend: Backend, contextd: ContextdProcess) -> Engine:
+    """An engine with its own backend session and its own connection (it outlives daemon restarts)."""
+    fresh = backend.fork()
+    fresh.reset()
+    return Engine(fresh, ChatFormat(fresh.tokenizer), Client(contextd.socket, timeout=60.0), CONFIG,
+                  AttentionSelector())
+
+
+def turn(engine: Engine, session: str, messages: list[dict[str, Any]]) -> TurnResult:
+    final = None
+    for event in engine.chat(ChatRequest(session, list(messages))):
+        final = event.final or final
+    assert final is not None
+    return final
+
+
+def grow(engine: Engine, session: str, turns: int) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "Read the repository and take notes."}]
+    for n in range(turns):
+        result = turn(engine, session, messages)
+        messages += [{"role": "assistant", "content": result.content},
+                     {"role": "user", "content": f"File {n}: " + f"the handler {n} retries {n * 7} times. " * 30}]
+    return messages
+
+
+def manifest_states(client: Client, session: str) -> dict[str, int]:
+    return {p.page_id: int(p.state) for p in client.query_pages(session)}
+
+
+def test_pages_move_only_through_the_mover_and_the_manifest_says_where_each_is(backend: Backend,
+                                                                                contextd: ContextdProcess) -> None:
+    engine = engine_on(backend, contextd)
+    grow(engine, "m", 6)
+    session = engine.sessions["m"]
+    pager = session.pager
+    assert any(p.state is PageState.COLD for p in pager.pages), "the session never went past its budget"
+    client = contextd.client
+    assert client is not None
+    listed = manifest_states(client, "m")
+    assert listed == {p.page_id: int(pager.effective_state(p)) for p in pager.pages}
+    counters = session.counters
+    assert counters.model_forward_tokens == counters.new_prefill_tokens + counters.decoded_tokens
+    assert counters.historical_forward_during_restore == 0
+    assert counters.peak_attention_tokens <= CONFIG.budget_tokens
+    assert engine.backend.attention_tokens == pager.hot_tokens
+    np.testing.assert_array_equal(engine.backend.held_token_ids(),
+                                  [t for p in pager.pages if p.resident
+                                   for t in session.transcript.ids[p.token_start:p.token_end]])
+    record = client.read_record("m")
+    assert [list(s.token_ids) for s in record.segments] == [s.ids for s in session.transcript.segments]
+    assert record.record.turn == pager.turn and dict(record.record.counters) == counters.as_dict()
+    assert not client.verify("m").corrupt
+
+
+def test_a_new_engine_recovers_the_session_exactly(backend: Backend, contextd: ContextdProcess) -> None:
+    first = engine_on(backend, contextd)
+    messages = grow(first, "r", 6)
+    question = [*messages, {"role": "user", "content": "How many times does handler 1 retry?"}]
+    before = first.probe(ChatRequest("r", question), [first.selector])["attention"]
+    assert before.restore, "the selector restored nothing: the comparison would say nothing"
+    # The store as a restarted server finds it: a copy of the daemon's root, served by a second daemon.
+    contextd.stop()
+    copy = ContextdProcess(contextd.root.parent / "copy", contextd.root.parent / "copy.sock",
+                           extra=["--reserve-bytes", "0"])
+    shutil.copytree(contextd.root, copy.root)
+    contextd.start()
+    copy.start()
+    try:
+        second = engine_on(backend, copy)
+        after = second.probe(ChatRequest("r", question), [second.selector])["attention"]
+        assert after.restore == before.restore and after.resident == before.resident
+        recovered, original = second.sessions["r"], first.sessions["r"]
+        assert recovered.recovery_notes == []
+        assert recovered.counters.recovered_pages == sum(1 for p in recovered.pager.pages if p.resident)
+        assert recovered.transcript.ids == original.transcript.ids
+        assert [p.state for p in recovered.pager.pages] == [p.state for p in original.pager.pages]
+        assert [p.pin for p in recovered.pager.pages] == [p.pin for p in original.pager.pages]
+        assert set(recovered.key_index.pages) == set(original.key_index.pages)  # type: ignore[union-attr]
+        np.testing.assert_array_equal(second.backend.positions(), first.backend.positions())
+        # the same request gives the same greedy answer from both
+        one, two = turn(first, "r", question), turn(second, "r", question)
+        assert one.content == two.content and one.prefilled_tokens == two.prefilled_tokens
+        assert two.counters.historical_forward_during_restore == 0
+    finally:
+        copy.stop()
+
+
+def test_recovery_reconciles_what_a_dead_turn_left_and_says_so(backend: Backend, contextd: ContextdProcess) -> None:
+    engine = engine_on(backend, contextd)
+    grow(engine, "d", 5)
+    client = contextd.client
+    assert client is not None
+    pages = engine.sessions["d"].pager.pages
+    # what a turn that died after storing a page, before its record, leaves behind
+    stray = pb.Page(page_id=f"p{len(pages) + 3:07d}", index=len(pages) + 3, token_start=99_000, token_end=99_128)
+    client.upsert_pages("d", [stray])
+    restarted = engine_on(backend, contextd)
+    session = restarted.mover.recover("d", CONFIG.pager_config())
+    assert session is not None
+    assert any("deleted 1 stored pages" in note for note in session.recovery_notes), session.recovery_notes
+    assert stray.page_id not in manifest_states(client, "d")
+    assert [p.state for p in session.pager.pages] == [p.state for p in pages]
+
+
+def test_a_corrupt_payload_is_reported_and_never_served(backend: Backend, contextd: ContextdProcess) -> None:
+    engine = engine_on(backend, contextd)
+    messages = grow(engine, "c", 6)
+    client = contextd.client
+    assert client is not None
+    session = engine.sessions["c"]
+    cold = [p for p in session.pager.pages if p.state is PageState.COLD]
+    target = cold[0]
+    record = client.get_pages("c", [target.page_id])[0]
+    path = contextd.root / "store" / record.locator
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x20
+    path.write_bytes(bytes(data))
+    from controller.pager import Decision
+
+    restored = engine.mover.execute(session, Decision(evict=[], restore=[target.index], plan_used=False))
+    assert restored == [] and target.state is PageState.COLD and not target.stored
+    assert client.get_pages("c", [target.page_id])[0].state == WireState.CORRUPT
+    # the session goes on: the next turn is served, the page stays out
+    result = turn(engine, "c", [*messages, {"role": "user", "content": "next"}])
+    assert result.finish_reason in ("stop", "length")
+    assert target.state is PageState.COLD
+
+
+def prepared(engine: Engine, session: str, messages: list[dict[str, Any]]) -> tuple[Prepared, TurnResult]:
+    events = list(engine.chat(ChatRequest(session, list(messages), max_tokens=4)))
+    first = events[0].prepared
+    final = events[-1].final
+    assert first is not None and final is not None
+    return first, final
+
+
+def n_tokens(engine: Engine, text: str) -> int:
+    return len(engine.format.encode(text))
+
+
+def test_an_answer_the_client_does_not_replay_leaves_the_tail_with_no_forward_and_no_notice(
+        backend: Backend, contextd: ContextdProcess) -> None:
+    engine = engine_on(backend, contextd)
+    u1 = {"role": "user", "content": "List the failing tests."}
+    u2 = {"role": "user", "content": "Continue where you stopped."}
+    _, first = prepared(engine, "t", [SYSTEM, u1])
+    assert first.finish_reason == "length"
+    session = engine.sessions["t"]
+    # Pi 1.6 treats an answer cut at a length limit (or aborted) as a failed attempt and leaves it out
+    opener = "<|im_start|>assistant\n"
+    ready, _ = prepared(engine, "t", [SYSTEM, u1, u2])
+    assert ready.rebuilt == ""
+    assert ready.prefilled_tokens == n_tokens(engine, f"<|im_start|>user\n{u2['content']}<|im_end|>\n{opener}")
+    # a retry of that request: only the opener is prefilled again, to have logits to answer from
+    again, _ = prepared(engine, "t", [SYSTEM, u1, u2])
+    assert again.rebuilt == "" and again.prefilled_tokens == n_tokens(engine, opener)
+    counters = session.counters
+    assert (counters.tail_drops, counters.rebuilds, counters.reprefilled_tokens) == (2, 0, 0)
+    assert counters.model_forward_tokens == counters.new_prefill_tokens + counters.decoded_tokens
+    np.testing.assert_array_equal(engine.backend.held_token_ids(), session.transcript.ids)
+    # an edit of the client's own history is a rebuild, and says so
+    edited, _ = prepared(engine, "t", [SYSTEM, {"role": "user", "content": "List the passing tests."}, u2])
+    assert "transcript changed" in edited.rebuilt and session.counters.rebuilds == 1
+    assert session.counters.reprefilled_tokens == n_tokens(engine, f"<|im_start|>user\n{u2['content']}<|im_end|>\n")
+    np.testing.assert_array_equal(engine.backend.held_token_ids(), session.transcript.ids)
