@@ -9,6 +9,13 @@
     payload    sections in header order, each at a 64-byte aligned offset (relative to payload
                start), C-order little-endian raw bytes, zero padding between sections
 
+A section may be stored compressed (`pack(..., compress=...)`): codec "shuffle-zstd" splits each
+row along axis 0 (a layer of keys or values) into its bytes' planes (all first bytes, all second
+bytes, ... : the exponent bytes of floats compress, the low mantissa bytes hardly do) and
+compresses each row with zstd as a frame of its own, so a streaming reader still decodes layer by
+layer as they arrive. The section entry then carries the codec and each frame's offset and size.
+Measured on SmolLM2-135M pages: 1.2x for float32 K/V, 1.47x for bfloat16 (zstd level 1).
+
 A stored payload has exactly one checksum: xxh3-128 of the whole file, 32 lowercase hex digits,
 computed by the canonical store while it writes the file (contextd.blobs) and recorded in the
 manifest. Every read here takes that checksum and size and verifies them while reading; nothing
@@ -26,6 +33,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -39,6 +47,7 @@ __all__ = [
     "SectionReader",
     "checksum",
     "pack",
+    "read_rows",
     "read_verified",
     "unpack",
 ]
@@ -69,18 +78,48 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def pack(magic: bytes, meta: dict[str, Any], sections: list[tuple[str, np.ndarray]]) -> list[memoryview]:
-    """The container as a list of buffers; joining them gives the file's bytes."""
+CODEC = "shuffle-zstd"
+_ZSTD_LEVEL = 1  # level 3 compressed no better on K/V and took 3-5x longer
+
+
+def _shuffle(row: np.ndarray) -> bytes:
+    """A row's bytes as planes: byte 0 of every element, then byte 1, ..."""
+    return np.ascontiguousarray(row.reshape(-1).view(np.uint8).reshape(-1, row.dtype.itemsize).T).tobytes()
+
+
+def _unshuffle(planes: bytes, dtype: np.dtype[Any], shape: list[int]) -> np.ndarray:
+    raw = np.frombuffer(planes, dtype=np.uint8).reshape(dtype.itemsize, -1)
+    row: np.ndarray = np.ascontiguousarray(raw.T).view(dtype).reshape(shape)
+    return row
+
+
+def pack(magic: bytes, meta: dict[str, Any], sections: list[tuple[str, np.ndarray]],
+         compress: frozenset[str] = frozenset()) -> list[memoryview]:
+    """The container as a list of buffers; joining them gives the file's bytes. Sections named
+    in `compress` are stored with the shuffle-zstd codec, one frame per row along axis 0."""
     table: list[list[Any]] = []
     payload: list[memoryview] = []
     offset = 0
     for name, arr in sections:
         le = np.ascontiguousarray(arr.astype(arr.dtype.newbyteorder("<"), copy=False))
-        table.append([name, le.dtype.str, list(le.shape), offset, int(le.nbytes)])
-        data = le.reshape(-1).view(np.uint8).data
-        pad = memoryview(bytes(_align(offset + le.nbytes) - offset - le.nbytes))
-        payload.extend(piece for piece in (data, pad) if len(piece))
-        offset = _align(offset + le.nbytes)
+        if name in compress and le.ndim:
+            import zstandard
+
+            packer = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
+            frames = [packer.compress(_shuffle(row)) for row in le]
+            stored = sum(len(f) for f in frames)
+            starts = np.cumsum([0] + [len(f) for f in frames[:-1]]).tolist()
+            table.append([name, le.dtype.str, list(le.shape), offset, stored, CODEC,
+                          [[int(s), len(f)] for s, f in zip(starts, frames, strict=True)]])
+            pieces = [memoryview(f) for f in frames]
+            nbytes = stored
+        else:
+            table.append([name, le.dtype.str, list(le.shape), offset, int(le.nbytes)])
+            pieces = [le.reshape(-1).view(np.uint8).data]
+            nbytes = int(le.nbytes)
+        pad = memoryview(bytes(_align(offset + nbytes) - offset - nbytes))
+        payload.extend(piece for piece in (*pieces, pad) if len(piece))
+        offset = _align(offset + nbytes)
     header = dict(meta)
     header["sections"] = table
     header["payload_len"] = offset
@@ -109,22 +148,86 @@ def _parse_header(magic: bytes, mv: memoryview) -> tuple[dict[str, Any], int]:
     return header, _align(_PREFIX.size + hlen)
 
 
-def _sections(header: dict[str, Any], payload: memoryview) -> dict[str, np.ndarray]:
-    """Zero-copy arrays over `payload` for every section the header lists (validated first)."""
+@dataclass(frozen=True)
+class Section:
+    """One section's place in the payload; `frames` (offset, size) per row when compressed."""
+
+    name: str
+    dtype: np.dtype[Any]
+    shape: list[int]
+    offset: int
+    nbytes: int
+    frames: list[tuple[int, int]] | None
+
+    def rows_end(self, rows: int) -> int:
+        """Payload offset at which the first `rows` rows are all stored."""
+        if self.frames is None:
+            per_row = self.nbytes // max(1, self.shape[0]) if self.shape else self.nbytes
+            return self.offset + per_row * rows
+        if rows == 0:
+            return self.offset
+        start, size = self.frames[rows - 1]
+        return self.offset + start + size
+
+    def view(self, payload: memoryview) -> np.ndarray:
+        """The section's array over `payload` (zero-copy; decoded when compressed)."""
+        if self.frames is None:
+            count = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+            return np.frombuffer(payload, dtype=self.dtype, count=count, offset=self.offset).reshape(self.shape)
+        return self.rows(payload, 0, self.shape[0])
+
+    def rows(self, payload: memoryview, start: int, stop: int) -> np.ndarray:
+        if self.frames is None:
+            return self.view(payload)[start:stop]
+        import zstandard
+
+        unpacker = zstandard.ZstdDecompressor()
+        row_shape = self.shape[1:]
+        row_bytes = int(np.prod(row_shape, dtype=np.int64)) * self.dtype.itemsize
+        out = np.empty([stop - start, *row_shape], dtype=self.dtype)
+        for n in range(start, stop):
+            frame_start, size = self.frames[n]
+            begin = self.offset + frame_start
+            try:
+                planes = unpacker.decompress(payload[begin:begin + size], max_output_size=row_bytes)
+            except zstandard.ZstdError as e:
+                raise ContainerError(f"section {self.name!r} row {n} does not decompress: {e}") from None
+            if len(planes) != row_bytes:
+                raise ContainerError(f"section {self.name!r} row {n} decompresses to {len(planes)} bytes")
+            out[n - start] = _unshuffle(planes, self.dtype, row_shape)
+        return out
+
+
+def _section_table(header: dict[str, Any]) -> dict[str, Section]:
+    """The header's sections, each checked against the payload's length and layout."""
     payload_len = int(header.get("payload_len", -1))
-    arrays: dict[str, np.ndarray] = {}
+    table: dict[str, Section] = {}
     for entry in header.get("sections", []):
         try:
-            name, dt, shape, off, nbytes = entry
+            name, dt, shape, off, nbytes = entry[:5]
             dtype = np.dtype(dt)
+            shape = [int(d) for d in shape]
             count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        except (TypeError, ValueError) as e:
+            frames = None
+            if len(entry) > 5:
+                if entry[5] != CODEC or not shape:
+                    raise ValueError(f"codec {entry[5]!r} is not supported (this build reads {CODEC!r})")
+                frames = [(int(a), int(b)) for a, b in entry[6]]
+                if len(frames) != shape[0] or any(a < 0 or b < 0 or a + b > nbytes for a, b in frames):
+                    raise ValueError("frames do not match the section")
+        except (TypeError, ValueError, IndexError) as e:
             raise ContainerError(f"bad section entry {entry!r}: {e}") from None
         little = dtype == dtype.newbyteorder("<")
-        if not little or count * dtype.itemsize != nbytes or off < 0 or off + nbytes > payload_len:
+        plain_ok = frames is not None or count * dtype.itemsize == nbytes
+        if not little or not plain_ok or off < 0 or off + nbytes > payload_len:
             raise ContainerError(f"section {name!r} is inconsistent with the payload")
-        arrays[name] = np.frombuffer(payload, dtype=dtype, count=count, offset=off).reshape(shape)
-    return arrays
+        table[str(name)] = Section(str(name), dtype, shape, int(off), int(nbytes), frames)
+    return table
+
+
+def _sections(header: dict[str, Any], payload: memoryview) -> dict[str, np.ndarray]:
+    """Arrays over `payload` for every section the header lists (zero-copy unless compressed)."""
+    return {name: section.view(payload) for name, section in _section_table(header).items()}
 
 
 def unpack(magic: bytes, data: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -165,6 +268,34 @@ def read_verified(path: str | os.PathLike[str], expected_checksum: str, size: in
     return view
 
 
+def read_rows(path: str | os.PathLike[str], magic: bytes, section: str, start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) along axis 0 of one section, read with one positioned read and NOT
+    verified (the checksum covers the whole file): for derived data such as a selector's index,
+    which a corrupt row can only mislead, never for what goes into attention."""
+    with open(path, "rb", buffering=0) as f:
+        head = f.read(IO_CHUNK_BYTES)
+        if len(head) >= _PREFIX.size:
+            need = _align(_PREFIX.size + _PREFIX.unpack_from(head, 0)[3])
+            if need > len(head):
+                head += f.read(need - len(head))
+        header, payload_start = _parse_header(magic, memoryview(head))
+        found = _section_table(header).get(section)
+        if found is None:
+            raise ContainerError(f"{os.fspath(path)} has no section {section!r}")
+        if not found.shape or not 0 <= start <= stop <= found.shape[0]:
+            raise ContainerError(f"rows [{start}, {stop}) are outside section {section!r} of shape {found.shape}")
+        first = found.rows_end(start)
+        data = os.pread(f.fileno(), found.rows_end(stop) - first, payload_start + first)
+    if len(data) != found.rows_end(stop) - first:
+        raise ContainerError(f"{os.fspath(path)} is shorter than its header says")
+    if found.frames is None:
+        rows: np.ndarray = np.frombuffer(data, dtype=found.dtype).reshape([stop - start, *found.shape[1:]])
+        return rows
+    # The bytes read stand for the payload from `first` on: frame offsets shift by as much.
+    local = Section(found.name, found.dtype, found.shape, found.offset - first, found.nbytes, found.frames)
+    return local.rows(memoryview(data), start, stop)
+
+
 class SectionReader:
     """Reads a container file on a background thread so a caller can use the sections that have
     arrived while the rest is still coming from disk (restore = max(read, insert), not the sum).
@@ -194,8 +325,7 @@ class SectionReader:
             if payload_len < 0 or self._start + payload_len != size:
                 raise ContainerError(f"payload length mismatch: header says {payload_len}, "
                                      f"{size - self._start} bytes follow the header")
-            self.arrays = _sections(self.header, self._mv[self._start:])
-            self._offsets = {str(e[0]): (int(e[3]), int(e[4])) for e in self.header["sections"]}
+            self.sections = _section_table(self.header)
         except BaseException:
             self._file.close()
             raise
@@ -255,13 +385,19 @@ class SectionReader:
                 self._error = e
                 self._cond.notify_all()
 
+    def rows(self, section: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of `section` (call `wait(section, stop)` first): views into the
+        buffer being filled, or decoded rows when the section is compressed."""
+        return self.sections[section].rows(self._mv[self._start:], start, stop)
+
+    def array(self, section: str) -> np.ndarray:
+        """The whole of `section` (call `wait(section)` first)."""
+        return self.sections[section].view(self._mv[self._start:])
+
     def wait(self, section: str, rows: int | None = None) -> None:
         """Block until `section` (or its first `rows` entries along axis 0) has been read."""
-        off, nbytes = self._offsets[section]
-        if rows is not None:
-            shape = self.arrays[section].shape
-            nbytes = nbytes // max(1, int(shape[0])) * rows
-        end = self._start + off + nbytes
+        found = self.sections[section]
+        end = self._start + (found.offset + found.nbytes if rows is None else found.rows_end(rows))
         with self._cond:
             self._wanted = end
             while self._got < end and self._error is None:

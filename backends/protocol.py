@@ -36,6 +36,7 @@ __all__ = [
     "Counters",
     "LayerView",
     "ROPE_LAYOUT_NEOX",
+    "ROPE_LAYOUT_NONE",
     "RecurrentSnapshot",
     "STORAGE_DTYPES",
     "Tokenizer",
@@ -69,6 +70,7 @@ class BlockFormatError(BackendError):
 STORAGE_DTYPES: dict[str, str] = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}
 
 ROPE_LAYOUT_NEOX = "neox"
+ROPE_LAYOUT_NONE = "none"  # no rotary embedding (NoPE): keys are position-free, re-anchoring is a copy
 
 
 def storage_dtype(dtype: str) -> np.dtype[Any]:
@@ -178,8 +180,9 @@ class Block:
     def nbytes(self) -> int:
         return int(self.keys.nbytes + self.values.nbytes)
 
-    def pieces(self) -> list[memoryview]:
-        """The block file as buffers (see backends.blockfile); joined they are `to_bytes()`."""
+    def pieces(self, compress: bool = False) -> list[memoryview]:
+        """The block file as buffers (see backends.blockfile); joined they are the file. With
+        `compress`, keys and values are stored shuffle-zstd compressed, one frame per layer."""
         meta = {"kind": "kv-block", "view": self.view.to_dict(), "n_tokens": self.n_tokens,
                 "model_name": self.model_name}
         st = storage_dtype(self.view.dtype)
@@ -193,6 +196,7 @@ class Block:
                 ("keys", np.ascontiguousarray(self.keys, dtype=st)),
                 ("values", np.ascontiguousarray(self.values, dtype=st)),
             ],
+            compress=frozenset({"keys", "values"}) if compress else frozenset(),
         )
 
     def to_bytes(self) -> bytes:
@@ -219,6 +223,18 @@ class Block:
         except FileNotFoundError:
             raise BlockFormatError(f"{os.fspath(path)} is missing") from None
         return cls.from_bytes(data, expect=expect)
+
+    @classmethod
+    def read_layer_keys(cls, path: str | os.PathLike[str], layer: int) -> np.ndarray:
+        """The canonical keys [kv_heads, tokens, head_dim] of the block's `layer`-th attention layer,
+        read alone and NOT verified: for a selector's index (a restart rebuilds it without reading
+        whole pages), never for attention."""
+        try:
+            return blockfile.read_rows(path, cls.MAGIC, "keys", layer, layer + 1)[0]
+        except blockfile.ContainerError as e:
+            raise BlockFormatError(str(e)) from None
+        except FileNotFoundError:
+            raise BlockFormatError(f"{os.fspath(path)} is missing") from None
 
     @classmethod
     def _from_parts(cls, meta: dict[str, Any], arrays: dict[str, np.ndarray], expect: LayerView | None) -> Block:
@@ -255,31 +271,53 @@ class BlockStream:
             self.view = LayerView.from_dict(header.get("view", {}))
             if expect is not None:
                 expect.require_same(self.view)
-            missing = {"keys", "values", "positions", "token_ids"} - self._reader.arrays.keys()
+            missing = {"keys", "values", "positions", "token_ids"} - self._reader.sections.keys()
             if missing:
                 raise BlockFormatError(f"block is missing sections {sorted(missing)}")
         except BaseException:
             self._reader.close()
             raise
-        self.arrays = self._reader.arrays
         self._meta = header
+        self._decoded: dict[str, list[np.ndarray]] = {"keys": [], "values": []}
 
     @property
     def n_tokens(self) -> int:
-        return int(self.arrays["positions"].shape[0])
+        return int(self._reader.sections["positions"].shape[0])
 
-    def wait(self, section: str, rows: int | None = None) -> None:
+    def small(self, section: str) -> np.ndarray:
+        """`positions` or `token_ids`, once they have arrived (they come first in the file)."""
+        self._wait(section, None)
+        return self._reader.array(section)
+
+    def rows(self, section: str, start: int, stop: int) -> np.ndarray:
+        """Rows (layers) [start, stop) of `keys` or `values`, once they have arrived; taken in
+        order, they are kept for the block `finish()` returns."""
+        self._wait(section, stop)
+        try:
+            rows = self._reader.rows(section, start, stop)
+        except blockfile.ContainerError as e:
+            raise BlockFormatError(str(e)) from None
+        self._decoded[section].append(rows)
+        return rows
+
+    def _wait(self, section: str, rows: int | None) -> None:
         try:
             self._reader.wait(section, rows)
         except blockfile.ContainerError as e:
             raise BlockFormatError(str(e)) from None
 
     def finish(self) -> Block:
+        """Wait for the whole file, verify its checksum and return the block."""
         try:
             self._reader.finish()
         except blockfile.ContainerError as e:
             raise BlockFormatError(str(e)) from None
-        return Block._from_parts(self._meta, self.arrays, None)
+        arrays = {name: self._reader.array(name) for name in ("positions", "token_ids")}
+        for name, parts in self._decoded.items():
+            section = self._reader.sections[name]
+            whole = section.frames is not None and sum(p.shape[0] for p in parts) == section.shape[0]
+            arrays[name] = np.concatenate(parts) if whole else self._reader.array(name)
+        return Block._from_parts(self._meta, arrays, None)
 
     def close(self) -> None:
         self._reader.close()
@@ -389,6 +427,7 @@ class Counters:
     evicted_tokens: int = 0
     reanchored_keys: int = 0
     compactions: int = 0
+    forward_ns: int = 0  # wall time spent in the model's forward passes (page operations excluded)
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

@@ -1,12 +1,21 @@
 """What the torch and MLX runtimes share: everything of a backend session that is not tensor work.
 
-A runtime supplies a loaded model (`LoadedModel` plus its own fields), a slot store (`SlotStore`:
-buffers, gathers, writes and re-anchoring in its tensor library) and a handful of hooks (one
+A runtime supplies a loaded model (`LoadedModel` plus its own fields, with the `LayerRoles` it
+found in its model), a slot store (`SlotStore`: buffers, gathers, writes and re-anchoring in its
+tensor library, and the window caches of sliding-window layers) and a handful of hooks (one
 forward pass, the cache object its model code sees, the recurrent states). This base turns them
 into the `Backend` protocol: identity, the prefill / decode loop, sampling, slot bookkeeping for
-evict / insert / compaction, the streaming, verified insert of a stored block, recurrent
-snapshots, fork and reset. The two runtimes therefore count, position and check the same way by
-construction, not by copying.
+evict / insert / compaction, the streaming, verified insert of a stored block, the window caches'
+positions, recurrent snapshots (windows included), fork and reset. The two runtimes therefore
+count, position and check the same way by construction, not by copying.
+
+Sliding-window layers are never paged. Each keeps the newest W - 1 tokens the model consumed (W
+the window), as canonical keys, rotated keys and values; a forward appends its tokens and attends
+to those plus its own, within W of each other in the stream. Page operations never touch a
+window: the window always holds the last tokens of the stream, whatever attention holds. Its keys
+sit at the positions just before the next forward's first position (the stream distances the
+model was trained on); a compaction or an insert that moves that position re-rotates them from
+their canonical form before the next forward.
 
 Dependency rules: numpy and backends.protocol / slots / models; never a tensor library.
 """
@@ -16,8 +25,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
@@ -26,6 +37,7 @@ import numpy as np
 from .models import ModelSource, load_tokenizer, resolve
 from .protocol import (
     ROPE_LAYOUT_NEOX,
+    ROPE_LAYOUT_NONE,
     STORAGE_DTYPES,
     BackendError,
     Block,
@@ -36,10 +48,48 @@ from .protocol import (
     RecurrentSnapshot,
     Tokenizer,
     UnsupportedModelError,
+    storage_dtype,
 )
 from .slots import InsertPlan, checked_token_ids, pick_token, plan_insert
 
-__all__ = ["LoadedModel", "SlotBackend", "SlotStore", "check_layer_split"]
+__all__ = ["LayerRoles", "LoadedModel", "SlotBackend", "SlotStore", "WindowShape"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRoles:
+    """What each decoder layer is to paging, found by a runtime in its model's modules and cache kinds."""
+
+    n_layers: int
+    paged: tuple[int, ...]           # global attention with its own K/V: the layers a block holds
+    window: tuple[int, ...] = ()     # sliding-window attention with its own K/V: a window cache, never paged
+    recurrent: tuple[int, ...] = ()  # linear attention / Mamba: conv + recurrent state, snapshotted
+    shared: tuple[int, ...] = ()     # attention on another layer's K/V (Gemma 4 kv sharing): nothing of its own
+    stateless: tuple[int, ...] = ()  # MLP / MoE blocks: no cache at all
+    window_size: int = 0             # W: a query sees the keys of the W newest tokens, itself included
+
+    def check(self, family: str) -> None:
+        """Every layer has exactly one role, and there is something to page."""
+        roles = [self.paged, self.window, self.recurrent, self.shared, self.stateless]
+        seen = sorted(i for r in roles for i in r)
+        if seen != list(range(self.n_layers)):
+            missing = sorted(set(range(self.n_layers)) - set(seen))
+            raise UnsupportedModelError(f"{family}: layers {missing or 'some'} are neither global attention, "
+                                        "sliding-window attention, kv-shared attention, recurrent nor cache-free")
+        if not self.paged:
+            raise UnsupportedModelError(f"{family}: no global-attention layer to page"
+                                        + (" (every attention layer is a sliding window)" if self.window else ""))
+        if self.window and self.window_size < 2:
+            raise UnsupportedModelError(f"{family}: sliding-window layers without a window size")
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowShape:
+    """The K/V shape of the sliding-window layers (all alike) and their rotary dims."""
+
+    num_kv_heads: int
+    head_dim: int
+    value_head_dim: int
+    rotary_dim: int
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -48,16 +98,17 @@ class LoadedModel:
 
     source: ModelSource
     family: str
-    attention_layers: tuple[int, ...]
-    linear_layers: tuple[int, ...]
-    num_kv_heads: int
+    roles: LayerRoles
+    num_kv_heads: int      # of the paged layers, as are the dims below
     head_dim: int
     value_head_dim: int
-    rotary_dim: int
+    rotary_dim: int        # 0: no rotary embedding (NoPE)
     max_position_embeddings: int
     vocab_size: int
-    model_id: str      # content hash of config and weights (slots.model_identity)
+    model_id: str      # content hash of config and weights (slots.model_identity / folder_identity)
     dtype_name: str    # "float32", "float16" or "bfloat16"
+    window: WindowShape | None = None
+    key_layouts: dict[int, str] = dataclasses.field(default_factory=dict)
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
     # The store of the session whose forward is running (the model's hooks write there) and the
     # session running a page operation (a token entering the model meanwhile is counted as a
@@ -67,12 +118,57 @@ class LoadedModel:
     tokenizer: Tokenizer | None = None
 
     @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The paged layers (global attention); blocks hold exactly these."""
+        return self.roles.paged
+
+    @functools.cached_property
+    def paged_index(self) -> dict[int, int]:
+        """Layer -> its index among the paged layers."""
+        return {layer: a for a, layer in enumerate(self.roles.paged)}
+
+    @functools.cached_property
+    def window_index(self) -> dict[int, int]:
+        """Layer -> its index among the window layers."""
+        return {layer: w for w, layer in enumerate(self.roles.window)}
+
+    def key_heads(self, layer: int) -> tuple[int, int]:
+        """(kv heads, head dim) of a paged or window layer."""
+        if layer in self.paged_index:
+            return self.num_kv_heads, self.head_dim
+        assert self.window is not None
+        return self.window.num_kv_heads, self.window.head_dim
+
+    def key_layout(self, layer: int, shape: tuple[int, ...], n: int) -> str:
+        """How `layer`'s key module lays out a forward of `n` tokens: "proj" ([B, S, H * D]), "bshd"
+        or "bhsd" (Gemma 3's k_norm). Read off the first forward whose length is not the head count
+        (the load-time check is one) and kept."""
+        layout = self.key_layouts.get(layer)
+        if layout is None:
+            heads = self.key_heads(layer)[0]
+            if len(shape) == 3:
+                layout = "proj"
+            elif n != heads and tuple(shape[1:3]) == (n, heads):
+                layout = "bshd"
+            elif n != heads and tuple(shape[1:3]) == (heads, n):
+                layout = "bhsd"
+            else:
+                raise BackendError(f"layer {layer}: cannot tell the key layout of {shape} yet")
+            self.key_layouts[layer] = layout
+        return layout
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return self.roles.recurrent
+
+    @property
     def view(self) -> LayerView:
         """What a block of this model means; both runtimes lay keys out in the "neox" half-split
-        form (each checks its model's rotary module against that at load)."""
+        form (each checks its model's rotary module against that at load), or "none" without rotary."""
         return LayerView(model_id=self.model_id, family=self.family, attention_layers=self.attention_layers,
                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, value_head_dim=self.value_head_dim,
-                         rotary_dim=self.rotary_dim, rope_layout=ROPE_LAYOUT_NEOX, dtype=self.dtype_name)
+                         rotary_dim=self.rotary_dim,
+                         rope_layout=ROPE_LAYOUT_NEOX if self.rotary_dim else ROPE_LAYOUT_NONE, dtype=self.dtype_name)
 
 
 class SlotStore:
@@ -98,6 +194,16 @@ class SlotStore:
         self.fwd_high_water = 0
         # The counters of the session owning this store; the embedding hook adds forward tokens here.
         self.owner_counters: Counters | None = None
+        # Sliding-window layers: how many of the newest stream tokens each window cache holds, and
+        # the position its newest key is rotated at (None: not rotated yet, after a snapshot restore).
+        self.win_len = 0
+        self.win_last_pos: int | None = None
+        # Per window layer, in the runtime's tensors [1, heads, win_len, dim]: canonical keys, keys as
+        # the layer reads them, values; and the canonical keys of the running forward's tokens.
+        self.win_canon: list[Any] = []
+        self.win_rot: list[Any] = []
+        self.win_v: list[Any] = []
+        self.fwd_win_canon: list[Any] = []
         self.grow(capacity)
 
     def grow(self, capacity: int) -> None:
@@ -132,7 +238,49 @@ class SlotStore:
         other._copy_buffers()
         return other
 
+    # -- called from inside the model's forward ------------------------------------------------
+    def observe_key(self, layer: int, out: Any) -> None:
+        """What the key module of a paged or window layer returned in this forward (a torch tensor or
+        an mlx array, in the module's own layout): its pre-rotary key, kept as [1, heads, n, head_dim]."""
+        assert self.fwd_slots is not None
+        n = int(self.fwd_slots.shape[0])
+        layout = self.rt.key_layout(layer, tuple(out.shape), n)
+        if layout == "proj":
+            out = out.reshape(1, n, *self.rt.key_heads(layer))
+        key = out if layout == "bhsd" else out.swapaxes(1, 2)
+        paged, window = self.rt.paged_index, self.rt.window_index
+        if layer in paged:
+            self.write_canon(paged[layer], key)
+        else:
+            self.fwd_win_canon[window[layer]] = key
+
+    def append_window(self, w: int, k_rot: Any, v: Any) -> tuple[Any, Any]:
+        """Window layer `w`: attention reads its window plus this forward's tokens (rotated keys and
+        values); afterwards the window keeps the newest W - 1 of them, canonical keys included."""
+        canon = self.fwd_win_canon[w]
+        assert canon is not None
+        keys, values = self._cat(self.win_rot[w], k_rot), self._cat(self.win_v[w], v)
+        keep = self.rt.roles.window_size - 1
+        self.win_rot[w] = keys[:, :, -keep:]
+        self.win_v[w] = values[:, :, -keep:]
+        self.win_canon[w] = self._cat(self.win_canon[w], canon)[:, :, -keep:]
+        self.fwd_win_canon[w] = None
+        return keys, values
+
+    def window_positions(self, first: int) -> np.ndarray:
+        """Where the window keys go for a forward starting at position `first`: right before it."""
+        return np.arange(first - self.win_len, first, dtype=np.int64)
+
     # -- the runtime's tensors ---------------------------------------------------------------
+    def write_canon(self, a: int, key: Any) -> None:
+        """Store the exact pre-rotary keys [1, heads, n, head_dim] of paged layer `a` in this forward's slots."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _cat(a: Any, b: Any) -> Any:
+        """a and b joined along the token axis (2)."""
+        raise NotImplementedError
+
     def _grow_buffers(self, capacity: int) -> None:
         """Grow every buffer to `capacity` slots; new slots are zeros (masked slots still take part
         in the weights @ values product, where 0 times uninitialised NaN bits would be NaN)."""
@@ -175,17 +323,41 @@ class SlotStore:
         """Zero `slots` after an aborted write: free slots must hold finite numbers."""
         raise NotImplementedError
 
+    # -- the window caches of sliding-window layers (runtimes with window layers implement these) --
+    def reanchor_window(self, positions: np.ndarray) -> None:
+        """Rotate every window layer's canonical keys to `positions` [win_len]."""
+        raise NotImplementedError
 
-def check_layer_split(family: str, n_layers: int, attention_layers: tuple[int, ...],
-                      linear_layers: tuple[int, ...], layer_types: Sequence[str] | None) -> None:
-    """A model is served when every layer is attention (paged) or linear attention (left alone)."""
-    if not attention_layers:
-        raise UnsupportedModelError(f"{family}: the model has no attention layers to page")
-    if len(attention_layers) + len(linear_layers) != n_layers:
-        raise UnsupportedModelError(f"{family}: some layers are neither attention nor linear attention")
-    if layer_types and tuple(i for i, t in enumerate(layer_types) if t == "full_attention") != attention_layers:
-        raise UnsupportedModelError(f"{family}: the attention layers {attention_layers} differ from the config's "
-                                    "layer types")
+    def read_window(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per window layer: canonical keys [1, heads, win_len, head_dim] and values, in storage dtype."""
+        return [(self._to_host(k), self._to_host(v)) for k, v in zip(self.win_canon, self.win_v, strict=True)]
+
+    def write_window(self, layers: list[tuple[np.ndarray, np.ndarray]] | None) -> None:
+        """Replace every window layer's contents (None: empty them); keys are rotated before the next forward."""
+        shape = self.rt.window
+        if shape is None:
+            return
+        if layers is None:
+            st = storage_dtype(self.rt.dtype_name)
+            empty = (np.zeros((1, shape.num_kv_heads, 0, shape.head_dim), dtype=st),
+                     np.zeros((1, shape.num_kv_heads, 0, shape.value_head_dim), dtype=st))
+            layers = [empty] * len(self.rt.roles.window)
+        self.win_canon = [self._from_host(k) for k, _ in layers]
+        self.win_rot = [self._from_host(k) for k, _ in layers]  # rotated before the next forward
+        self.win_v = [self._from_host(v) for _, v in layers]
+        self.fwd_win_canon = [None] * len(layers)
+
+    def _to_host(self, t: Any) -> np.ndarray:
+        """A copy of runtime tensor `t` as a numpy array in storage dtype (bf16 bits as uint16)."""
+        raise NotImplementedError
+
+    def _from_host(self, a: np.ndarray) -> Any:
+        """A new runtime tensor of the model dtype from a storage-dtype array."""
+        raise NotImplementedError
+
+    def rotated_window(self) -> list[np.ndarray]:
+        """Per window layer: float32 keys as the window layers read them [1, heads, win_len, head_dim]."""
+        raise NotImplementedError
 
 
 B = TypeVar("B", bound="SlotBackend")
@@ -239,8 +411,39 @@ class SlotBackend:
         """
         source = resolve(model)
         rt = cls._load_model(source, device, dtype, model_id)
+        cls(rt, source.name, capacity=16, position_limit=position_limit)._check_rotation()
         return cls(rt, source.name, capacity=capacity, prefill_chunk=prefill_chunk, position_limit=position_limit,
                    seed=seed)
+
+    def _check_rotation(self) -> None:
+        """At load, on a throwaway session: one short forward far from position 0. The keys the model
+        rotated itself must equal our re-anchoring of the canonical keys it computed, in the paged
+        and in the window layers; a layout, frequency or scaling we do not reproduce is refused here
+        instead of drifting later. The forward's length differs from every head count, so it also
+        fixes the layout of each key module's output."""
+        rt = self._rt
+        heads = {rt.num_kv_heads} | ({rt.window.num_kv_heads} if rt.window else set())
+        n = next(k for k in range(5, 64) if k not in heads)
+        first = max(0, min(1000, self.position_limit - 2 * n))
+        positions = np.arange(first, first + n, dtype=np.int64)
+        self._run_model([(7 + 131 * i) % rt.vocab_size for i in range(n)], positions)
+        st = self._store
+        slots = st.order.copy()
+        checks: list[tuple[str, np.ndarray, Callable[[], None], Callable[[], np.ndarray]]] = [
+            ("paged", st.rotated(slots), lambda: st.reanchor(slots, positions), lambda: st.rotated(slots))]
+        if rt.roles.window:
+            checks.append(("window", np.stack(st.rotated_window()),
+                           lambda: st.reanchor_window(st.window_positions(first + n)),
+                           lambda: np.stack(st.rotated_window())))
+        for what, model_keys, reanchor, ours in checks:
+            with self._page_op():
+                reanchor()
+            err = float(np.abs(ours() - model_keys).max())
+            if not err <= 1e-5 * max(1.0, float(np.abs(model_keys).max())):
+                raise UnsupportedModelError(
+                    f"{rt.family}: the model's rotary embedding of its {what} layers differs from re-anchoring "
+                    f"(half-split layout, the rotary module's frequencies and scaling) by {err:.3g}; an adapter for "
+                    "its rotary layout is missing")
 
     # -- hooks a runtime implements ------------------------------------------------------------
     # source, device, dtype, model_id -> the loaded model (the runtime's `_make_runtime`)
@@ -300,8 +503,15 @@ class SlotBackend:
         return self._rt.vocab_size
 
     @property
+    def layer_roles(self) -> LayerRoles:
+        """What each decoder layer is to paging (not part of the protocol; for diagnostics and tests)."""
+        return self._rt.roles
+
+    @property
     def is_hybrid(self) -> bool:
-        return bool(self._rt.linear_layers)
+        """The model keeps per-stream state outside the paged layers (recurrent layers, sliding-window
+        caches): `snapshot_recurrent` covers it, and a cut must restore it."""
+        return bool(self._rt.roles.recurrent or self._rt.roles.window)
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -343,6 +553,18 @@ class SlotBackend:
         with self._rt.lock:
             return self._store.rotated(self._store.order[start:end])
 
+    def window_state(self) -> tuple[np.ndarray | None, list[np.ndarray], list[tuple[np.ndarray, np.ndarray]]]:
+        """Diagnostics (not part of the protocol): the positions the window keys are rotated at now
+        (None before the first forward after a snapshot restore), per window layer the rotated keys
+        (float32 [1, heads, n, head_dim]) and the canonical keys and values (storage dtype)."""
+        st = self._store
+        with self._rt.lock:
+            if not st.win_len:
+                return np.zeros(0, dtype=np.int64), [], []
+            if st.win_last_pos is None:
+                return None, [], st.read_window()
+            return st.window_positions(st.win_last_pos + 1), st.rotated_window(), st.read_window()
+
     # -- running the model ---------------------------------------------------------------------
     def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
         ids = checked_token_ids(token_ids, self._rt.vocab_size)
@@ -370,17 +592,27 @@ class SlotBackend:
         self._pending = nxt
         return nxt
 
-    def _run_model(self, ids: list[int]) -> None:
-        """The one place that runs the model: allocate slots, place the tokens, forward."""
+    def _run_model(self, ids: list[int], positions: np.ndarray | None = None) -> None:
+        """The one place that runs the model: allocate slots, place the tokens, forward. `positions`
+        (consecutive, past every held one) only for the load-time rotation check."""
         self._check_usable()
         st = self._store
         n = len(ids)
-        positions = self._next_positions(n)
+        if positions is None:
+            positions = self._next_positions(n)
+        first = int(positions[0])
+        if st.win_len and st.win_last_pos != first - 1:
+            # A compaction, an insert or a restored snapshot moved the stream's head: the window keys
+            # go right before the new tokens again, rotated from their canonical form.
+            with self._page_op():
+                st.reanchor_window(st.window_positions(first))
+            st.win_last_pos = first - 1
         slots = st.allocate(n)
         st.pos[slots] = positions
         st.occupied[slots] = True
         st.tokens[slots] = ids
         st.order = np.concatenate([st.order, slots])
+        started = time.perf_counter_ns()
         try:
             logits = self._forward(ids, positions, slots, st.high_water())
         except BaseException as e:
@@ -388,8 +620,12 @@ class SlotBackend:
             # the session no longer describes any prefix of the stream.
             self._broken = f"a forward pass failed ({type(e).__name__}: {e})"
             raise
+        self._counters.forward_ns += time.perf_counter_ns() - started
         self._stream_tokens += n
         self._last_logits = logits
+        if self._rt.roles.window:
+            st.win_len = min(self._rt.roles.window_size - 1, st.win_len + n)
+            st.win_last_pos = int(positions[-1])
 
     # -- page operations -----------------------------------------------------------------------
     def save_block(self, start: int, end: int) -> Block:
@@ -422,21 +658,13 @@ class SlotBackend:
                           token_ids: np.ndarray | None = None, position: int | None = None) -> Block:
         self._check_insert_at(at)
         with BlockStream(path, checksum, size, expect=self._rt.view) as rd, self._page_op():
-            rd.wait("token_ids")
-            if token_ids is not None and not np.array_equal(rd.arrays["token_ids"], token_ids):
+            held = rd.small("token_ids")
+            if token_ids is not None and not np.array_equal(held, token_ids):
                 raise BlockMismatchError(f"{os.fspath(path)} holds other tokens than the transcript at that place")
-
-            def keys(a0: int, a1: int) -> np.ndarray:
-                rd.wait("keys", rows=a1)
-                return rd.arrays["keys"][a0:a1]
-
-            def values(a0: int, a1: int) -> np.ndarray:
-                rd.wait("values", rows=a1)
-                return rd.arrays["values"][a0:a1]
-
             verified: list[Block] = []
-            self._insert(at, _wanted_positions(rd.arrays["positions"], position), position is not None,
-                         rd.arrays["token_ids"], keys, values, lambda: verified.append(rd.finish()))
+            self._insert(at, _wanted_positions(rd.small("positions"), position), position is not None, held,
+                         lambda a0, a1: rd.rows("keys", a0, a1), lambda a0, a1: rd.rows("values", a0, a1),
+                         lambda: verified.append(rd.finish()))
             return verified[0]
 
     def _insert(self, at: int, saved_positions: np.ndarray, exact: bool, token_ids: np.ndarray,
@@ -479,7 +707,9 @@ class SlotBackend:
         if last + n >= self.position_limit and last + 1 > st.order.shape[0]:
             self.compact_positions()
             last = int(st.order.shape[0]) - 1
-        return np.arange(last + 1, last + 1 + n, dtype=np.int64)
+        # Window keys sit right before the new tokens: leave them room at non-negative positions.
+        first = max(last + 1, st.win_len)
+        return np.arange(first, first + n, dtype=np.int64)
 
     def _plan_insert(self, at: int, saved_positions: np.ndarray) -> InsertPlan:
         return plan_insert(self._store.pos, self._store.order, at, saved_positions, self.position_limit)
@@ -515,12 +745,54 @@ class SlotBackend:
 
     # -- recurrent state -----------------------------------------------------------------------
     def snapshot_recurrent(self) -> RecurrentSnapshot | None:
+        """Recurrent states ("conv/<layer>/<i>", "recurrent/<layer>/<i>", in the Hugging Face layout)
+        and the window caches ("window/<layer>/keys": canonical keys [1, heads, n, head_dim], and
+        "window/<layer>/values"): everything a cut or a recovery must put back besides the pages."""
         if not self.is_hybrid:
             return None
         with self._page_op():
-            states, dtypes = self._read_recurrent()
+            states, dtypes = self._read_recurrent() if self._rt.roles.recurrent else ({}, {})
+            if self._store.win_len:
+                for layer, (keys, values) in zip(self._rt.roles.window, self._store.read_window(), strict=True):
+                    for kind, arr in (("keys", keys), ("values", values)):
+                        states[f"window/{layer}/{kind}"] = arr
+                        dtypes[f"window/{layer}/{kind}"] = self._rt.dtype_name
         return RecurrentSnapshot(model_id=self.model_id, stream_tokens=self._stream_tokens, states=states,
                                  dtypes=dtypes)
+
+    def _window_from_snapshot(self, snap: RecurrentSnapshot) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """The snapshot's window caches, checked against this model (BlockMismatchError otherwise)."""
+        roles, shape = self._rt.roles, self._rt.window
+        if not roles.window:
+            return None
+        present = [layer for layer in roles.window if f"window/{layer}/keys" in snap.states]
+        if not present:
+            if snap.stream_tokens:
+                raise BlockMismatchError(f"recurrent snapshot of {snap.stream_tokens} tokens has no sliding-window "
+                                         "state for this model's window layers")
+            return None
+        if present != list(roles.window):
+            raise BlockMismatchError(f"recurrent snapshot has window state for layers {present}, this model's window "
+                                     f"layers are {list(roles.window)}")
+        assert shape is not None
+        out: list[tuple[np.ndarray, np.ndarray]] = []
+        lengths = set()
+        for layer in roles.window:
+            keys, values = snap.states[f"window/{layer}/keys"], snap.states[f"window/{layer}/values"]
+            n = int(keys.shape[2]) if keys.ndim == 4 else -1
+            lengths.add(n)
+            want_k = (1, shape.num_kv_heads, n, shape.head_dim)
+            want_v = (1, shape.num_kv_heads, n, shape.value_head_dim)
+            dtypes = {snap.dtypes[f"window/{layer}/keys"], snap.dtypes[f"window/{layer}/values"]}
+            if tuple(keys.shape) != want_k or tuple(values.shape) != want_v or dtypes != {self._rt.dtype_name}:
+                raise BlockMismatchError(
+                    f"recurrent snapshot window layer {layer} has keys {tuple(keys.shape)} / values "
+                    f"{tuple(values.shape)} in {sorted(dtypes)}, this model needs {want_k} / {want_v} in "
+                    f"{self._rt.dtype_name}")
+            out.append((keys, values))
+        if len(lengths) != 1 or not 0 < lengths.pop() < roles.window_size:
+            raise BlockMismatchError("recurrent snapshot window layers differ in length or exceed the window")
+        return out
 
     def restore_recurrent(self, snap: RecurrentSnapshot) -> None:
         if not self.is_hybrid:
@@ -531,8 +803,14 @@ class SlotBackend:
         unknown = sorted({name for name in snap.dtypes.values()} - set(STORAGE_DTYPES))
         if unknown:
             raise BlockMismatchError(f"recurrent snapshot states have unsupported dtypes {unknown}")
+        window = self._window_from_snapshot(snap)
         with self._page_op():
-            self._write_recurrent(snap)
+            if self._rt.roles.recurrent:
+                self._write_recurrent(snap)
+            if self._rt.roles.window:
+                self._store.write_window(window)
+                self._store.win_len = 0 if window is None else int(window[0][0].shape[2])
+                self._store.win_last_pos = None
             self._stream_tokens = snap.stream_tokens
             # Logits and the pending token belong to the stream point being left.
             self._last_logits = None
@@ -564,6 +842,9 @@ class SlotBackend:
         st = self._store
         st.occupied[:] = False
         st.order = np.zeros(0, dtype=np.int64)
+        if self._rt.roles.window:
+            st.write_window(None)
+        st.win_len, st.win_last_pos = 0, None
         self._cache = self._new_cache()
         self._stream_tokens = 0
         self._pending = None

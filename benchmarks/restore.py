@@ -14,6 +14,9 @@ in the canonical store. Then, interleaved so both see the same machine state:
   contextd. The page is evicted again afterwards, untimed. `restore_warm_ms`: the same with the
   file in the page cache (a recently evicted page). `restore_k_ms`: k = 1, 8 and 32 cold pages in
   one decision, the in-turn cost of a selector's plan.
+- compressed (`restore_compressed_ms`): the same page stored again with `--compress zstd`
+  (byte planes + zstd, one frame per layer; `compression_ratio`, `bytes_per_token` with and
+  without), restored the same way from a cold file.
 - recompute (`recompute_ms`): the page's 128 tokens through the model with the session's
   attention held (appended through `prefill`, then removed again, untimed).
 - store write (`store_write_mbps`): save_block + the canonical store's durable write (writev of
@@ -40,10 +43,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from backends import load_backend
+from backends import Block, load_backend
 from backends.blockfile import IO_CHUNK_BYTES
 from benchmarks.corpus import SAMPLE_TEXT
-from contextd.client import Client
+from contextd.client import Client, pb
 from controller.pager import Decision, PageState
 from serving.engine import ChatRequest, Engine, EngineConfig
 from serving.launcher import ContextdProcess
@@ -192,6 +195,18 @@ def main(argv: list[str] | None = None) -> int:
         payloads = engine.mover.payloads
         block_path = restorer.files([page])[0]
         block_bytes = block_path.stat().st_size
+
+        # The same page stored compressed (its manifest record now names the compressed file):
+        # the server's restore again, cold.
+        record = engine.contextd.get_pages("bench", [session.pager.pages[page].page_id])[0]
+        block = Block.read(block_path, record.checksum, record.byte_size, expect=backend.layer_view)
+        packed = payloads.write("bench", record.page_id, block.pieces(compress=True))
+        compressed_record = pb.Page()
+        compressed_record.CopyFrom(record)
+        compressed_record.locator, compressed_record.byte_size = packed.locator, packed.byte_size
+        compressed_record.checksum = packed.checksum
+        engine.contextd.upsert_pages("bench", [compressed_record])
+        restore_compressed = [restorer.timed([page], cold=True) for _ in range(args.repeats)]
         write_s: list[float] = []
         start = sum(p.tokens for p in session.pager.pages if p.resident) - 256
         for n in range(args.repeats):
@@ -234,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         "restore_over_recompute": round(restore_ms / recompute_ms, 5),
         "restore_warm_ms": round(median_ms(restore_warm), 3),
         "restore_k_ms": {str(k): round(median_ms(v), 2) for k, v in by_k.items()},
+        "restore_compressed_ms": round(median_ms(restore_compressed), 3),
+        "restore_compressed_over_recompute": round(median_ms(restore_compressed) / recompute_ms, 5),
+        "compression_ratio": round(block_bytes / packed.byte_size, 3),
+        "bytes_per_token": round(block_bytes / 128),
+        "bytes_per_token_compressed": round(packed.byte_size / 128),
         "store_write_mbps": mbps(write_s),
         "dd_write_mbps": mbps(dd_write),
         "dd_read_mbps": mbps(dd_read),
@@ -261,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
           for k, ms in result["restore_k_ms"].items()),
         ("recompute 128 tokens with the session's attention held", f"{recompute_ms:.1f} ms"),
         ("restore / recompute", f"{100 * result['restore_over_recompute']:.2f} %"),
+        ("restore 1 page stored compressed, cold file", f"{result['restore_compressed_ms']:.2f} ms"),
+        ("compressed restore / recompute", f"{100 * result['restore_compressed_over_recompute']:.2f} %"),
+        ("compression (shuffle-zstd) ratio", f"{result['compression_ratio']:.3f}x"),
         ("block file", f"{block_bytes / 1e6:.2f} MB"),
         ("store write (save+writev+checksum+fsync+rename)", f"{result['store_write_mbps']} MB/s"),
         ("dd write (bs=64K conv=fsync)", f"{result['dd_write_mbps']} MB/s"),

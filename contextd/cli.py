@@ -18,7 +18,7 @@ from google.protobuf.json_format import MessageToDict
 
 from contextd.blobs import Reserve
 from contextd.client import Client, pb
-from contextd.daemon import DaemonConfig
+from contextd.daemon import DaemonConfig, Retention
 from contextd.errors import ContextdError
 from contextd.paths import default_root, default_socket
 from contextd.store import SyncMode
@@ -45,6 +45,19 @@ def _parse_size(text: str) -> int:
     return int(value * units[unit])
 
 
+def _parse_duration(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    body = text.strip().lower()
+    unit = body[-1:] if body[-1:] in units else "s"
+    try:
+        value = float(body[: len(body) - 1] if body[-1:] in units else body)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 30d, 12h, 90m, 3600)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"duration must not be negative: {text!r}")
+    return value * units[unit]
+
+
 def status_line(reply: pb.StatusReply) -> str:
     """One line for a status bar: every session's pages and attention use."""
     parts = []
@@ -61,7 +74,9 @@ def _print_status(reply: pb.StatusReply) -> None:
           f"up {reply.uptime_s:.0f}s")
     print(f"commits {reply.commit_seq}  last commit {reply.last_commit_ms:.2f} ms  store {_size(reply.store_bytes)}  "
           f"free {_size(reply.free_bytes)}  reserve {_size(reply.reserve_bytes)}"
-          + (f"  quota {_size(reply.quota_bytes)}" if reply.quota_bytes else ""))
+          + (f"  quota {_size(reply.quota_bytes)}" if reply.quota_bytes else "")
+          + (f"  per-session quota {_size(reply.session_quota_bytes)}" if reply.session_quota_bytes else "")
+          + (f"  max idle {reply.max_idle_s / 3600:.0f} h" if reply.max_idle_s else ""))
     if not reply.sessions:
         print("no sessions")
         return
@@ -90,7 +105,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     root = Path(args.root)
     reserve = Reserve(bytes=args.reserve_bytes, percent=args.reserve_percent, quota_bytes=args.quota_bytes)
-    config = DaemonConfig(root=root, sync=SyncMode.parse(args.sync), reserve=reserve)
+    retention = Retention(session_quota_bytes=args.session_quota_bytes, max_idle_s=args.max_idle)
+    config = DaemonConfig(root=root, sync=SyncMode.parse(args.sync), reserve=reserve, retention=retention)
     return serve(config, Path(args.socket) if args.socket else default_socket(root))
 
 
@@ -117,7 +133,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     print(_as_json(reply) if args.json else
           f"{'would remove' if args.dry_run else 'removed'} {reply.orphan_files_removed} orphan and "
           f"{reply.temp_files_removed} temporary files ({_size(reply.bytes_freed)}); "
-          f"{reply.leases_expired} expired leases")
+          f"{reply.leases_expired} expired leases; {reply.idle_sessions_deleted} idle sessions")
     return 0
 
 
@@ -152,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reserve-percent", type=float, default=0.0,
                        help="free space to leave, as a percent of the filesystem (the larger reserve wins)")
     serve.add_argument("--quota-bytes", type=_parse_size, default=0, help="cap on the store's own size (0: none)")
+    serve.add_argument("--session-quota-bytes", type=_parse_size, default=0,
+                       help="cap on one session's payloads; its least recently used cold pages go first (0: none)")
+    serve.add_argument("--max-idle", type=_parse_duration, default=0.0,
+                       help="delete sessions idle longer than this, e.g. 30d, 12h (0: keep them)")
     serve.set_defaults(run=cmd_serve)
 
     status = with_socket(sub.add_parser("status", help="sessions, pages, store and commit figures"))
@@ -165,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--session", default="", help="only this session")
     watch.set_defaults(run=cmd_watch)
 
-    gc = with_socket(sub.add_parser("gc", help="remove orphan payload files and expired leases"))
+    gc = with_socket(sub.add_parser("gc", help="remove orphan payload files, expired leases and sessions idle "
+                                    "past --max-idle"))
     gc.add_argument("--dry-run", action="store_true", help="count, remove nothing")
     gc.add_argument("--json", action="store_true")
     gc.set_defaults(run=cmd_gc)

@@ -75,10 +75,25 @@ def _check_batch(items: list[Any], what: str) -> None:
 
 
 @dataclass(frozen=True)
+class Retention:
+    """What a user keeps, on top of the free-space reserve and the store's total quota: a cap on
+    each session's payloads (its least recently used cold pages are dropped past it) and an idle
+    age past which a whole session is deleted (by `gc` and by the daemon's own sweep)."""
+
+    session_quota_bytes: int = 0
+    max_idle_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.session_quota_bytes < 0 or self.max_idle_s < 0:
+            raise InvalidArgument("retention limits must not be negative")
+
+
+@dataclass(frozen=True)
 class DaemonConfig:
     root: Path
     sync: SyncMode = SyncMode.FULL
     reserve: Reserve = Reserve()
+    retention: Retention = Retention()
     map_size: int = 1 << 34
 
     def __post_init__(self) -> None:
@@ -228,6 +243,11 @@ class Daemon:
         info = self.store.write(op)[1]
         for locator in replaced:
             self.blobs.delete(locator)
+        quota = self.config.retention.session_quota_bytes
+        if quota:
+            over = self.get_session(session_id)["pages"]["bytes_on_disk"] - quota
+            if over > 0:
+                self.reclaim(over, session_id, partial=True)
         return info
 
     def set_page_states(self, session_id: str, changes: list[Record]) -> CommitInfo:
@@ -356,12 +376,13 @@ class Daemon:
                     f"be freed from cold, unpinned, unleased pages (free {self.blobs.free_bytes()}, "
                     f"reserve {self.blobs.reserve_bytes()}, quota {self.blobs.reserve.quota_bytes or 'none'})")
 
-    def _droppable(self, txn: Txn) -> list[tuple[int, float, str, str, int]]:
-        """Cold payloads that may go, least recently used first: (last_used_turn, updated, session,
-        page, size)."""
+    def _droppable(self, txn: Txn, session_id: str) -> list[tuple[int, float, str, str, int]]:
+        """Cold payloads that may go (of one session, or of all), least recently used first:
+        (last_used_turn, updated, session, page, size)."""
         now = time.time()
         candidates = []
-        for _, session in txn.scan("sessions", b""):
+        scope = [self._session(txn, session_id)] if session_id else [s for _, s in txn.scan("sessions", b"")]
+        for session in scope:
             sid = session["session_id"]
             for state_key in txn.scan_keys("page_state", prefix(sid, str(int(COLD)))):
                 page_id = state_key.rsplit(b"\x00", 1)[1].decode()
@@ -380,15 +401,18 @@ class Daemon:
         lease = txn.get("leases", key(sid, page_id))
         return lease is None or not _lease_active(lease, turn, now)
 
-    def reclaim(self, bytes_needed: int) -> tuple[int, list[tuple[str, str]]]:
-        """Drop the least recently used cold, unpinned, unleased payloads until bytes_needed are freed.
+    def reclaim(self, bytes_needed: int, session_id: str = "", partial: bool = False
+                ) -> tuple[int, list[tuple[str, str]]]:
+        """Drop the least recently used cold, unpinned, unleased payloads (of `session_id`, or of
+        every session) until bytes_needed are freed.
 
         Nothing resident (hot or pinned) and nothing pinned or leased is ever dropped. When the
-        droppable pages cannot cover bytes_needed, none is dropped and (0, []) is returned.
+        droppable pages cannot cover bytes_needed, none is dropped and (0, []) is returned, unless
+        `partial` (a session over its quota gives up what it can).
         """
         with self._space_lock:
             with self.store.read() as txn:
-                candidates = self._droppable(txn)
+                candidates = self._droppable(txn, session_id)
             chosen: list[tuple[str, str]] = []
             planned = 0
             for _, _, sid, page_id, size in candidates:
@@ -396,7 +420,7 @@ class Daemon:
                     break
                 chosen.append((sid, page_id))
                 planned += size
-            if planned < bytes_needed:
+            if planned < bytes_needed and not partial:
                 return 0, []
 
             def op(txn: Txn) -> list[str]:
@@ -624,8 +648,19 @@ class Daemon:
         return {"commit_seq": meta.get("commit_seq", 0), "last_commit_ms": self.store.last_commit_ms,
                 "store_bytes": store_bytes, "free_bytes": self.blobs.free_bytes(),
                 "reserve_bytes": self.blobs.reserve_bytes(), "quota_bytes": self.blobs.reserve.quota_bytes,
+                "session_quota_bytes": self.config.retention.session_quota_bytes,
+                "max_idle_s": self.config.retention.max_idle_s,
                 "sync_mode": self.config.sync.value, "root": str(self.config.root), "pid": os.getpid(),
                 "uptime_s": time.time() - self.started, "sessions": rows, "schema_version": SCHEMA_VERSION}
+
+    def idle_sessions(self) -> list[str]:
+        """Sessions idle for longer than the retention's max idle age (none without one)."""
+        max_idle = self.config.retention.max_idle_s
+        if not max_idle:
+            return []
+        cutoff = time.time() - max_idle
+        with self.store.read() as txn:
+            return [s["session_id"] for _, s in txn.scan("sessions", b"") if s["updated_unix"] < cutoff]
 
     def _referenced_locators(self) -> set[str]:
         with self.store.read() as txn:
@@ -635,7 +670,12 @@ class Daemon:
 
     def gc(self, dry_run: bool) -> Record:
         """Remove payload files no manifest entry points at, stale temporary files, expired leases."""
-        result = {"orphan_files_removed": 0, "temp_files_removed": 0, "leases_expired": 0, "bytes_freed": 0}
+        result = {"orphan_files_removed": 0, "temp_files_removed": 0, "leases_expired": 0, "bytes_freed": 0,
+                  "idle_sessions_deleted": 0}
+        for session_id in self.idle_sessions():
+            result["idle_sessions_deleted"] += 1
+            if not dry_run:
+                result["bytes_freed"] += self.delete_session(session_id)[1]
         with self._space_lock:
             refs = self._referenced_locators()
             grace = time.time() - 60.0  # a temp file younger than this may be a write in flight

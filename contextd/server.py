@@ -20,6 +20,7 @@ import socket
 import stat
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
@@ -36,6 +37,7 @@ from contextd.wire import grpc_options
 log = logging.getLogger("contextd")
 
 WORKERS = 64
+IDLE_SWEEP_S = 600.0  # how often sessions idle past --max-idle are deleted (gc does it at once)
 SHUTDOWN_GRACE_S = 10.0
 
 
@@ -110,8 +112,13 @@ def serve(config: DaemonConfig, socket_path: Path, announce: IO[str] = sys.stder
     print(f"contextd: serving {config.root} on {target(socket_path)} (sync {config.sync.value}, pid {os.getpid()})",
           file=announce, flush=True)
     try:
+        swept = time.monotonic()
         while not stop.wait(1.0):
-            pass
+            if time.monotonic() - swept >= IDLE_SWEEP_S:
+                swept = time.monotonic()
+                for session_id in daemon.idle_sessions():
+                    log.info("contextd: session %s idle past the retention age; deleted", session_id)
+                    daemon.delete_session(session_id)
     finally:
         service.stop_watchers()
         server.stop(SHUTDOWN_GRACE_S).wait()

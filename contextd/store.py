@@ -27,6 +27,7 @@ import lmdb
 import msgpack
 import xxhash
 
+from contextd import crashpoints
 from contextd.errors import ContextdError, DataCorrupt, InvalidArgument
 
 SCHEMA_VERSION = 2
@@ -227,6 +228,7 @@ class Store:
     def _commit(self, batch: list[_Pending[Any]]) -> None:
         try:
             with self._env.begin(write=True) as outer:
+                crashpoints.reached("contextd.commit.begin")
                 for pending in batch:
                     child = self._env.begin(write=True, parent=outer)
                     try:
@@ -248,6 +250,7 @@ class Store:
                 pending.error = pending.error or exc
                 pending.done = True
             return
+        crashpoints.reached("contextd.commit.durable")
         self.commit_seq = seq
         self.last_commit_ms = commit_ms
         info = CommitInfo(seq, commit_ms)

@@ -54,8 +54,13 @@ class KeyIndexConfig:
 
 def token_vectors(keys: np.ndarray, layer: int) -> np.ndarray:
     """Block keys [layers, kv_heads, tokens, head_dim] -> float16 [tokens, kv_heads * head_dim]."""
-    k = keys[layer]
-    return np.ascontiguousarray(np.transpose(k, (1, 0, 2)).reshape(k.shape[1], -1), dtype=np.float16)
+    return layer_vectors(keys[layer])
+
+
+def layer_vectors(layer_keys: np.ndarray) -> np.ndarray:
+    """One layer's keys [kv_heads, tokens, head_dim] -> float16 [tokens, kv_heads * head_dim]."""
+    return np.ascontiguousarray(np.transpose(layer_keys, (1, 0, 2)).reshape(layer_keys.shape[1], -1),
+                                dtype=np.float16)
 
 
 class KeyIndex:
@@ -67,7 +72,12 @@ class KeyIndex:
         self.pages: dict[int, np.ndarray] = {}
 
     def add(self, page: int, keys: np.ndarray) -> None:
+        """Index a page from its block keys [layers, kv_heads, tokens, head_dim]."""
         self.pages[page] = token_vectors(keys, self.layer)
+
+    def add_layer(self, page: int, layer_keys: np.ndarray) -> None:
+        """Index a page from the index layer's keys alone [kv_heads, tokens, head_dim]."""
+        self.pages[page] = layer_vectors(layer_keys)
 
     def truncate(self, pages: int) -> None:
         """Forget pages from `pages` on (the transcript was cut back)."""

@@ -19,6 +19,7 @@ Depends on nothing of ours.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -131,7 +132,12 @@ class Decision:
 
 
 class Pager:
-    """One session's pages. `append` grows the timeline; `decide` says what to move."""
+    """One session's pages. `append` grows the timeline; `decide` says what to move.
+
+    Every state, pin and lease change goes through the pager's own methods, which keep the
+    resident pages (a sorted list, never more than the budget's worth), the hot token count, the
+    pinned and the leased pages in step: the checks made before every prefill chunk and every
+    decoded token cost the same whatever the session's length (benchmarks.scale measures it)."""
 
     def __init__(self, config: PagerConfig) -> None:
         self.config = config
@@ -140,6 +146,10 @@ class Pager:
         self.ledger: list[int] = []  # page indices of tool-call boundaries, oldest first
         self.plan_pins: set[int] = set()
         self.warnings: list[str] = []
+        self._resident: list[int] = []      # sorted
+        self._hot_tokens = 0
+        self._pinned: dict[int, int] = {}   # hard-pinned page -> its tokens
+        self._leased: dict[int, int] = {}   # page -> lease_until_turn
 
     # ------------------------------------------------------------------ timeline
 
@@ -149,18 +159,26 @@ class Pager:
 
     @property
     def hot_tokens(self) -> int:
-        return sum(p.tokens for p in self.pages if p.resident)
+        return self._hot_tokens
+
+    @property
+    def resident(self) -> list[int]:
+        """Indices of the pages in attention, ascending (read, never modify)."""
+        return self._resident
+
+    @property
+    def pins(self) -> dict[int, PinKind]:
+        """The hard-pinned pages and their kinds."""
+        return {i: kind for i in self._pinned if (kind := self.pages[i].pin) is not None}
 
     def counts(self) -> dict[str, int]:
-        out = {"hot": 0, "cold": 0, "pinned": 0}
-        for p in self.pages:
-            out[self.effective_state(p).name.lower()] += 1
-        return out
+        pinned = sum(1 for i in self._resident if self._is_pinned(i))
+        return {"hot": len(self._resident) - pinned, "cold": len(self.pages) - len(self._resident), "pinned": pinned}
 
     def effective_state(self, page: Page) -> PageState:
         if page.state is PageState.COLD:
             return PageState.COLD
-        return PageState.PINNED if self._pinned(page) else PageState.HOT
+        return PageState.PINNED if self._is_pinned(page.index) else PageState.HOT
 
     def append(self, token_ids: Sequence[int], pin: PinKind | None = None) -> list[int]:
         """Add tokens at the end of the timeline; return the indices of pages that changed.
@@ -175,10 +193,15 @@ class Pager:
                 start = self.total_tokens
                 self.pages.append(Page(index=len(self.pages), token_start=start, token_end=start,
                                        last_used_turn=self.turn))
+                self._resident.append(len(self.pages) - 1)
             page = self.pages[-1]
             take = min(size - page.tokens, len(token_ids) - pos)
             page.token_end += take
             page.stored = False  # its payload (if any) no longer covers the whole page
+            if page.resident:
+                self._hot_tokens += take
+            if page.index in self._pinned:
+                self._pinned[page.index] += take
             pos += take
             if pin is not None and page.pin is None:
                 self._pin(page, pin)
@@ -191,32 +214,76 @@ class Pager:
         (whole or in part) so the engine can take those tokens out of attention."""
         if not 0 <= tokens <= self.total_tokens:
             raise ValueError(f"cannot truncate {self.total_tokens} tokens to {tokens}")
-        touched = [p.index for p in self.pages if p.token_end > tokens and p.resident]
+        touched = [i for i in self._resident if self.pages[i].token_end > tokens]
         while self.pages and self.pages[-1].token_start >= tokens:
+            self._forget(self.pages[-1])
             self.pages.pop()
         if self.pages and self.pages[-1].token_end > tokens:
             last = self.pages[-1]
+            cut = last.token_end - tokens
             last.token_end = tokens
             last.stored = False
+            if last.resident:
+                self._hot_tokens -= cut
+            if last.index in self._pinned:
+                self._pinned[last.index] -= cut
         self.ledger = [i for i in self.ledger if i < len(self.pages)]
         self.plan_pins = {i for i in self.plan_pins if i < len(self.pages)}
         return touched
 
+    def _forget(self, page: Page) -> None:
+        """Take a page that is being cut off the timeline out of the bookkeeping."""
+        if page.resident:
+            del self._resident[bisect.bisect_left(self._resident, page.index)]
+            self._hot_tokens -= page.tokens
+        self._pinned.pop(page.index, None)
+        self._leased.pop(page.index, None)
+
     def _pin(self, page: Page, kind: PinKind) -> None:
         cap = int(self.config.pin_cap_fraction * self.config.budget_tokens)
-        pinned = sum(p.tokens for p in self.pages if p.pin is not None and p is not page)
-        if pinned + PAGE_TOKENS > cap:
+        if sum(self._pinned.values()) + PAGE_TOKENS > cap:
             message = (f"hard pins would exceed {self.config.pin_cap_fraction:.0%} of the budget ({cap} tokens); "
                        f"page {page.index} ({kind.value}) stays evictable")
             log.warning(message)
             self.warnings.append(message)
             return
         page.pin = kind
+        self._pinned[page.index] = page.tokens
 
     def mark_ledger(self, page_index: int) -> None:
         """Record a tool-call boundary on this page (kept in attention while the ledger cap allows)."""
-        if page_index not in self.ledger:
+        if self.ledger[-1:] != [page_index]:  # marks come in timeline order
             self.ledger.append(page_index)
+
+    def recover(self, index: int, resident: bool, pin: PinKind | None, lease_until_turn: int,
+                last_used_turn: int) -> None:
+        """Set a recovered page's state, pin and lease as contextd holds them."""
+        page = self.pages[index]
+        page.last_used_turn = last_used_turn
+        if page.resident != resident:
+            self._set_state(index, PageState.HOT if resident else PageState.COLD)
+        if pin is not None and page.pin is None:
+            page.pin = pin
+            self._pinned[index] = page.tokens
+        self._lease(index, lease_until_turn)
+
+    def _set_state(self, index: int, state: PageState) -> None:
+        page = self.pages[index]
+        was = page.resident
+        page.state = state
+        if was and not page.resident:
+            del self._resident[bisect.bisect_left(self._resident, index)]
+            self._hot_tokens -= page.tokens
+        elif page.resident and not was:
+            bisect.insort(self._resident, index)
+            self._hot_tokens += page.tokens
+
+    def _lease(self, index: int, until_turn: int) -> None:
+        self.pages[index].lease_until_turn = until_turn
+        if until_turn > self.turn:
+            self._leased[index] = until_turn
+        else:
+            self._leased.pop(index, None)
 
     # ------------------------------------------------------------------ protections
 
@@ -234,8 +301,8 @@ class Pager:
             used += PAGE_TOKENS
         return kept
 
-    def _pinned(self, page: Page) -> bool:
-        return page.pin is not None or page.index in self._ledger_pinned() or page.index in self.plan_pins
+    def _is_pinned(self, index: int) -> bool:
+        return index in self._pinned or index in self.plan_pins or index in self._ledger_pinned()
 
     def _tail(self) -> set[int]:
         """The open page plus the newest pages covering `tail_tokens`."""
@@ -250,12 +317,13 @@ class Pager:
 
     def _hard_protected(self) -> set[int]:
         """What never leaves, leases and plan pins aside: hard pins, the ledger, the tail."""
-        return {p.index for p in self.pages if p.pin is not None} | self._ledger_pinned() | self._tail()
+        return set(self._pinned) | self._ledger_pinned() | self._tail()
 
     def protected(self) -> set[int]:
         """Everything the default retention must not evict now."""
-        leased = {p.index for p in self.pages if p.lease_until_turn > self.turn}
-        return self._hard_protected() | self.plan_pins | leased
+        for index in [i for i, until in self._leased.items() if until <= self.turn]:
+            del self._leased[index]
+        return self._hard_protected() | self.plan_pins | set(self._leased)
 
     # ------------------------------------------------------------------ decisions
 
@@ -280,7 +348,7 @@ class Pager:
 
         pin = clean(plan.pin)
         restore = [i for i in clean(plan.restore) if self.pages[i].state is PageState.COLD]
-        hard = {p.index for p in self.pages if p.pin is not None} | set(pin)
+        hard = set(self._pinned) | set(pin)
         evict_first = [i for i in clean(plan.evict_first) if i not in hard]
         cleaned = Plan(restore=restore, pin=pin, evict_first=evict_first)
         # Room the plan may fill: everything under the low watermark that protections do not hold.
@@ -291,6 +359,11 @@ class Pager:
             return Plan(), (f"plan asks for {want} tokens of restores and pins with {held} tokens already held; "
                             f"the low watermark is {self.config.low_tokens}")
         return cleaned, ""
+
+    def room(self) -> int:
+        """Tokens that restores may fill under the low watermark, next to what protections hold."""
+        held = sum(self.pages[i].tokens for i in self.protected() if self.pages[i].resident)
+        return max(0, self.config.low_tokens - held)
 
     def decide(self, plan: Plan | None = None, incoming_tokens: int = 0) -> Decision:
         """Pages to evict and restore so that attention plus `incoming_tokens` fits the budget.
@@ -308,7 +381,7 @@ class Pager:
         evict: list[int] = []
         if after_restore > self.config.high_tokens:
             target = self.config.low_tokens
-            order = (cleaned.evict_first if used else []) + [p.index for p in self.pages]
+            order = (cleaned.evict_first if used else []) + list(self._resident)
             # Leases and plan pins yield only when nothing else is left: the budget always wins.
             for protected in (self.protected() | set(restore), self._hard_protected() | set(restore)):
                 for index in order:
@@ -322,20 +395,21 @@ class Pager:
         return Decision(evict=evict, restore=restore, plan_used=used, plan_rejected=rejected)
 
     def must_evict_for(self, incoming_tokens: int) -> bool:
-        return self.hot_tokens + incoming_tokens > self.config.high_tokens
+        return self._hot_tokens + incoming_tokens > self.config.high_tokens
 
     def apply(self, decision: Decision) -> None:
         """Record that the engine carried the decision out."""
         for index in decision.evict:
             page = self.pages[index]
             assert page.stored, f"page {index} left attention without a stored payload"
-            page.state = PageState.COLD
+            self._set_state(index, PageState.COLD)
         for index in decision.restore:
             page = self.pages[index]
-            page.state = PageState.HOT
-            page.lease_until_turn = self.turn + self.config.lease_turns
+            self._set_state(index, PageState.HOT)
+            self._lease(index, self.turn + self.config.lease_turns)
             page.last_used_turn = self.turn
 
     def logical_start(self, index: int) -> int:
-        """Where page `index` sits (or would sit) among the tokens held in attention."""
-        return sum(p.tokens for p in self.pages[:index] if p.resident)
+        """Where page `index` sits (or would sit) among the tokens held in attention: every
+        resident page before it is full (only the timeline's last page can be partial)."""
+        return PAGE_TOKENS * bisect.bisect_left(self._resident, index)

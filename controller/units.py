@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from controller.pager import Pager
+from controller.pager import PAGE_TOKENS, Pager
 
 MIN_UNIT_PAGES = 6      # 6-10 pages of 128: ~1,024 tokens, closed at a message boundary
 MAX_UNIT_PAGES = 10
@@ -49,16 +49,17 @@ class UnitIndex:
         self.order: list[str] = []          # unit ids, oldest first
         self._unit_of_page: dict[int, str] = {}
         self._open: list[int] = []          # full pages not yet in a unit
+        self._seen = 0                      # pages before this one are in a unit or open
 
     def _id(self, kind: str, first_page: int) -> str:
         return f"{kind}{xxhash.xxh64_hexdigest(f'{self.salt}/{kind}/{first_page}'.encode())[:12]}"
 
     def update(self, pager: Pager, message_end_pages: set[int]) -> list[Unit]:
         """Assign newly full pages to units; return the units this closed."""
-        assigned = set(self._unit_of_page) | set(self._open)
-        full = [p.index for p in pager.pages if p.tokens == 128 and p.index not in assigned]
+        full_pages = len(pager.pages) - (1 if pager.pages and pager.pages[-1].tokens < PAGE_TOKENS else 0)
         closed: list[Unit] = []
-        for index in full:
+        for index in range(self._seen, full_pages):
+            self._seen = index + 1
             self._open.append(index)
             ends_message = index in message_end_pages
             if (len(self._open) >= MIN_UNIT_PAGES and ends_message) or len(self._open) >= MAX_UNIT_PAGES:
@@ -91,9 +92,11 @@ class UnitIndex:
         return [p for u in unit_ids if u in self.units for p in self.units[u].pages]
 
     def truncate(self, pages: int) -> None:
-        """Forget units that reach page `pages` or beyond (the timeline was cut back)."""
+        """Forget units that reach page `pages` or beyond (the timeline was cut back); their pages
+        before the cut are assigned again by the next `update`."""
         for unit_id in [u for u in self.order if max(self.units[u].pages) >= pages]:
             unit = self.units.pop(unit_id)
+            self._seen = min(self._seen, unit.pages[0])
             self.order.remove(unit_id)
             cluster = self.clusters[unit.cluster_id]
             cluster.unit_ids.remove(unit_id)
@@ -101,4 +104,5 @@ class UnitIndex:
                 del self.clusters[unit.cluster_id]
             for page in unit.pages:
                 self._unit_of_page.pop(page, None)
-        self._open = [p for p in self._open if p < pages]
+        self._seen = min(self._seen, pages)
+        self._open = [p for p in self._open if p < self._seen]

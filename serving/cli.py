@@ -1,4 +1,5 @@
-"""The `kv-elision` command: `serve` runs the OpenAI-compatible server on a model.
+"""The `kv-elision` command: `serve` runs the OpenAI-compatible server on a model; `models` lists the
+models found on this machine (Hugging Face cache, LM Studio) and whether each can be served exactly.
 
 `kv-elision serve --model smollm2-135m --budget 4096 --root DIR --port 8088` connects to the
 contextd on `--socket` when one answers there, and otherwise starts one (as a child process that
@@ -62,14 +63,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     root = Path(args.root)
     socket_path = Path(args.socket) if args.socket else default_socket(root / "contextd")
     config = EngineConfig(budget_tokens=args.budget, max_new_tokens=args.max_new_tokens,
-                          tail_tokens=args.tail_tokens, lease_turns=args.lease_turns)
+                          tail_tokens=args.tail_tokens, lease_turns=args.lease_turns,
+                          compress_pages=args.compress == "zstd")
     client, daemon = _connect_or_start_contextd(root, socket_path)
     try:
         backend = load_backend(args.backend, args.model, device=args.device, dtype=args.dtype,
                                capacity=args.budget + 256)
         template = Path(args.chat_template).read_text() if args.chat_template else None
         engine = Engine(backend, ChatFormat(backend.tokenizer, template), client, config, _selector(args))
-        server = Server(engine, args.model, args.host, args.port, str(socket_path))
+        server = Server(engine, args.model, args.host, args.port, str(socket_path), args.api_key or None)
         stop = threading.Event()
 
         def on_signal(signum: int, _frame: object) -> None:
@@ -89,6 +91,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    """Every model found offline, with per runtime "exact" or the reason it cannot be served exactly."""
+    import json
+
+    from backends.models import TINY_MODELS, hf_cache_roots, list_local_models, lmstudio_model_roots
+
+    found = list_local_models()
+    if args.json:
+        print(json.dumps([{"name": m.name, "path": str(m.path), "origin": m.origin, "format": m.format,
+                           "family": m.family, "runtimes": m.runtimes} for m in found], indent=1))
+        return 0
+    for m in found:
+        print(f"{m.name}  [{m.format}, {m.family}, {m.origin}]  {m.path}")
+        for runtime, reason in m.runtimes.items():
+            print(f"    {runtime:<6} {'exact' if reason is None else 'no: ' + reason}")
+    roots = [*hf_cache_roots(), *lmstudio_model_roots()]
+    print(f"searched: {', '.join(str(r) for r in roots)}")
+    print(f"built in: smollm2-135m, {', '.join(TINY_MODELS)} (each tiny one also as -q4 / -q8 for --backend mlx)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kv-elision", description="a local model server whose context never compacts")
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -100,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--budget", type=int, default=4096, help="attention budget in tokens")
     serve.add_argument("--tail-tokens", type=int, default=512, help="recent tokens that always stay in attention")
     serve.add_argument("--lease-turns", type=int, default=2, help="turns a restored page stays in attention")
+    serve.add_argument("--compress", default="none", choices=["none", "zstd"],
+                       help="store pages losslessly compressed (byte planes + zstd: ~1.2x for float32 K/V, "
+                       "~1.5x for bfloat16; see docs/contextd.md for what a restore pays)")
     serve.add_argument("--max-new-tokens", type=int, default=1024, help="cap on tokens generated per turn")
     serve.add_argument("--selector", default="attention", choices=["attention", "controller", "recency"],
                        help="who advises which pages come back (default: attention, model-native)")
@@ -114,9 +140,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "of the model's own")
     serve.add_argument("--root", default=str(default_root()), help="data folder (contextd lives under ROOT/contextd)")
     serve.add_argument("--socket", default=os.environ.get("KV_ELISION_SOCKET"), help="contextd socket")
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default: the API serves "
+                       "the user's code and, with --api-key unset, answers anyone who can connect)")
+    serve.add_argument("--api-key", default=os.environ.get("KV_ELISION_API_KEY"),
+                       help="require `Authorization: Bearer KEY` on every route but /health (default: "
+                       "$KV_ELISION_API_KEY; unset: no key)")
     serve.add_argument("--port", type=int, default=8088)
     serve.set_defaults(run=cmd_serve)
+    models = sub.add_parser("models", help="list local models (Hugging Face cache, LM Studio) and whether each can "
+                            "be served exactly")
+    models.add_argument("--json", action="store_true", help="one JSON list instead of text")
+    models.set_defaults(run=cmd_models)
     return parser
 
 

@@ -19,6 +19,7 @@ transcript.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,17 +27,19 @@ from typing import Any
 import numpy as np
 
 from backends import Backend
+from contextd import crashpoints
 from contextd.client import Client, pb
 from controller.keyindex import KeyIndex, KeyIndexConfig
 from controller.pager import Decision, Pager, PagerConfig, PinKind, Plan
 from controller.selectors import RecencySelector, SelectionContext, Selector
 from controller.units import Unit, UnitIndex
 from serving.paging import PageMover, Tally
-from serving.session import LastAnswer, Session, SessionCounters
+from serving.session import LastAnswer, Session, SessionCounters, TurnTimings
 from serving.transcript import (
     Alignment,
     ChatFormat,
     Fingerprint,
+    Rendering,
     Segment,
     Transcript,
     TranscriptError,
@@ -61,6 +64,7 @@ class EngineConfig:
     prefill_chunk: int = 256
     max_new_tokens: int = 512
     fixed_point_seed: int = 1234
+    compress_pages: bool = False   # store K/V shuffle-zstd compressed (benchmarks.restore measures what it pays)
     key_index: KeyIndexConfig = field(default_factory=KeyIndexConfig)
 
     def __post_init__(self) -> None:
@@ -148,7 +152,7 @@ class Engine:
         self.config = config
         self.selector: Selector = selector or RecencySelector()
         self.tally = Tally()
-        self.mover = PageMover(backend, contextd, self.tally, self._key_index)
+        self.mover = PageMover(backend, contextd, self.tally, self._key_index, compress=config.compress_pages)
         self.sessions: dict[str, Session] = {}
         self.active: str | None = None
         tokenizer = chat_format.tokenizer
@@ -186,7 +190,7 @@ class Engine:
                 self.tally.count(session, recovered_pages=self.mover.fill_resident(session))
                 self.mover.index_stored_pages(session)
                 log.info("session %s recovered from contextd: %d tokens, %d resident pages", session_id,
-                         session.transcript.tokens, sum(1 for p in session.pager.pages if p.resident))
+                         session.transcript.tokens, len(session.pager.resident))
             self.sessions[session_id] = session
         else:
             self.mover.fill_resident(session)
@@ -197,12 +201,15 @@ class Engine:
 
     def chat(self, request: ChatRequest) -> Iterator[TurnEvent]:
         """Run one turn; yield text deltas, then one final event with the result."""
+        started = time.perf_counter()
         before = dict(self.backend.counters)
         fingerprint = self.format.fingerprint(request.tools, request.thinking)
         self.format.normalize(request.messages, request.tools, {})  # a malformed request fails before any work
         session = self._activate(request.session_id, fingerprint)
-        rendered = self.format.render(request.messages, request.tools, request.thinking, session.transcript.generated)
+        rendering = self.format.render(request.messages, request.tools, request.thinking, session.transcript.generated)
+        rendered = rendering.text
         session.pager.begin_turn()
+        session.selected_ms = 0.0
         self.tally.count(session, turns=1)
         session.counters.restored_pages_turn = session.counters.evicted_pages_turn = 0
 
@@ -227,7 +234,7 @@ class Engine:
         if request.message_hashes is not None:
             session.transcript.message_hashes = list(request.message_hashes)
 
-        pieces = self._prompt_pieces(session, request, rendered, alignment.new_text)
+        pieces = self._prompt_pieces(session, request, rendering, alignment.new_text)
         prompt_ids = [t for piece in pieces for t in piece.segment.ids]
         if not prompt_ids:
             raise TranscriptError("the request adds nothing after the cached transcript; send the next message")
@@ -240,22 +247,23 @@ class Engine:
         yield TurnEvent(prepared=Prepared(prefilled_tokens=len(prompt_ids), rebuilt=rebuilt))
 
         picked, finish, sampled = yield from self._generate(session, request, prompt_ids)
-        result = self._finish_turn(session, picked, finish, before)
+        result = self._finish_turn(session, picked, finish, before, started)
         result.prefilled_tokens = len(prompt_ids)
         result.prompt_tokens = session.transcript.tokens - len(picked)
         result.rebuilt = rebuilt
         result.sampled = sampled
         yield TurnEvent(final=result)
 
-    def _prompt_pieces(self, session: Session, request: ChatRequest, rendered: str, text: str) -> list[PromptPiece]:
+    def _prompt_pieces(self, session: Session, request: ChatRequest, rendering: Rendering, text: str
+                       ) -> list[PromptPiece]:
         """Tokenize the new text in one segment per message, so a later edit keeps every message
         before it. On a fresh session the system message (with the tool schemas a template puts
         there) and everything up to the end of the first user message (the objective) are pinned."""
         if not text:
             return []
+        rendered = rendering.text
         start = len(rendered) - len(text)
-        ends = self.format.message_ends(request.messages, request.tools, request.thinking,
-                                        session.transcript.generated, rendered, start)
+        ends = self.format.message_ends(rendering, start)
         first_user = next((i for i, m in enumerate(request.messages) if m.get("role") == "user"), -1)
         fresh = session.transcript.tokens == 0
         pieces: list[PromptPiece] = []
@@ -278,11 +286,9 @@ class Engine:
 
     def _selection_context(self, session: Session, incoming: str, new_tokens: int,
                            key_index: KeyIndex | None) -> SelectionContext:
-        pager = session.pager
-        held = sum(pager.pages[i].tokens for i in pager.protected() if pager.pages[i].resident)
-        return SelectionContext(session.session_id, pager, session.units, incoming,
+        return SelectionContext(session.session_id, session.pager, session.units, incoming,
                                 incoming_keys=self._incoming_keys(new_tokens, key_index), key_index=key_index,
-                                room_tokens=max(0, pager.config.low_tokens - held))
+                                room_tokens=session.pager.room())
 
     def _apply_plan(self, session: Session, request: ChatRequest, incoming: str, new_tokens: int) -> None:
         """Between prefill and decode: the request's own plan, else the selector's, through the
@@ -292,7 +298,9 @@ class Engine:
             plan: Plan | None = request.plan
             session.last_selection = "plan from the request"
         else:
+            choosing = time.perf_counter()
             selection = self.selector.select(self._selection_context(session, incoming, new_tokens, session.key_index))
+            session.selected_ms = (time.perf_counter() - choosing) * 1e3
             plan = selection.plan
             session.last_selection = f"{self.selector.name}: {selection.note} ({selection.decided_ms:.0f} ms)"
             self.tally.count(session, selector_ms=int(selection.decided_ms))
@@ -318,6 +326,7 @@ class Engine:
             part = segment.ids[i:i + chunk]
             self.mover.make_room(session, len(part))
             self.backend.prefill(part)
+            crashpoints.reached("serving.prefill.chunk")
             session.pager.append(part, pin=pin)
             self.tally.peak(session, self.backend.attention_tokens)
         session.transcript.append(segment)
@@ -403,6 +412,7 @@ class Engine:
                 emitted = text
             self.mover.make_room(session, 1)
             token = self.backend.decode(picked[-1], greedy=greedy, temperature=temperature, seed=reseed)
+            crashpoints.reached("serving.decode.token")
             reseed = None
             pager.append([picked[-1]])
             self.tally.peak(session, self.backend.attention_tokens)
@@ -422,7 +432,8 @@ class Engine:
 
     # ------------------------------------------------------------------ end of turn
 
-    def _finish_turn(self, session: Session, picked: list[int], finish: str, before: dict[str, int]) -> TurnResult:
+    def _finish_turn(self, session: Session, picked: list[int], finish: str, before: dict[str, int],
+                     started: float) -> TurnResult:
         pager = session.pager
         content, calls = parse_tool_calls(session.transcript.segments[-1].text)
         if calls and pager.pages:
@@ -434,8 +445,13 @@ class Engine:
         self.tally.count(session, **{name: after[name] - before[name] for name in (
             "model_forward_tokens", "new_prefill_tokens", "decoded_tokens", "historical_forward_during_restore",
             "reanchored_keys", "compactions")})
+        persisting = time.perf_counter()
         self.mover.persist(session, lambda: self._record(session))
         self._index_units(session)
+        session.last_turn = TurnTimings(
+            total_ms=(time.perf_counter() - started) * 1e3,
+            forward_ms=(after["forward_ns"] - before["forward_ns"]) / 1e6,
+            select_ms=session.selected_ms, persist_ms=(time.perf_counter() - persisting) * 1e3)
         return TurnResult(content=content, tool_calls=calls, finish_reason="tool_calls" if calls else finish,
                           prompt_tokens=0, prefilled_tokens=0, completion_tokens=len(picked),
                           counters=SessionCounters.from_dict(session.counters.as_dict()))
@@ -483,15 +499,15 @@ class Engine:
         selectors (benchmarks.selectors and the retrieval tests)."""
         fingerprint = self.format.fingerprint(request.tools, request.thinking)
         session = self._activate(request.session_id, fingerprint)
-        rendered = self.format.render(request.messages, request.tools, request.thinking, session.transcript.generated)
-        alignment = align(session.transcript, fingerprint, rendered, request.message_hashes)
+        rendering = self.format.render(request.messages, request.tools, request.thinking, session.transcript.generated)
+        alignment = align(session.transcript, fingerprint, rendering.text, request.message_hashes)
         if alignment.rebuild or not alignment.new_text:
             raise TranscriptError("a probe must extend the cached transcript")
         segments_before = len(session.transcript.segments)
         tokens_before = session.transcript.tokens
-        resident_before = {p.index for p in session.pager.pages if p.resident}
+        resident_before = set(session.pager.resident)
         new_tokens = 0
-        for piece in self._prompt_pieces(session, request, rendered, alignment.new_text):
+        for piece in self._prompt_pieces(session, request, rendering, alignment.new_text):
             self._prefill(session, piece.segment, piece.pin)
             new_tokens += len(piece.segment.ids)
         pager = session.pager
@@ -507,11 +523,11 @@ class Engine:
             if selection.plan is not None:
                 cleaned, rejected = pager.validate(selection.plan)
                 restore = [] if rejected else cleaned.restore
-            results[selector.name] = ProbeResult(restore=restore, resident=[p.index for p in pager.pages if p.resident],
+            results[selector.name] = ProbeResult(restore=restore, resident=list(pager.resident),
                                                  decided_ms=selection.decided_ms, note=selection.note)
         session.cut_segments(segments_before)
         self.mover.truncate(session, tokens_before)
-        resident_now = {p.index for p in session.pager.pages if p.resident}
+        resident_now = set(session.pager.resident)
         self.mover.execute(session, Decision(evict=sorted(resident_now - resident_before),
                                              restore=sorted(resident_before - resident_now), plan_used=False))
         return results
@@ -550,6 +566,7 @@ class Engine:
                 "fingerprint": session.transcript.fingerprint.combined(),
                 "kv_bytes_per_token": self.kv_bytes_per_token(), "last_selection": session.last_selection,
                 "recovery_notes": session.recovery_notes,
+                "last_turn": session.last_turn.as_dict() if session.last_turn else None,
                 "key_index_pages": len(session.key_index.pages) if session.key_index else 0,
                 "key_index_bytes": session.key_index.nbytes if session.key_index else 0}
 

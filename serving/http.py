@@ -18,6 +18,7 @@ Depends on serving.engine, serving.transcript and contextd.errors.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import queue
@@ -214,7 +215,9 @@ class _ContentFilter:
 
 
 def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_tokens: int,
-                 contextd_socket: str) -> type[BaseHTTPRequestHandler]:
+                 contextd_socket: str, api_key: str | None) -> type[BaseHTTPRequestHandler]:
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "kv-elision"
@@ -239,9 +242,20 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
         def _error(self, error: RequestError) -> None:
             self._json(error.status, {"error": {"message": str(error), "type": error.kind, "code": error.status.value}})
 
+        def _authorize(self) -> None:
+            """With --api-key, every route but /health wants `Authorization: Bearer KEY`."""
+            if expected is None:
+                return
+            given = (self.headers.get("Authorization") or "").encode("utf-8", "replace")
+            if not hmac.compare_digest(given, expected):
+                raise RequestError(HTTPStatus.UNAUTHORIZED, "missing or wrong API key: send Authorization: Bearer KEY",
+                                   "invalid_api_key")
+
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             url = urlparse(self.path)
             try:
+                if url.path != "/health":
+                    self._authorize()
                 if url.path == "/health":
                     self._json(HTTPStatus.OK, {"status": "ok", "model": model_id, "contextd_socket": contextd_socket,
                                                "queued_turns": worker.jobs.qsize()})
@@ -266,6 +280,7 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
 
         def do_POST(self) -> None:  # noqa: N802
             try:
+                self._authorize()
                 if urlparse(self.path).path != "/v1/chat/completions":
                     raise RequestError(HTTPStatus.NOT_FOUND, f"no route {self.path}", "not_found")
                 length = int(self.headers.get("Content-Length") or 0)
@@ -417,10 +432,11 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
 class Server:
     """The HTTP server and its worker, started and stopped together."""
 
-    def __init__(self, engine: Engine, model_id: str, host: str, port: int, contextd_socket: str) -> None:
+    def __init__(self, engine: Engine, model_id: str, host: str, port: int, contextd_socket: str,
+                 api_key: str | None = None) -> None:
         self.worker = Worker(engine)
         handler = make_handler(self.worker, model_id, engine.config.budget_tokens, engine.config.max_new_tokens,
-                               contextd_socket)
+                               contextd_socket, api_key)
         self.http = ThreadingHTTPServer((host, port), handler)
         self.http.daemon_threads = True
 

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from backends import Backend, Block, BlockFormatError, BlockMismatchError, RecurrentSnapshot
+from contextd import crashpoints
 from contextd.client import Client, pb
 from contextd.errors import DataCorrupt, NotFound
 from controller.keyindex import KeyIndex
@@ -71,8 +72,9 @@ class PageMover:
     """Carries the pager's decisions out on the backend and records them in contextd."""
 
     def __init__(self, backend: Backend, contextd: Client, tally: Tally,
-                 new_key_index: Callable[[], KeyIndex | None]) -> None:
+                 new_key_index: Callable[[], KeyIndex | None], compress: bool = False) -> None:
         self.backend = backend
+        self.compress = compress
         self.contextd = contextd
         self.payloads = contextd.payloads()
         self.tally = tally
@@ -95,6 +97,7 @@ class PageMover:
         for index in sorted(decision.evict, reverse=True):
             start = pager.logical_start(index)
             self.backend.remove_attention_range(start, start + pager.pages[index].tokens)
+        crashpoints.reached("serving.evict.removed")
         pager.apply(Decision(evict=decision.evict, restore=[], plan_used=decision.plan_used))
         restored = self._restore(session, sorted(decision.restore))
         self.tally.count(session, evicted_pages=len(decision.evict), evicted_pages_turn=len(decision.evict),
@@ -135,6 +138,7 @@ class PageMover:
                 continue
             pager.apply(Decision(evict=[], restore=[index], plan_used=False))
             restored.append(index)
+            crashpoints.reached("serving.restore.inserted")
         return restored
 
     def _insert(self, session: Session, record: pb.Page, index: int, at: int, position: int | None = None) -> Block:
@@ -164,13 +168,14 @@ class PageMover:
             page = pager.pages[index]
             start = pager.logical_start(index)
             block = self.backend.save_block(start, start + page.tokens)
-            stored = self.payloads.write(session.session_id, page.page_id, block.pieces())
+            stored = self.payloads.write(session.session_id, page.page_id, block.pieces(compress=self.compress))
+            crashpoints.reached("serving.store.payload_written")
             if page.tokens == PAGE_TOKENS and session.key_index is not None:
                 session.key_index.add(index, block.keys)
             page.stored = True
             previous = session.stored_ids.get(index)
             if previous is not None and previous != page.page_id:
-                session.superseded.append(previous)
+                session.superseded.append((index, previous))
             session.stored_ids[index] = page.page_id
             self.tally.count(session, stored_pages=1, stored_bytes=stored.byte_size)
             records.append(pb.Page(page_id=page.page_id, index=index, token_start=page.token_start,
@@ -179,6 +184,7 @@ class PageMover:
                                    byte_size=stored.byte_size, checksum=stored.checksum, dtype=block.view.dtype,
                                    layer_view=block.view.model_id, last_used_turn=pager.turn))
         self.contextd.upsert_pages(session.session_id, records)
+        crashpoints.reached("serving.store.recorded")
 
     def snapshot_recurrent(self, session: Session) -> None:
         """On a hybrid, keep the recurrent state at this segment boundary (what a cut resumes from)."""
@@ -192,6 +198,9 @@ class PageMover:
     def truncate(self, session: Session, tokens: int) -> None:
         """Cut the session back to its first `tokens` tokens: attention, pager, units, index and
         recurrent state. A cold page across the cut comes back whole first. No forward pass."""
+        # Stored versions of pages the cut removes go once the record no longer names them.
+        for index in [i for i in session.stored_ids if i * PAGE_TOKENS >= tokens]:
+            session.superseded.append((index, session.stored_ids.pop(index)))
         if tokens == 0:
             self.backend.reset()
             session.pager = Pager(session.pager.config)
@@ -202,15 +211,17 @@ class PageMover:
                 session.key_index.clear()
             return
         pager = session.pager
-        across = [p.index for p in pager.pages if p.token_start < tokens < p.token_end and not p.resident]
+        cut_page = pager.pages[(tokens - 1) // PAGE_TOKENS] if tokens < pager.total_tokens else None
+        across = [cut_page.index] if cut_page is not None and tokens < cut_page.token_end and not cut_page.resident \
+            else []
         if across:
             self.execute(session, Decision(evict=[], restore=across, plan_used=False))
         pager.truncate(tokens)
         session.units.truncate(len(pager.pages))
         session.message_ends = {i for i in session.message_ends if i < len(pager.pages)}
         if session.key_index is not None:
-            session.key_index.truncate(sum(1 for p in pager.pages if p.tokens == PAGE_TOKENS))
-        held = sum(p.tokens for p in pager.pages if p.resident)
+            session.key_index.truncate(tokens // PAGE_TOKENS)
+        held = pager.hot_tokens
         if self.backend.attention_tokens > held:
             self.backend.remove_attention_range(held, self.backend.attention_tokens)
         for later in [t for t in session.snapshots if t > tokens]:
@@ -226,16 +237,15 @@ class PageMover:
         so a restart or a session switch restores this exact state with copies and no forward pass."""
         pager = session.pager
         sid = session.session_id
-        self.store(session, [p.index for p in pager.pages if p.resident and not p.stored])
+        self.store(session, [i for i in pager.resident if not pager.pages[i].stored])
         held = self.backend.positions()
-        starts = np.cumsum([0] + [p.tokens for p in pager.pages if p.resident])
-        session.resident_positions = {p.index: int(held[start]) for p, start in
-                                      zip([p for p in pager.pages if p.resident], starts[:-1], strict=True)}
-        pins = [(p.page_id, p.pin.value) for p in pager.pages
-                if p.pin is not None and p.stored and p.page_id not in session.recorded_pins]
+        session.resident_positions = {i: int(held[pager.logical_start(i)]) for i in pager.resident}
+        pins = [(pager.pages[i].page_id, kind.value) for i, kind in pager.pins.items()
+                if pager.pages[i].stored and pager.pages[i].page_id not in session.recorded_pins]
         if pins:
             self.contextd.set_pins(sid, add=pins)
             session.recorded_pins.update(page_id for page_id, _ in pins)
+        crashpoints.reached("serving.persist.pages_stored")
         record = make_record()  # after the stores above: its counters include them
         if self.backend.is_hybrid:
             snap = session.snapshots[session.transcript.tokens]
@@ -247,15 +257,19 @@ class PageMover:
         append = [pb.TranscriptSegment(text=s.text, token_ids=s.ids, generated=s.generated, opener=s.opener)
                   for s in session.transcript.segments[keep:]]
         self.contextd.write_record(sid, record, keep, append)
+        crashpoints.reached("serving.persist.recorded")
         session.stored_segments = len(session.transcript.segments)
-        if session.superseded:
-            # Only now that the new record no longer names them: a crash before this line still
-            # finds every payload the last record needs.
-            gone = set(session.superseded)
-            self.contextd.set_pins(sid, remove=sorted(gone & session.recorded_pins))
-            session.recorded_pins -= gone
-            self.contextd.delete_pages(sid, session.superseded)
-            session.superseded = []
+        # Only now that the new record no longer names them: a crash before this line still finds
+        # every payload the last record needs. A page that grew back to a version of the same id
+        # (cut back, then filled again) is current, not superseded.
+        gone = sorted({page_id for index, page_id in session.superseded
+                       if index >= len(pager.pages) or pager.pages[index].page_id != page_id})
+        session.superseded = []
+        if gone:
+            self.contextd.set_pins(sid, remove=sorted(set(gone) & session.recorded_pins))
+            self.contextd.set_leases(sid, remove=gone)
+            session.recorded_pins -= set(gone)
+            self.contextd.delete_pages(sid, gone)
 
     # ------------------------------------------------------------------ sessions
 
@@ -263,7 +277,7 @@ class PageMover:
         """Fill an empty backend with the session's resident pages (streamed copies) and its
         recurrent state; return how many pages came back."""
         pager = session.pager
-        resident = [p for p in pager.pages if p.resident]
+        resident = [pager.pages[i] for i in pager.resident]
         records = {r.page_id: r for r in self.contextd.get_pages(session.session_id, [p.page_id for p in resident])}
         for page in resident:
             record = records.get(page.page_id)
@@ -271,6 +285,7 @@ class PageMover:
                 raise DataCorrupt(f"session {session.session_id}: resident page {page.index} has no stored payload")
             block = self._insert(session, record, page.index, self.backend.attention_tokens,
                                  session.resident_positions.get(page.index))
+            crashpoints.reached("serving.recover.resident_page")
             index = session.key_index
             if index is not None and page.tokens == PAGE_TOKENS and page.index not in index.pages:
                 index.add(page.index, block.keys)
@@ -283,8 +298,9 @@ class PageMover:
         return len(resident)
 
     def index_stored_pages(self, session: Session) -> None:
-        """Give a recovered session's key index the keys of its stored full pages not indexed yet
-        (resident pages were, as they were restored): each is read and verified once."""
+        """Give a recovered session's key index its stored full pages not indexed yet (resident
+        pages were, as they were restored): one positioned read of the index layer's keys per
+        page, not the whole payload (a SmolLM2 page is 5.9 MB, its index layer 98 KB)."""
         index = session.key_index
         if index is None:
             return
@@ -296,13 +312,11 @@ class PageMover:
             if record is None or not record.locator:
                 continue
             try:
-                block = Block.read(self.payloads.path(record.locator), record.checksum, record.byte_size,
-                                   expect=self.backend.layer_view)
+                keys = Block.read_layer_keys(self.payloads.path(record.locator), index.layer)
             except BlockFormatError as exc:
-                self.contextd.report_corrupt(session.session_id, record.page_id, str(exc))
-                page.stored = False
+                log.warning("session %s: page %s cannot be indexed (%s)", session.session_id, page.page_id, exc)
                 continue
-            index.add(page.index, block.keys)
+            index.add_layer(page.index, keys)
 
     def recover(self, session_id: str, config: PagerConfig) -> Session | None:
         """Rebuild a session from contextd, or None when contextd has no completed turn of it."""
@@ -342,14 +356,13 @@ class PageMover:
         session.message_ends = message_end_pages(transcript.segments)
         moved = []
         for page in pager.pages:
-            page.state = PageState.HOT if page.index in resident else PageState.COLD
-            page.pin = pins.get(page.page_id)
-            page.lease_until_turn = int(leases.get(page.page_id, 0))
             stored = manifest.get(page.page_id)
+            pager.recover(page.index, resident=page.index in resident, pin=pins.get(page.page_id),
+                          lease_until_turn=int(leases.get(page.page_id, 0)),
+                          last_used_turn=int(stored.last_used_turn) if stored is not None else 0)
             if stored is None:
                 continue  # a hole: cold, never stored or dropped and gone; it cannot come back
             page.stored = page.page_id in usable
-            page.last_used_turn = int(stored.last_used_turn)
             session.stored_ids[page.index] = page.page_id
             if page.stored and (stored.state == pb.COLD) != (page.state is PageState.COLD):
                 moved.append(page)

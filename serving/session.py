@@ -69,6 +69,27 @@ class SessionCounters:
 
 
 @dataclass(frozen=True)
+class TurnTimings:
+    """Where one turn's time went. `overhead_ms` is everything that is not the model's forward
+    passes (render, align, page decisions, selection, stores, restores, contextd calls): the part
+    of the pause before an answer that kv-elision adds (benchmarks.scale tracks it over a session)."""
+
+    total_ms: float
+    forward_ms: float
+    select_ms: float
+    persist_ms: float
+
+    @property
+    def overhead_ms(self) -> float:
+        return self.total_ms - self.forward_ms
+
+    def as_dict(self) -> dict[str, float]:
+        return {"total_ms": round(self.total_ms, 2), "forward_ms": round(self.forward_ms, 2),
+                "overhead_ms": round(self.overhead_ms, 2), "select_ms": round(self.select_ms, 2),
+                "persist_ms": round(self.persist_ms, 2)}
+
+
+@dataclass(frozen=True)
 class LastAnswer:
     """The previous turn's greedy answer, to notice a fixed point (the same input, the same answer)."""
 
@@ -88,13 +109,15 @@ class Session:
     snapshots: dict[int, RecurrentSnapshot] = field(default_factory=dict)  # tokens -> state (hybrids)
     last_answer: LastAnswer | None = None
     stored_ids: dict[int, str] = field(default_factory=dict)   # page index -> id of its stored version
-    superseded: list[str] = field(default_factory=list)        # stored partial versions to delete
+    superseded: list[tuple[int, str]] = field(default_factory=list)  # (page, stored version) to delete
     recorded_pins: set[str] = field(default_factory=set)        # pins contextd already holds
     recorded_summaries: dict[str, str] = field(default_factory=dict)  # unit / cluster id -> summary in contextd
     stored_segments: int = 0                                    # transcript segments in the session record
     resident_positions: dict[int, int] = field(default_factory=dict)  # page -> first RoPE position, at turn end
     message_ends: set[int] = field(default_factory=set)        # pages where a message ends
     last_selection: str = ""
+    last_turn: TurnTimings | None = None
+    selected_ms: float = 0.0   # the selector's decision this turn, with the context it needed
     recovery_notes: list[str] = field(default_factory=list)    # what recovery found and fixed
 
     def cut_segments(self, keep: int) -> None:

@@ -475,7 +475,7 @@ class StatusRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., include_closed: _Optional[bool] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("commit_seq", "last_commit_ms", "store_bytes", "free_bytes", "reserve_bytes", "quota_bytes", "sync_mode", "root", "pid", "uptime_s", "sessions", "schema_version")
+    __slots__ = ("commit_seq", "last_commit_ms", "store_bytes", "free_bytes", "reserve_bytes", "quota_bytes", "sync_mode", "root", "pid", "uptime_s", "sessions", "schema_version", "session_quota_bytes", "max_idle_s")
     COMMIT_SEQ_FIELD_NUMBER: _ClassVar[int]
     LAST_COMMIT_MS_FIELD_NUMBER: _ClassVar[int]
     STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -488,6 +488,8 @@ class StatusReply(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IDLE_S_FIELD_NUMBER: _ClassVar[int]
     commit_seq: int
     last_commit_ms: float
     store_bytes: int
@@ -500,7 +502,9 @@ class StatusReply(_message.Message):
     uptime_s: float
     sessions: _containers.RepeatedCompositeFieldContainer[SessionStatus]
     schema_version: int
-    def __init__(self, commit_seq: _Optional[int] = ..., last_commit_ms: _Optional[float] = ..., store_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., sync_mode: _Optional[str] = ..., root: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., schema_version: _Optional[int] = ...) -> None: ...
+    session_quota_bytes: int
+    max_idle_s: float
+    def __init__(self, commit_seq: _Optional[int] = ..., last_commit_ms: _Optional[float] = ..., store_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., sync_mode: _Optional[str] = ..., root: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., schema_version: _Optional[int] = ..., session_quota_bytes: _Optional[int] = ..., max_idle_s: _Optional[float] = ...) -> None: ...
 
 class SessionStatus(_message.Message):
     __slots__ = ("session_id", "model_id", "budget_tokens", "attention_tokens", "turn", "pages", "snapshots", "closed", "counters")
@@ -538,16 +542,18 @@ class GcRequest(_message.Message):
     def __init__(self, dry_run: _Optional[bool] = ...) -> None: ...
 
 class GcReply(_message.Message):
-    __slots__ = ("orphan_files_removed", "temp_files_removed", "leases_expired", "bytes_freed")
+    __slots__ = ("orphan_files_removed", "temp_files_removed", "leases_expired", "bytes_freed", "idle_sessions_deleted")
     ORPHAN_FILES_REMOVED_FIELD_NUMBER: _ClassVar[int]
     TEMP_FILES_REMOVED_FIELD_NUMBER: _ClassVar[int]
     LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SESSIONS_DELETED_FIELD_NUMBER: _ClassVar[int]
     orphan_files_removed: int
     temp_files_removed: int
     leases_expired: int
     bytes_freed: int
-    def __init__(self, orphan_files_removed: _Optional[int] = ..., temp_files_removed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., bytes_freed: _Optional[int] = ...) -> None: ...
+    idle_sessions_deleted: int
+    def __init__(self, orphan_files_removed: _Optional[int] = ..., temp_files_removed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., bytes_freed: _Optional[int] = ..., idle_sessions_deleted: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id",)

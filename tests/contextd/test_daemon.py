@@ -371,3 +371,29 @@ def test_reserve_larger_than_free_space_fails_writes_cleanly(daemon_factory: obj
         store_payload(client, "r", pages("p", 1)[0], b"x" * 1024)
     assert not any(Path(proc.root, "store").rglob("*.kv"))
     assert client.query_pages("r")[0].locator == ""
+
+
+def test_retention_caps_a_session_and_deletes_idle_ones(daemon_factory: object) -> None:
+    size = 32 * 1024
+    proc: ContextdProcess = daemon_factory("--reserve-bytes", "0", "--session-quota-bytes",  # type: ignore[operator]
+                                           str(4 * size), "--max-idle", "2s")
+    client = proc.client
+    assert client is not None
+    client.open_session("q")
+    records = pages("p", 8)
+    client.upsert_pages("q", records)
+    for n, page in enumerate(records[:6]):
+        store_payload(client, "q", page, bytes([n]) * size)
+        client.set_page_states("q", states([(page.page_id, pb.COLD)], turn=n + 1))
+    # past its quota, the session's least recently used cold pages went first
+    dropped = [p.page_id for p in client.query_pages("q", [PageState.DROPPED])]
+    assert dropped == ["p000000", "p000001"], dropped
+    assert client.get_session("q").pages.bytes_on_disk <= 4 * size
+    status = client.status()
+    assert status.session_quota_bytes == 4 * size and status.max_idle_s == 2.0
+    time.sleep(2.5)
+    assert client.gc(dry_run=True).idle_sessions_deleted == 1 and client.get_session("q")
+    assert client.gc().idle_sessions_deleted == 1
+    with pytest.raises(NotFound):
+        client.get_session("q")
+    assert not (proc.root / "store" / "q").exists()

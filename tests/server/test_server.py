@@ -281,3 +281,18 @@ def test_a_client_that_leaves_ends_its_turn_and_the_next_turn_is_served(server_f
     assert counters["cancelled_turns"] == 2, counters
     assert counters["decoded_tokens"] < 20000
     assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
+
+
+def test_with_an_api_key_every_route_but_health_wants_the_bearer_token(server_factory: Any) -> None:
+    server: ServerProcess = server_factory("tiny-llama", 1024, "--api-key", "s3cret")
+    good = {"Authorization": "Bearer s3cret"}
+    assert server.get("/health").status == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        for method, path, body in (("GET", "/v1/models", None), ("GET", "/v1/kv/stats", None),
+                                   ("POST", "/v1/chat/completions", {"model": "tiny-llama", "messages": [SYSTEM]})):
+            reply = server.request(method, path, body, headers=headers)
+            assert reply.status == 401 and reply.body["error"]["type"] == "invalid_api_key", (path, headers)
+    assert server.request("GET", "/v1/models", headers=good).status == 200
+    reply = server.request("POST", "/v1/chat/completions", {"model": "tiny-llama", "messages": [
+        SYSTEM, {"role": "user", "content": "hi"}], "max_tokens": 2}, headers=good)
+    assert reply.status == 200, reply.body

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from controller.keyindex import KeyIndex, KeyIndexConfig
-from controller.pager import PAGE_TOKENS, Pager, PagerConfig, PageState, PinKind
+from controller.pager import PAGE_TOKENS, Decision, Pager, PagerConfig, PageState, PinKind
 from controller.planner import PlanError, UnitPlan, parse_plan, parse_units, plan_prompt, validate
 from controller.selectors import AttentionSelector, ControllerSelector, SelectionContext
 from controller.units import CLUSTER_UNITS, UnitIndex
@@ -25,7 +25,8 @@ def session(pages: int = 80, budget: int = 2048) -> tuple[Pager, UnitIndex]:
     pager.append(list(range(256)), pin=PinKind.SYSTEM)
     pager.append(list(range(pages * PAGE_TOKENS - 256)))
     for page in pager.pages[2:-8]:
-        page.state, page.stored = PageState.COLD, True
+        page.stored = True
+    pager.apply(Decision(evict=[p.index for p in pager.pages[2:-8]], restore=[], plan_used=False))
     units = UnitIndex()
     units.update(pager, message_end_pages=set(range(0, pages, 7)))
     return pager, units
@@ -266,3 +267,17 @@ def test_a_named_cluster_is_refined_into_its_units_with_a_second_call() -> None:
     assert len(model.prompts) == 2 and all(u in model.prompts[1] for u in closed.unit_ids)
     assert selection.plan is not None
     assert selection.plan.restore == [p for p in units.units[inside].pages if pager.pages[p].state is PageState.COLD]
+
+
+def test_a_cut_back_timeline_gets_the_units_a_fresh_index_would_give() -> None:
+    pager, units = session(pages=120)
+    ends = set(range(0, 120, 7))
+    cut = units.units[units.order[5]].pages[3]  # in the middle of a closed unit
+    pager.truncate(cut * PAGE_TOKENS + 5)
+    units.truncate(len(pager.pages))
+    pager.append(list(range(20 * PAGE_TOKENS)))
+    units.update(pager, ends)
+    fresh = UnitIndex(units.salt)
+    fresh.update(pager, ends)
+    assert [units.units[u].pages for u in units.order] == [fresh.units[u].pages for u in fresh.order]
+    assert units.order == fresh.order

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from controller.pager import PAGE_TOKENS, Decision, Pager, PagerConfig, PageState, PinKind, Plan
 
@@ -122,3 +124,39 @@ def test_a_plan_over_budget_is_rejected_whole_and_evicts_nothing_because_of_it()
     decision = pager.decide(Plan(restore=cold[:20], evict_first=cold[20:]))
     assert not decision.plan_used and "low watermark" in decision.plan_rejected
     assert decision.evict == [] and decision.restore == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["append", "truncate", "decide", "restore", "turn"]),
+                          st.integers(min_value=0, max_value=900)), max_size=60))
+def test_the_incremental_bookkeeping_agrees_with_a_recount(ops: list[tuple[str, int]]) -> None:
+    pager = Pager(PagerConfig(budget_tokens=1024, tail_tokens=256))
+    pager.append(list(range(200)), pin=PinKind.SYSTEM)
+    for op, n in ops:
+        if op == "append":
+            pager.append(list(range(n + 1)))
+        elif op == "truncate":
+            pager.truncate(min(pager.total_tokens, n * 4))
+        elif op == "decide":
+            decision = pager.decide(None, incoming_tokens=n)
+            for i in decision.evict:
+                pager.pages[i].stored = True
+            pager.apply(decision)
+        elif op == "restore":
+            cold = [p.index for p in pager.pages if p.state is PageState.COLD]
+            if cold:
+                decision = pager.decide(Plan(restore=[cold[n % len(cold)]]))
+                for i in decision.evict:
+                    pager.pages[i].stored = True
+                pager.apply(decision)
+        else:
+            pager.begin_turn()
+        resident = [p.index for p in pager.pages if p.resident]
+        assert pager.resident == resident
+        assert pager.hot_tokens == sum(pager.pages[i].tokens for i in resident)
+        assert all(pager.logical_start(i) == sum(pager.pages[j].tokens for j in resident if j < i)
+                   for i in range(len(pager.pages)))
+        counts = {"hot": 0, "cold": 0, "pinned": 0}
+        for page in pager.pages:
+            counts[pager.effective_state(page).name.lower()] += 1
+        assert pager.counts() == counts
