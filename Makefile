@@ -52,18 +52,24 @@ mlx-blas:
 	for f in "$$libs"/liblapack-*.so*; do ln -sfn "$${blas%/libblas.so.3}/liblapack.so.3" "$$f"; done; \
 	echo "mlx-blas: $$libs -> $${blas%/libblas.so.3}"
 
+# SmolLM2 as an MLX-native 4-bit folder (GGUF -> Hugging Face folder -> mlx_lm.convert -q) under
+# ~/.cache/kv-elision/mlx: what `kv-elision serve --backend mlx --model smollm2-135m-q4` serves.
+.PHONY: mlx-smollm2
+mlx-smollm2: $(STAMP)
+	$(PY) -c 'from backends.mlx_backend import quantized_copy; from backends.models import resolve; print(quantized_copy(resolve("smollm2-135m-q4")))'
+
 proto: $(STAMP)
 	$(PY) -m contextd.protogen
 
 typecheck: $(STAMP)
-	$(PY) -m mypy contextd controller serving
+	$(PY) -m mypy contextd controller serving backends
 
 lint: $(STAMP)
 	$(PY) -m ruff check contextd backends controller serving benchmarks tests
 
 test: $(STAMP) $(EXT_STAMP)
 	$(PY) -m ruff check contextd backends controller serving benchmarks tests
-	$(PY) -m mypy contextd controller serving
+	$(PY) -m mypy contextd controller serving backends
 	$(PY) -m pytest -q
 	$(MAKE) --no-print-directory test-extension
 
@@ -81,8 +87,21 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.session
 	$(PY) -m benchmarks.selectors --controller-models smollm2-135m,gemma3-270m
 
+# The reliability campaign (docs/reliability.md): kill -9 at 200+ crash points, storage faults,
+# 10,000 fuzzed HTTP and gRPC requests each, 4 interleaved sessions, access checks. Slow.
+.PHONY: faults
+faults: $(STAMP)
+	$(PY) -m benchmarks.faults --json-out bench-out/faults.json
+
 demo: $(STAMP)
 	$(PY) -m benchmarks.demo
+
+# kv-elision against Pi on llama.cpp (docs/proof.md): llama-server is built once into
+# ~/.cache/kv-elision/llama.cpp-<version> (about 20-25 minutes on 2 cores) when it is not there.
+.PHONY: compare
+compare: $(STAMP) $(EXT_STAMP)
+	$(PY) -m benchmarks.llamacpp
+	$(PY) -m benchmarks.compare
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache $(EXT)/node_modules

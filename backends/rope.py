@@ -19,7 +19,10 @@ so a re-anchored key equals the key the model itself computes at that position b
 arithmetic for float32 models). There is exactly one rounding step per key, whatever its history.
 
 `inv_freq` and `s` are taken from the model's own rotary module, so any static scaling (linear,
-YaRN, llama3, ...) matches the model bit for bit in how cos/sin are formed.
+YaRN, llama3, ...) matches the model bit for bit in how cos/sin are formed. "Proportional" rotary
+(Gemma 4's global layers) is the half-split layout over the whole head with zero frequencies for
+the unrotated pairs, which rotate by exactly 0. A model without rotary embedding (NoPE, e.g.
+Nemotron-H's attention) has `r = 0`: its cached key is its canonical key and re-anchoring is a copy.
 
 Dependency rules: numpy only at import time. The torch variants import torch lazily so that this
 module stays usable by runtimes without torch; backends know nothing about contextd or policy.
@@ -60,7 +63,7 @@ class RopeSpec:
             raise ValueError(f"rotary layout {self.layout!r} is not supported (only 'neox' half-split)")
         if self.inv_freq.dtype != np.float32 or self.inv_freq.ndim != 1:
             raise ValueError("inv_freq must be a 1-D float32 array")
-        if not 0 < self.rotary_dim <= self.head_dim:
+        if not 0 <= self.rotary_dim <= self.head_dim:
             raise ValueError(f"rotary_dim {self.rotary_dim} does not fit head_dim {self.head_dim}")
 
 

@@ -374,7 +374,7 @@ def _wanted_positions(saved: np.ndarray, position: int | None) -> np.ndarray:
 class SlotBackend:
     """The `Backend` protocol over a runtime's slot store. Subclasses implement the hooks below."""
 
-    name: ClassVar[str]
+    name: str
     _rt: LoadedModel
     _store: SlotStore
 
@@ -446,8 +446,10 @@ class SlotBackend:
                     "its rotary layout is missing")
 
     # -- hooks a runtime implements ------------------------------------------------------------
-    # source, device, dtype, model_id -> the loaded model (the runtime's `_make_runtime`)
-    _load_model: ClassVar[Callable[[ModelSource, str, str, str | None], LoadedModel]]
+    @staticmethod
+    def _load_model(source: ModelSource, device: str, dtype: str, model_id: str | None) -> LoadedModel:
+        """The loaded model for `source` (the runtime's `_make_runtime`)."""
+        raise NotImplementedError
 
     def _device_name(self) -> str:
         raise NotImplementedError

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import struct
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,6 +37,59 @@ def model_identity(config: dict[str, Any], params: Iterable[tuple[str, np.ndarra
     for name, array, dtype_name in params:
         h.update(f"{name}:{tuple(int(d) for d in array.shape)}:{dtype_name}".encode())
         h.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+    return h.hexdigest()
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files a loader reads from `folder`: the ones the index names, else model*.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    files = sorted(folder.glob("model*.safetensors"))
+    return files or sorted(folder.glob("*.safetensors"))
+
+
+def folder_identity(folder: Path, config: dict[str, Any]) -> str:
+    """xxh3-128 over the computation-relevant config.json entries and every stored tensor (name,
+    dtype, shape, bytes, in name order) as the folder's safetensors files hold them. Both runtimes
+    hash the same files this way, whatever each then does to the weights (renames, fused experts,
+    quantized layers), so a block names the same model in both. Read in chunks, not mapped: the
+    weights' pages must not count as the process's memory."""
+    h = xxhash.xxh3_128()
+    cfg = {k: v for k, v in config.items() if k not in IDENTITY_IGNORED_KEYS}
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    tensors: list[tuple[str, str, tuple[int, ...], Path, int, int]] = []
+    for path in weight_files(folder):
+        with open(path, "rb") as stream:
+            (n,) = struct.unpack("<Q", stream.read(8))
+            header = json.loads(stream.read(n))
+        base = 8 + n
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            tensors.append((name, str(info["dtype"]), tuple(int(d) for d in info["shape"]), path, base + start,
+                            base + end))
+    chunk = 8 << 20
+    handles: dict[Path, Any] = {}
+    try:
+        for name, dtype, shape, path, start, end in sorted(tensors):
+            h.update(f"{name}:{shape}:{dtype}".encode())
+            f: Any = handles.get(path)
+            if f is None:
+                f = handles[path] = open(path, "rb")  # noqa: SIM115 - closed below
+            f.seek(start)
+            left = end - start
+            while left:
+                data = f.read(min(chunk, left))
+                if not data:
+                    raise OSError(f"{path} ends inside tensor {name}")
+                h.update(data)
+                left -= len(data)
+    finally:
+        for f in handles.values():
+            f.close()
     return h.hexdigest()
 
 

@@ -1,7 +1,14 @@
 """The torch backend: Hugging Face transformers model code, CPU and CUDA, with a slot-based cache.
 
-Cache layout. Every attention layer shares one set of preallocated slot buffers, stacked over the
-attention layers so a page operation is one tensor op for all layers:
+Layer roles come from the model itself: transformers' own per-layer cache kinds
+(`get_layer_types_and_kwargs`, what its DynamicCache is built from) and the decoder's modules. Global
+attention layers are paged; sliding-window layers keep a window cache of their own; linear-attention
+and Mamba layers keep transformers' stock recurrent cache layers; kv-shared attention (Gemma 4) and
+MLP / MoE blocks keep nothing. A model that fits none of these, or whose attention has no per-head
+pre-rotary key (fused QKV, latent attention, absolute position embeddings) is refused, naming why.
+
+Cache layout. The paged layers share one set of preallocated slot buffers, stacked over those
+layers so a page operation is one tensor op for all of them:
 
     k_rot   [layers, 1, kv_heads, capacity, head_dim]   keys as attention uses them (rotated)
     k_canon [layers, 1, kv_heads, capacity, rotary_dim] pre-rotary keys, rotary dims only (the
@@ -12,16 +19,18 @@ plus, on the host, a RoPE position and an occupied flag per slot and the logical
 tokens (an array of slot numbers). Because a key carries its position in its rotation and the mask
 is built from positions (`occupied & slot_pos <= query_pos`), attention does not depend on slot
 order: new tokens take the lowest free slots, eviction only clears flags, and a restored page
-lands in whatever slots are free. Re-anchoring always recomputes `rope(k_canon, new_pos)`.
+lands in whatever slots are free. Re-anchoring always recomputes `rope(k_canon, new_pos)`. A window
+layer holds its newest W - 1 tokens as canonical keys, rotated keys and values (see runtime.py).
 
-Hooking into transformers. The model runs its own code; three small attachments make it slot-aware:
-a forward hook on the module that produces the pre-rotary key (k_proj, or k_norm where the family
-has one) writes the exact canonical key into `k_canon`; a `Cache` subclass whose attention layers
-write rotated keys and values into the slots the backend allocated for this forward (linear-attention
-layers are the stock `LinearAttentionLayer`, so Gated DeltaNet conv / recurrent states behave exactly
-as in transformers); and an attention function registered with `AttentionInterface` that runs SDPA
-over the slot buffers with the backend's slot mask (and refuses to run without one). A forward
-pre-hook on the embedding counts every token that enters the model.
+Hooking into transformers. The model runs its own code; small attachments make it slot-aware: a
+forward hook on the module that produces the pre-rotary key (k_norm where the attention module has
+one, else k_proj; its output layout is read off the first forward) writes the exact canonical key;
+a `Cache` subclass whose paged layers write rotated keys and values into the slots the backend
+allocated for this forward and whose window layers append to their windows; an attention function
+registered with `AttentionInterface` that runs SDPA over what the cache returned with the backend's
+boolean mask (one per layer type, as a dict where the model takes one), applies attention sinks
+(gpt-oss `s_aux`) as a virtual key, and refuses to run without a mask or with logit softcapping.
+A forward pre-hook on the embedding counts every token that enters the model.
 
 Dependency rules: torch, transformers, numpy, xxhash; backends know nothing about contextd or policy.
 """
@@ -30,20 +39,28 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
+import inspect
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
-from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DummyLayer,
+    LinearAttentionLayer,
+    get_layer_types_and_kwargs,
+)
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
 from . import rope
-from .models import ModelSource, build_tiny_model, check_supported
+from .models import ModelSource, check_supported, read_config
 from .protocol import (
     Backend,
     BackendError,
@@ -51,28 +68,54 @@ from .protocol import (
     RecurrentSnapshot,
     UnsupportedModelError,
 )
-from .runtime import LoadedModel, SlotBackend, SlotStore, check_layer_split
-from .slots import as_run, model_identity
+from .runtime import LayerRoles, LoadedModel, SlotBackend, SlotStore, WindowShape
+from .slots import as_run, folder_identity, model_identity
 
-__all__ = ["TorchBackend", "ATTENTION_IMPLEMENTATION", "load"]
+__all__ = ["TorchBackend", "ATTENTION_IMPLEMENTATION", "classify", "load"]
 
 ATTENTION_IMPLEMENTATION = "kv_elision_slots"
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-# Families whose attention computes the pre-rotary key in k_norm (per-head RMSNorm after k_proj);
-# the others produce it directly in k_proj as [batch, seq, heads * head_dim].
-_KEY_FROM_K_NORM = frozenset({"qwen3", "qwen3_next"})
+
+# The masks of the forward running on this thread that are plain causal attention (no gap, the
+# forward's tokens last): id(mask) -> "causal" (square: SDPA's is_causal) or "all" (one query).
+_SHORTCUTS = threading.local()
 
 
 def _slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """SDPA over slot buffers. Free slots hold stale data, so running without the slot mask would be
-    silently wrong: refuse instead."""
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    s_aux: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """SDPA over what the slot cache returned. Free slots hold stale data, so running without the
+    slot mask would be silently wrong: refuse instead. A mask the backend marked as plain causal
+    runs as SDPA's own causal attention (or unmasked, for one query), its fastest kernels.
+    `s_aux` (gpt-oss attention sinks, one logit per query head) enters as a virtual key whose logit
+    is the sink and whose value is zero: that is the model's softmax over [scores, sink] with the
+    sink column dropped."""
     if attention_mask is None or attention_mask.dim() != 4 or attention_mask.dtype != torch.bool:
         raise BackendError("slot attention needs the backend's boolean slot mask; run the model through TorchBackend")
+    if kwargs.get("softcap") is not None:
+        raise UnsupportedModelError("attention logit softcapping is not applied by the slot attention")
     kwargs.pop("is_causal", None)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, is_causal=False, **kwargs)
+    kwargs.pop("sliding_window", None)  # the window is in the mask
+    shortcut = getattr(_SHORTCUTS, "masks", {}).get(id(attention_mask))
+    if s_aux is None:
+        if shortcut is not None and tuple(attention_mask.shape[-2:]) == (query.shape[2], key.shape[2]):
+            return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
+                                          is_causal=shortcut == "causal", **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=False, **kwargs)
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    b, h, s, _ = query.shape
+    k = key.shape[2]
+    bias = torch.zeros((1, 1, s, k), dtype=query.dtype, device=query.device)
+    bias = bias.masked_fill(~attention_mask, float("-inf")).expand(b, h, s, k)
+    sink = s_aux.to(query.dtype).view(1, h, 1, 1).expand(b, h, s, 1)
+    key = torch.cat([key, key.new_zeros(b, h, 1, key.shape[-1])], dim=2)
+    value = torch.cat([value, value.new_zeros(b, h, 1, value.shape[-1])], dim=2)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=torch.cat([bias, sink], dim=-1), scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTENTION_IMPLEMENTATION, _slot_attention)
@@ -104,19 +147,173 @@ def _tensor_from_np(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> 
     return t.to(device=device, dtype=dtype, non_blocking=False)
 
 
+# ------------------------------------------------------------------------------------------------
+# What the model is: layer roles from transformers' cache kinds and the decoder's modules
+# ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Classified:
+    """A transformers model as the backend sees it."""
+
+    family: str
+    roles: LayerRoles
+    decoder: Any                           # the module holding `layers` (model.model, or its language_model)
+    attention: dict[int, Any]              # paged and window layers -> their attention module
+    key_modules: dict[int, str]            # paged and window layers -> "k_norm" or "k_proj"
+    mask_types: tuple[str, ...]            # the config's layer types (keys of a mask dict)
+    mask_dict: bool                        # the decoder takes masks as a dict by layer type
+
+
+def _decoder(model: Any, family: str) -> Any:
+    inner = getattr(model, "model", None)
+    for candidate in (inner, getattr(inner, "language_model", None)):
+        if isinstance(candidate, torch.nn.Module) and isinstance(getattr(candidate, "layers", None),
+                                                                 torch.nn.ModuleList):
+            return candidate
+    raise UnsupportedModelError(f"{family}: {type(model).__name__} has no decoder with a `layers` list "
+                                "(model.model.layers): no adapter knows where its attention layers are")
+
+
+def _attention_module(layer: Any) -> Any:
+    for name in ("self_attn", "mixer", "attention", "attn"):
+        mod = getattr(layer, name, None)
+        if isinstance(mod, torch.nn.Module) and hasattr(mod, "q_proj"):
+            return mod
+    return None
+
+
+def _takes_mask_dict(decoder: Any) -> bool:
+    try:
+        source = inspect.getsource(type(decoder).forward)
+    except (OSError, TypeError):
+        return False
+    return "isinstance(causal_mask_mapping := attention_mask, dict)" in source
+
+
+def classify(model: Any) -> Classified:
+    """Roles of every decoder layer (see module docstring); UnsupportedModelError names what is missing."""
+    config = model.config.get_text_config()
+    family = str(getattr(config, "model_type", type(model).__name__))
+    decoder = _decoder(model, family)
+    for absolute in ("embed_positions", "wpe", "position_embeddings"):
+        if isinstance(getattr(decoder, absolute, None), torch.nn.Module):
+            raise UnsupportedModelError(f"{family}: learned absolute position embeddings ({absolute}): keys depend "
+                                        "on absolute positions and cannot be re-anchored")
+    layers = decoder.layers
+    kinds, kwargs = get_layer_types_and_kwargs(config)
+    if len(kinds) != len(layers):
+        raise UnsupportedModelError(f"{family}: {len(kinds)} layer types for {len(layers)} layers")
+    paged: list[int] = []
+    window: list[int] = []
+    recurrent: list[int] = []
+    shared: list[int] = []
+    stateless: list[int] = []
+    windows: set[int] = set()
+    attention: dict[int, Any] = {}
+    key_modules: dict[int, str] = {}
+    for i, (layer, kind, kw) in enumerate(zip(layers, kinds, kwargs, strict=True)):
+        attn = _attention_module(layer)
+        if kind in ("full_attention", "sliding_attention") or (kind == "dummy" and attn is not None):
+            if attn is None:
+                raise UnsupportedModelError(f"{family}: layer {i} ({kind}) has no attention module with q_proj / "
+                                            "k_proj: no per-head pre-rotary key to page (fused QKV?)")
+            if getattr(attn, "is_kv_shared_layer", False):
+                shared.append(i)
+                continue
+            if kind == "dummy":
+                raise UnsupportedModelError(f"{family}: layer {i} has attention without a cache of its own")
+            if isinstance(getattr(attn, "k_norm", None), torch.nn.Module):
+                key_modules[i] = "k_norm"
+            elif isinstance(getattr(attn, "k_proj", None), torch.nn.Module):
+                key_modules[i] = "k_proj"
+            else:
+                raise UnsupportedModelError(f"{family}: attention module {type(attn).__name__} of layer {i} has no "
+                                            "k_proj: no per-head pre-rotary key to page")
+            if getattr(config, "attn_logit_softcapping", None) is not None and "softcap" in inspect.getsource(
+                    type(attn).forward):
+                raise UnsupportedModelError(f"{family}: attention logit softcapping (attn_logit_softcapping) needs an "
+                                            "attention kernel that applies it")
+            attention[i] = attn
+            if kind == "full_attention":
+                paged.append(i)
+            else:
+                window.append(i)
+                windows.add(int(kw["sliding_window"]))
+        elif kind == "linear_attention":
+            recurrent.append(i)
+        elif kind == "dummy":
+            stateless.append(i)
+        else:
+            raise UnsupportedModelError(f"{family}: layer {i} is {kind!r}, which the slot cache cannot page exactly")
+    if len(windows) > 1:
+        raise UnsupportedModelError(f"{family}: sliding windows of different sizes {sorted(windows)}")
+    roles = LayerRoles(n_layers=len(layers), paged=tuple(paged), window=tuple(window), recurrent=tuple(recurrent),
+                       shared=tuple(shared), stateless=tuple(stateless), window_size=windows.pop() if windows else 0)
+    roles.check(family)
+    mask_types = tuple(dict.fromkeys(str(k) for k in (getattr(config, "layer_types", None) or kinds)))
+    return Classified(family=family, roles=roles, decoder=decoder, attention=attention, key_modules=key_modules,
+                      mask_types=mask_types, mask_dict=_takes_mask_dict(decoder))
+
+
+def _layer_shape(family: str, what: str, layers: Sequence[int],
+                 attention: dict[int, Any]) -> tuple[int, int, int]:
+    """(kv heads, head dim, value dim), the same for every layer of `layers`."""
+    shapes = set()
+    for i in layers:
+        attn: Any = attention[i]
+        head_dim = int(attn.head_dim)
+        heads = int(attn.k_proj.out_features) // head_dim
+        v_proj: Any = getattr(attn, "v_proj", None)
+        value_dim = int(v_proj.out_features) // heads if v_proj is not None else head_dim
+        shapes.add((heads, head_dim, value_dim))
+    if len(shapes) != 1:
+        raise UnsupportedModelError(f"{family}: the {what} layers differ in their K/V shapes {sorted(shapes)}")
+    return shapes.pop()
+
+
+def _rotary(decoder: Any, layer_type: str, device: torch.device) -> tuple[torch.Tensor, float]:
+    """inv_freq and attention scaling the model's rotary module uses for `layer_type` (per-layer-type
+    buffers as in Gemma 3 / 4, else the single ones); empty without a rotary module (NoPE)."""
+    rot = getattr(decoder, "rotary_emb", None)
+    if rot is None:
+        return torch.zeros(0, dtype=torch.float32, device=device), 1.0
+    inv_freq = getattr(rot, f"{layer_type}_inv_freq", None)
+    scaling = getattr(rot, f"{layer_type}_attention_scaling", None)
+    if inv_freq is None:
+        inv_freq, scaling = rot.inv_freq, getattr(rot, "attention_scaling", 1.0)
+    return inv_freq.detach().to(device=device, dtype=torch.float32), float(1.0 if scaling is None else scaling)
+
+
+# ------------------------------------------------------------------------------------------------
+# The runtime and the slot store
+# ------------------------------------------------------------------------------------------------
+
 @dataclasses.dataclass(kw_only=True)
 class _Runtime(LoadedModel):
     """One loaded transformers model, shared by a backend and its forks."""
 
     model: PreTrainedModel
+    shape: Classified
     device: torch.device
     dtype: torch.dtype
     inv_freq: torch.Tensor
     attention_scaling: float
+    win_inv_freq: torch.Tensor
+    win_scaling: float
+
+
+def _rotate_into(canon: torch.Tensor, out: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+                 positions: np.ndarray) -> None:
+    """out[..., :r] = rope(canon[..., :r]) at `positions` (r = 2 * len(inv_freq); nothing when 0)."""
+    if inv_freq.shape[0] == 0:
+        return
+    cos, sin = rope.cos_sin_torch(inv_freq, torch.from_numpy(positions), scaling)
+    rope.apply_torch(canon, cos, sin, out=out)
 
 
 class _SlotStore(SlotStore):
-    """Slot buffers of one session, stacked over the attention layers (see the module docstring)."""
+    """Slot buffers of one session, stacked over the paged layers, and the window caches (see the
+    module docstring)."""
 
     group_elements = 1 << 18  # a layer group's slice of a page: about a megabyte
     rt: _Runtime
@@ -127,6 +324,7 @@ class _SlotStore(SlotStore):
         self.k_canon = torch.zeros((L, 1, H, 0, rt.rotary_dim), dtype=rt.dtype, device=rt.device)
         self.v = torch.zeros((L, 1, H, 0, rt.value_head_dim), dtype=rt.dtype, device=rt.device)
         super().__init__(rt, capacity)
+        self.write_window(None)
 
     def _grow_buffers(self, capacity: int) -> None:
         old = self.capacity
@@ -142,6 +340,14 @@ class _SlotStore(SlotStore):
 
     def _copy_buffers(self) -> None:
         self.k_rot, self.k_canon, self.v = self.k_rot.clone(), self.k_canon.clone(), self.v.clone()
+        self.win_canon = [t.clone() for t in self.win_canon]
+        self.win_rot = [t.clone() for t in self.win_rot]
+        self.win_v = [t.clone() for t in self.win_v]
+        self.fwd_win_canon = [None] * len(self.win_canon)
+
+    @staticmethod
+    def _cat(a: Any, b: Any) -> Any:
+        return torch.cat([a, b], dim=2)
 
     def index(self, slots: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self.rt.device)
@@ -166,7 +372,7 @@ class _SlotStore(SlotStore):
 
     # -- called from inside the model's forward ------------------------------------------------
     def write_layer(self, a: int, k_rot: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this forward's rotated keys / values of attention layer `a`; return what attention reads."""
+        """Store this forward's rotated keys / values of paged layer `a`; return what attention reads."""
         assert self.fwd_slots is not None
         self.put(self.k_rot[a], self.fwd_slots, k_rot)
         self.put(self.v[a], self.fwd_slots, v)
@@ -174,28 +380,29 @@ class _SlotStore(SlotStore):
         return self.k_rot[a, :, :, :hw], self.v[a, :, :, :hw]
 
     def write_canon(self, a: int, k_pre: torch.Tensor) -> None:
-        """Store the exact pre-rotary keys [1, heads, n, head_dim] of attention layer `a`."""
+        """Store the exact pre-rotary keys [1, heads, n, head_dim] of paged layer `a`."""
         assert self.fwd_slots is not None
         self.put(self.k_canon[a], self.fwd_slots, k_pre[..., : self.rt.rotary_dim])
 
     # -- page operations ---------------------------------------------------------------------
     def reanchor(self, slots: np.ndarray, positions: np.ndarray) -> None:
-        """k_rot[slots] = rope(k_canon[slots], positions), for every attention layer."""
+        """k_rot[slots] = rope(k_canon[slots], positions), for every paged layer."""
         if slots.shape[0] == 0:
             return
         rt = self.rt
         r = rt.rotary_dim
-        cos, sin = rope.cos_sin_torch(rt.inv_freq, torch.from_numpy(positions), rt.attention_scaling)
-        run = as_run(slots)
-        idx = self.index(slots) if run is None else None
-        for a0, a1 in self.layer_groups(int(slots.shape[0])):
-            if run is not None:
-                src = self.k_canon[a0:a1, 0, :, run[0]:run[1]]
-                rope.apply_torch(src, cos, sin, out=self.k_rot[a0:a1, 0, :, run[0]:run[1], :r])
-            else:
-                assert idx is not None
-                src = self.k_canon[a0:a1, 0].index_select(2, idx)
-                self.k_rot[a0:a1, 0, :, :, :r].index_copy_(2, idx, rope.apply_torch(src, cos, sin))
+        if r:
+            cos, sin = rope.cos_sin_torch(rt.inv_freq, torch.from_numpy(positions), rt.attention_scaling)
+            run = as_run(slots)
+            idx = self.index(slots) if run is None else None
+            for a0, a1 in self.layer_groups(int(slots.shape[0])):
+                if run is not None:
+                    src = self.k_canon[a0:a1, 0, :, run[0]:run[1]]
+                    rope.apply_torch(src, cos, sin, out=self.k_rot[a0:a1, 0, :, run[0]:run[1], :r])
+                else:
+                    assert idx is not None
+                    src = self.k_canon[a0:a1, 0].index_select(2, idx)
+                    self.k_rot[a0:a1, 0, :, :, :r].index_copy_(2, idx, rope.apply_torch(src, cos, sin))
         self.pos[slots] = positions
 
     def gather(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -210,7 +417,7 @@ class _SlotStore(SlotStore):
             return self.take(self.k_rot[:, 0], slots).float().cpu().numpy()
 
     def write_keys(self, slots: np.ndarray, a0: int, a1: int, keys: np.ndarray, positions: np.ndarray | None) -> None:
-        """Canonical keys [a1 - a0, heads, n, head_dim] of attention layers [a0, a1) into `slots` and,
+        """Canonical keys [a1 - a0, heads, n, head_dim] of paged layers [a0, a1) into `slots` and,
         given positions, their rotation there. The keys are read a second time for the rotation
         while still in cache."""
         rt = self.rt
@@ -219,7 +426,7 @@ class _SlotStore(SlotStore):
         self.put(self.k_canon[a0:a1, 0], slots, k[..., :r])
         if r < rt.head_dim:
             self.put(self.k_rot[a0:a1, 0, :, :, r:], slots, k[..., r:])
-        if positions is None:
+        if positions is None or not r:
             return
         cos, sin = rope.cos_sin_torch(rt.inv_freq, torch.from_numpy(positions), rt.attention_scaling)
         run = as_run(slots)
@@ -234,6 +441,25 @@ class _SlotStore(SlotStore):
     def clear(self, slots: np.ndarray) -> None:
         for buf in (self.k_rot, self.k_canon, self.v):
             self.put(buf[:, 0], slots, torch.zeros_like(self.take(buf[:, 0], slots)))
+
+    # -- window caches ---------------------------------------------------------------------------
+    def reanchor_window(self, positions: np.ndarray) -> None:
+        rt = self.rt
+        r = rt.window.rotary_dim if rt.window else 0
+        for w, canon in enumerate(self.win_canon):
+            rot = canon.clone()
+            _rotate_into(canon[..., :r], rot[..., :r], rt.win_inv_freq, rt.win_scaling, positions)
+            self.win_rot[w] = rot
+
+    def _to_host(self, t: Any) -> np.ndarray:
+        return _np_from_tensor(t)
+
+    def _from_host(self, a: np.ndarray) -> Any:
+        return _tensor_from_np(a, self.rt.dtype, self.rt.device).clone()
+
+    def rotated_window(self) -> list[np.ndarray]:
+        with torch.no_grad():
+            return [k.float().cpu().numpy() for k in self.win_rot]
 
 
 @contextlib.contextmanager
@@ -260,7 +486,7 @@ def _single_threaded(device: torch.device) -> Iterator[None]:
 
 # transformers' cache classes are untyped; subclassing them is the one place we accept that.
 class _SlotAttentionLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
-    """Cache layer of one attention layer: a window onto the session's shared slot buffers."""
+    """Cache layer of one paged attention layer: a window onto the session's shared slot buffers."""
 
     is_sliding = False
     is_compileable = False
@@ -295,20 +521,38 @@ class _SlotAttentionLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
         raise BackendError("slot attention layers are edited through the backend's page operations")
 
 
-class _SlotCache(Cache):
-    """transformers `Cache` whose attention layers are slot windows and whose linear-attention
-    layers are the stock ones (so hybrid recurrent state follows transformers exactly)."""
+class _WindowLayer(_SlotAttentionLayer):  # type: ignore[no-untyped-call]
+    """Cache layer of one sliding-window layer: its own window of the newest stream tokens."""
 
-    def __init__(self, store: _SlotStore, n_layers: int, attention_layers: Sequence[int],
-                 linear_states: int) -> None:
+    is_sliding = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.owner.store.append_window(self.attention_index, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.store.win_len + query_length, 0
+
+
+class _SlotCache(Cache):
+    """transformers `Cache` whose paged layers are slot windows, whose window layers keep their own
+    windows, whose linear-attention layers are the stock ones (so hybrid recurrent state follows
+    transformers exactly) and whose other layers hold nothing."""
+
+    def __init__(self, store: _SlotStore, roles: LayerRoles, linear_states: int) -> None:
         self.store = store
+        paged = {layer: a for a, layer in enumerate(roles.paged)}
+        window = {layer: w for w, layer in enumerate(roles.window)}
         layers: list[Any] = []
-        att = {layer: i for i, layer in enumerate(attention_layers)}
-        for layer in range(n_layers):
-            if layer in att:
-                layers.append(_SlotAttentionLayer(self, att[layer]))
-            else:
+        for layer in range(roles.n_layers):
+            if layer in paged:
+                layers.append(_SlotAttentionLayer(self, paged[layer]))
+            elif layer in window:
+                layers.append(_WindowLayer(self, window[layer]))
+            elif layer in roles.recurrent:
                 layers.append(LinearAttentionLayer(number_of_states=linear_states))
+            else:
+                layers.append(DummyLayer())  # type: ignore[no-untyped-call]
         super().__init__(layers=layers)
 
 
@@ -326,46 +570,28 @@ def _clone_linear_layer(layer: LinearAttentionLayer) -> LinearAttentionLayer:
     return out
 
 
-def _build_model(source: ModelSource, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
-    if source.kind == "tiny":
-        model = build_tiny_model(source, ATTENTION_IMPLEMENTATION).to(dtype=dtype)
-    else:
-        assert source.path is not None
-        kw: dict[str, Any] = {"gguf_file": source.gguf_file} if source.kind == "gguf" else {}
+# ------------------------------------------------------------------------------------------------
+# Loading
+# ------------------------------------------------------------------------------------------------
+
+def _config(source: ModelSource) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """(transformers config, from_pretrained kwargs, the config dict the identity hashes)."""
+    assert source.path is not None
+    if source.kind == "mlx_quant":
+        raise UnsupportedModelError(f"{source.name} is an MLX-quantized copy (mlx_lm.convert): serve it with the mlx "
+                                    "backend")
+    if source.kind == "gguf":
+        kw: dict[str, Any] = {"gguf_file": source.gguf_file}
         config = AutoConfig.from_pretrained(str(source.path), **kw)
-        check_supported(config)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(source.path), dtype=dtype, attn_implementation=ATTENTION_IMPLEMENTATION, **kw
-        )
-    model.eval()
-    loaded: PreTrainedModel = model.to(device)
-    return loaded
-
-
-def _check_rotary_layout(model: PreTrainedModel, attn: torch.nn.Module, inv_freq: torch.Tensor,
-                         scaling: float, head_dim: int) -> None:
-    """Compare our rotation with the model's own `apply_rotary_pos_emb` on fixed random keys: a family
-    with another layout or scaling than we assume is refused instead of silently drifting."""
-    modeling = sys.modules[type(attn).__module__]
-    apply_model = getattr(modeling, "apply_rotary_pos_emb", None)
-    if apply_model is None:
-        raise UnsupportedModelError(
-            f"{modeling.__name__} has no apply_rotary_pos_emb to check the rotary layout against"
-        )
-    gen = torch.Generator().manual_seed(0)
-    keys = torch.randn((1, 2, 5, head_dim), generator=gen).to(inv_freq.device)
-    positions = torch.tensor([[0, 1, 17, 1000, 4097]], device=inv_freq.device)
-    cos, sin = model.model.rotary_emb(keys, positions)
-    _, expected = apply_model(keys, keys, cos, sin)
-    r = 2 * inv_freq.shape[0]
-    c, s = rope.cos_sin_torch(inv_freq, positions[0], scaling)
-    ours = torch.cat([rope.apply_torch(keys[..., :r], c, s), keys[..., r:]], dim=-1)
-    err = float((ours - expected.float()).abs().max())
-    if not err <= 1e-5 * max(1.0, float(expected.abs().max())):
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: the model's rotary embedding differs from the half-split ('neox') layout by "
-            f"{err:.3g}; a family adapter for its layout is missing"
-        )
+        raw = config.to_dict()
+        check_supported(raw, source.name)
+        return config, kw, raw
+    raw = read_config(source.path)
+    if isinstance(raw.get("quantization"), dict):
+        raise UnsupportedModelError(f"{source.name}: MLX-quantized weights ({raw['quantization'].get('bits')}-bit, "
+                                    "mlx_lm.convert): serve it with the mlx backend")
+    check_supported(raw, source.name)
+    return AutoConfig.from_pretrained(str(source.path)), {}, raw
 
 
 def _make_runtime(source: ModelSource, device: str, dtype: str, model_id: str | None) -> _Runtime:
@@ -376,59 +602,56 @@ def _make_runtime(source: ModelSource, device: str, dtype: str, model_id: str | 
         raise BackendUnavailableError("device 'cuda' was requested but torch.cuda.is_available() is False")
     if dev.type not in ("cpu", "cuda"):
         raise BackendUnavailableError(f"device {device!r} is not supported by the torch backend (cpu, cuda)")
-    model = _build_model(source, _DTYPES[dtype], dev)
-    config = model.config
-    family = str(config.model_type)
-    layers = model.model.layers
-    attention_layers = tuple(i for i, layer in enumerate(layers) if hasattr(layer, "self_attn"))
-    linear_layers = tuple(i for i, layer in enumerate(layers) if hasattr(layer, "linear_attn"))
-    check_layer_split(family, len(layers), attention_layers, linear_layers, getattr(config, "layer_types", None))
-    attn = layers[attention_layers[0]].self_attn
-    head_dim = int(attn.head_dim)
-    kv_heads = int(config.num_key_value_heads)
-    value_head_dim = int(attn.v_proj.out_features) // kv_heads
-    rotary = model.model.rotary_emb
-    inv_freq = rotary.inv_freq.detach().to(device=dev, dtype=torch.float32)
-    scaling = float(getattr(rotary, "attention_scaling", 1.0))
-    _check_rotary_layout(model, attn, inv_freq, scaling, head_dim)
-    module_name = "k_norm" if family in _KEY_FROM_K_NORM else "k_proj"
-    for i in attention_layers:
-        if not isinstance(getattr(layers[i].self_attn, module_name, None), torch.nn.Module):
-            raise UnsupportedModelError(
-                f"{family}: attention layer {i} has no {module_name} to read pre-rotary keys from"
-            )
-    identity = model_id or model_identity(model.config.to_dict(), (
-        (name, _np_from_tensor(p, copy=False), str(p.dtype)) for name, p in model.named_parameters()))
-    rotary_dim = 2 * int(inv_freq.shape[0])
+    config, kw, raw = _config(source)
+    # The modules decide, before any weight is read: built on the meta device, nothing is allocated.
+    with torch.device("meta"):
+        classify(AutoModelForCausalLM.from_config(config))  # type: ignore[no-untyped-call]
+    assert source.path is not None
+    model: Any = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=_DTYPES[dtype],
+                                                      attn_implementation=ATTENTION_IMPLEMENTATION, **kw)
+    model = model.eval().to(dev)
+    shape = classify(model)
+    roles = shape.roles
+    heads, head_dim, value_dim = _layer_shape(shape.family, "global-attention", roles.paged, shape.attention)
+    inv_freq, scaling = _rotary(shape.decoder, "full_attention", dev)
+    window: WindowShape | None = None
+    win_inv_freq, win_scaling = torch.zeros(0, dtype=torch.float32, device=dev), 1.0
+    if roles.window:
+        w_heads, w_dim, w_value = _layer_shape(shape.family, "sliding-window", roles.window, shape.attention)
+        win_inv_freq, win_scaling = _rotary(shape.decoder, "sliding_attention", dev)
+        window = WindowShape(w_heads, w_dim, w_value, 2 * int(win_inv_freq.shape[0]))
+    if model_id:
+        identity = model_id
+    elif source.kind == "gguf":
+        identity = model_identity(raw, ((name, _np_from_tensor(p, copy=False), str(p.dtype))
+                                        for name, p in model.named_parameters()))
+    else:
+        identity = folder_identity(source.path, raw)
     rt = _Runtime(
-        source=source, model=model, family=family, device=dev, dtype=_DTYPES[dtype],
-        attention_layers=attention_layers, linear_layers=linear_layers, num_kv_heads=kv_heads,
-        head_dim=head_dim, value_head_dim=value_head_dim, rotary_dim=rotary_dim, inv_freq=inv_freq,
-        attention_scaling=scaling, max_position_embeddings=int(config.max_position_embeddings),
-        vocab_size=int(config.vocab_size), model_id=identity, dtype_name=dtype,
+        source=source, model=model, shape=shape, family=shape.family, roles=roles, device=dev, dtype=_DTYPES[dtype],
+        num_kv_heads=heads, head_dim=head_dim, value_head_dim=value_dim, rotary_dim=2 * int(inv_freq.shape[0]),
+        inv_freq=inv_freq, attention_scaling=scaling, window=window, win_inv_freq=win_inv_freq,
+        win_scaling=win_scaling, max_position_embeddings=int(config.get_text_config().max_position_embeddings),
+        vocab_size=int(config.get_text_config().vocab_size), model_id=identity, dtype_name=dtype,
     )
-    _install_hooks(rt, module_name)
+    if rt.rotary_dim > head_dim or (window is not None and window.rotary_dim > window.head_dim):
+        raise UnsupportedModelError(f"{shape.family}: rotary dims exceed the head dims")
+    _install_hooks(rt)
     return rt
 
 
-def _install_hooks(rt: _Runtime, module_name: str) -> None:
+def _install_hooks(rt: _Runtime) -> None:
     """Hooks on the shared model dispatch to whichever session is running a forward (`rt.active`)."""
-    layers = rt.model.model.layers
-    head_dim = rt.head_dim
+    shape = rt.shape
 
-    def canon_hook(a: int) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
-            store = rt.active
-            if store is None:
-                return
-            k = output
-            if module_name == "k_proj":
-                k = k.view(*k.shape[:-1], -1, head_dim)
-            store.write_canon(a, k.transpose(1, 2))
+    def key_hook(layer: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
+            if rt.active is not None:
+                rt.active.observe_key(layer, out)
         return hook
 
-    for a, i in enumerate(rt.attention_layers):
-        getattr(layers[i].self_attn, module_name).register_forward_hook(canon_hook(a))
+    for layer, attn in shape.attention.items():
+        getattr(attn, shape.key_modules[layer]).register_forward_hook(key_hook(layer))
 
     def count_tokens(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         n = int(args[0].numel()) if args and isinstance(args[0], torch.Tensor) else 0
@@ -437,7 +660,7 @@ def _install_hooks(rt: _Runtime, module_name: str) -> None:
         if rt.active is not None and rt.active.owner_counters is not None:
             rt.active.owner_counters.model_forward_tokens += n
 
-    rt.model.model.embed_tokens.register_forward_pre_hook(count_tokens)
+    rt.model.get_input_embeddings().register_forward_pre_hook(count_tokens)
 
 
 class TorchBackend(SlotBackend):
@@ -462,26 +685,59 @@ class TorchBackend(SlotBackend):
         return _SlotStore(self._rt, capacity)
 
     def _new_cache(self) -> _SlotCache:
-        states = int(getattr(self._rt.model.config, "number_of_conv_states", 1))
-        return _SlotCache(self._store, len(self._rt.model.model.layers), self._rt.attention_layers, states)
+        states = int(getattr(self._rt.model.config.get_text_config(), "number_of_conv_states", 1))
+        return _SlotCache(self._store, self._rt.roles, states)
+
+    def _masks(self, positions: np.ndarray, slots: np.ndarray,
+               high_water: int) -> tuple[torch.Tensor | dict[str, torch.Tensor | None], dict[int, str]]:
+        """The boolean masks: slots by position for the paged layers; by stream distance for the
+        window layers (their window, then this forward's tokens). And which of them are plain causal
+        attention (see `_slot_attention`): no free slot below the high-water one and this forward's
+        tokens in the last slots; for a window, all of it within reach."""
+        st, rt = self._store, self._rt
+        dev = rt.device
+        s = int(positions.shape[0])
+        shortcuts: dict[int, str] = {}
+        dense = as_run(slots) == (high_water - s, high_water) and bool(st.occupied[:high_water].all())
+        if dense and s == 1:
+            full = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=dev).expand(1, 1, 1, high_water)
+        else:
+            q_pos = torch.from_numpy(positions).to(dev)
+            key_pos = torch.from_numpy(st.pos[:high_water]).to(dev)
+            occupied = torch.from_numpy(st.occupied[:high_water]).to(dev)
+            full = (occupied[None, :] & (key_pos[None, :] <= q_pos[:, None]))[None, None]
+        if dense and (s == 1 or s == high_water):
+            shortcuts[id(full)] = "all" if s == 1 else "causal"
+        if not rt.shape.mask_dict:
+            return full, shortcuts
+        masks: dict[str, torch.Tensor | None] = {t: None for t in rt.shape.mask_types}
+        masks["full_attention"] = full
+        if rt.roles.window:
+            n, w = st.win_len, rt.roles.window_size
+            query = torch.arange(n, n + s, device=dev)[:, None]
+            key = torch.arange(n + s, device=dev)[None, :]
+            window = ((key <= query) & (query - key < w))[None, None]
+            masks["sliding_attention"] = window
+            if (s == 1 and n < w) or (n == 0 and s <= w):
+                shortcuts[id(window)] = "all" if s == 1 else "causal"
+        return masks, shortcuts
 
     def _forward(self, ids: list[int], positions: np.ndarray, slots: np.ndarray, high_water: int) -> np.ndarray:
         st, rt = self._store, self._rt
-        dev = rt.device
-        q_pos = torch.from_numpy(positions).to(dev)
-        key_pos = torch.from_numpy(st.pos[:high_water]).to(dev)
-        occupied = torch.from_numpy(st.occupied[:high_water]).to(dev)
-        mask = (occupied[None, :] & (key_pos[None, :] <= q_pos[:, None]))[None, None]
+        masks, shortcuts = self._masks(positions, slots, high_water)
         st.fwd_slots, st.fwd_high_water = slots, high_water
-        input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=rt.device)
+        position_ids = torch.from_numpy(positions).to(rt.device)[None, :]
         try:
             with rt.lock, torch.no_grad():
                 rt.active = st
+                _SHORTCUTS.masks = shortcuts
                 try:
-                    out = rt.model(input_ids=input_ids, position_ids=q_pos[None, :], attention_mask=mask,
+                    out = rt.model(input_ids=input_ids, position_ids=position_ids, attention_mask=masks,
                                    cache=self._cache, use_cache=True, logits_to_keep=1)
                 finally:
                     rt.active = None
+                    _SHORTCUTS.masks = {}
         finally:
             st.fwd_slots = None
         logits: np.ndarray = out.logits[0, -1].float().cpu().numpy()

@@ -12,7 +12,7 @@ result of ~2,000 tokens per turn, from benchmarks.workload):
 
 Per turn, from the server's /v1/kv/stats (`last_turn`): the control-plane time (everything that
 is not the model's forward: render, align, page decisions, selection, stores, restores, contextd
-calls), the selector's decision time, the key index's bytes; from /proc, the server's resident
+calls), the selector's decision time, the page indexes' bytes; from /proc, the server's resident
 memory; from the disk, contextd's database and store sizes. At the end of each session the
 server is killed with SIGKILL and started again: `recovery_s` is the time from the restart to the
 session's next answer (process start, model load, recovery from contextd, the turn itself).
@@ -20,7 +20,8 @@ Figures per size are over the turns in a window around that size (p50 / p95).
 
 Output: a table, `bench-out/scale.png` (per-turn overhead against session tokens) and, last, one
 JSON line: per size `turn_overhead_ms_p50/p95`, `select_ms_p95`, `index_rss_mb`, `rss_mb`,
-`db_mb`, `store_mb`, `bytes_per_token`, and per session `recovery_s`; plus
+`db_mb`, `store_mb`, `bytes_per_token`, `phase_ms_p95` (the overhead by phase: prepare, select,
+store, restore, persist), and per session `recovery_s`; plus
 `growth_16k_to_1m` = overhead p95 at 1M / overhead p95 at 16k (tiny model).
 """
 
@@ -39,6 +40,7 @@ from typing import Any
 from benchmarks.agent import AgentRun, TurnRecord
 from benchmarks.workload import evidence_files
 from serving.launcher import ServerProcess
+from serving.session import PHASES
 
 OUT = Path(__file__).resolve().parent.parent / "bench-out"
 SIZES = {"16k": 16_384, "128k": 131_072, "1m": 1_000_000}
@@ -52,6 +54,7 @@ class Sample:
     select_ms: float
     index_bytes: int
     rss_bytes: int
+    phases: dict[str, float]   # the overhead by phase (serving.session.PHASES)
 
 
 @dataclass
@@ -90,9 +93,11 @@ def grow(model: str, tokens: int, budget: int, work: Path, seed: int) -> Grown:
             last = stats["last_turn"]
             assert server.proc is not None
             grown.samples.append(Sample(record.session_tokens, last["overhead_ms"], last["select_ms"],
-                                        stats["key_index_bytes"], rss_bytes(server.proc.pid)))
+                                        stats["key_index_bytes"] + stats["lexical_index_bytes"],
+                                        rss_bytes(server.proc.pid), {p: last[f"{p}_ms"] for p in PHASES}))
             print(f"  {model}: {record.session_tokens:>9,} tokens  overhead {last['overhead_ms']:8.1f} ms  "
-                  f"select {last['select_ms']:7.1f} ms  forward {last['forward_ms']:8.1f} ms", flush=True)
+                  + "  ".join(f"{p} {last[f'{p}_ms']:6.1f}" for p in PHASES)
+                  + f"  forward {last['forward_ms']:8.1f} ms", flush=True)
 
         run.run(files, on_turn=sample, until_tokens=tokens)
         grown.session_tokens = grown.samples[-1].session_tokens
@@ -127,7 +132,8 @@ def figures(grown: Grown, size: int) -> dict[str, Any]:
             "turn_overhead_ms_p95": round(p95(overhead), 1),
             "select_ms_p95": round(p95([s.select_ms for s in near]), 1),
             "index_rss_mb": round(max(s.index_bytes for s in near) / 2**20, 1),
-            "rss_mb": round(max(s.rss_bytes for s in near) / 2**20, 1)}
+            "rss_mb": round(max(s.rss_bytes for s in near) / 2**20, 1),
+            "phase_ms_p95": {p: round(p95([s.phases[p] for s in near]), 1) for p in PHASES}}
 
 
 def plot(runs: dict[str, Grown], path: Path) -> None:

@@ -1,20 +1,23 @@
-"""Selectors compared on the demo workload: does each bring a planted fact back into attention?
+"""Selectors on agent sessions of several shapes: does the page a question needs come back?
 
-One session is built through the real engine (real contextd process, real SmolLM2 weights) from
-the multilingual agent workload with facts planted in every file, far past the attention budget.
-Then, for every planted fact whose page has gone cold, the question about it is prefilled and
-each selector says what it would restore (`Engine.probe`: the question is taken back out after,
-so every selector sees the same state). A hit: the page holding the fact is in attention after the
-selector's validated plan. The controller's unit and cluster summaries are written first, in the
-background, as in serving; their cost is reported.
+For each workload shape and seed (benchmarks.shapes) and each budget, one session is built through
+the real engine (real contextd process, real SmolLM2 weights): the whole session is sent as one
+request, so it is prefilled in chunks with evictions between them exactly as serving does. Then
+every question whose answer sits in a cold page is prefilled and each selector says what it would
+restore (`Engine.probe`: the question is taken back out after, so every selector sees the same
+state). A question is a hit when every page holding a part of its answer (both parts for `split`)
+is in attention after the selector's validated plan; precision is the share of restored pages
+that hold evidence text. Tuning seeds are benchmarks.shapes.TUNING_SEEDS; nothing was tuned on
+HELD_OUT_SEEDS.
 
-    python -m benchmarks.selectors [--files 16] [--facts-per-file 2] [--budget 4096]
-                                   [--controller-models smollm2-135m,gemma3-270m] [--skip-controller]
+    python -m benchmarks.selectors [--shapes all] [--seeds held-out|tuning|101,102]
+        [--budgets 2048,4096] [--tokens 16000] [--ablation] [--controller-models smollm2-135m]
 
-Last line: one JSON object keyed by selector: hit_rate, hits, facts, p50_ms, p95_ms (foreground
-decision latency), hits per language, how the decisions ended (outcomes: a plan, a rubbish
-answer ignored, ...), and for controllers summary_seconds, summaries and controller_tokens. The
-first controller model is reported as "controller", others as "controller:<model>".
+Selectors: recency (no advice), attention (the model's keys, controller.keyindex), bm25 (lexical
+rarity alone: the 8 best pages by BM25 that fit), hybrid (the default, controller.hybrid). With
+`--ablation`, the hybrid without each of its parts and with the key evidence added. Last line: one
+JSON object: `rows` (per selector, shape, seed and budget: hit_rate, hits, questions, pages,
+precision, p50_ms, p95_ms) and `summary` (per selector and budget, by shape, over the seeds run).
 """
 
 from __future__ import annotations
@@ -25,151 +28,245 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backends import load_backend
-from benchmarks.workload import TOOLS, EvidenceFile, Fact, agent_turns, evidence_files, opening_messages
-from controller.pager import PageState
-from controller.selectors import AttentionSelector, ControllerSelector, RecencySelector, SelectionContext, Selector
+from backends import Backend, load_backend
+from benchmarks.shapes import DEFAULT_TOKENS, HELD_OUT_SEEDS, SHAPES, TUNING_SEEDS, Workload, make
+from controller.hybrid import HybridConfig
+from controller.pager import PAGE_TOKENS, PageState
+from controller.selectors import (
+    AttentionSelector,
+    ControllerSelector,
+    HybridSelector,
+    RecencySelector,
+    SelectionContext,
+    Selector,
+)
 from controller.units import Unit
 from serving.engine import ChatRequest, Engine, EngineConfig
 from serving.launcher import ContextdProcess
 from serving.transcript import ChatFormat
 
+MODEL = "smollm2-135m"
 
-def fact_page(engine: Engine, session_id: str, fact: Fact) -> int | None:
-    """The page where the fact's answer starts (harness code: it reads text to find ground truth)."""
+
+def selectors(ablation: bool) -> list[Selector]:
+    out: list[Selector] = [RecencySelector(), AttentionSelector(),
+                           HybridSelector(HybridConfig(coverage_decay=1.0, cutoff=0.0, neighbour_tokens=0), "bm25"),
+                           HybridSelector()]
+    if ablation:
+        out += [HybridSelector(HybridConfig(coverage_decay=1.0), "hybrid - coverage"),
+                HybridSelector(HybridConfig(neighbour_tokens=0), "hybrid - neighbours"),
+                HybridSelector(HybridConfig(cutoff=0.0), "hybrid - cutoff"),
+                HybridSelector(HybridConfig(key_weight=0.5), "hybrid + keys")]
+    return out
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where a question's evidence is in the session: pages holding answer parts, and every page
+    touched by an evidence string (harness code: it reads text to find ground truth)."""
+
+    needed: list[set[int]]
+    touched: set[int]
+
+
+def token_spans(engine: Engine, session_id: str) -> tuple[str, list[tuple[int, int]]]:
+    """The cached transcript's text and each token's character span in it."""
     session = engine.sessions[session_id]
-    ids = session.transcript.ids
-    pages = session.pager.pages
-    for page in pages:
-        here = engine.format.decode(ids[page.token_start:page.token_end])
-        if fact.answer in here:
-            return page.index
-        if page.index + 1 < len(pages):
-            nxt = pages[page.index + 1]
-            both = engine.format.decode(ids[page.token_start:nxt.token_end])
-            if fact.answer in both and fact.answer not in engine.format.decode(ids[nxt.token_start:nxt.token_end]):
-                return page.index
-    return None
+    tokenizer = engine.format.tokenizer
+    text = ""
+    spans: list[tuple[int, int]] = []
+    for segment in session.transcript.segments:
+        encoded = tokenizer(segment.text, return_offsets_mapping=True, add_special_tokens=False)
+        if list(encoded["input_ids"]) != list(segment.ids):  # generated text: spans by decoding
+            for k in range(len(segment.ids)):
+                spans.append((len(text) + len(engine.format.decode(segment.ids[:k])),
+                              len(text) + len(engine.format.decode(segment.ids[:k + 1]))))
+        else:
+            spans.extend((len(text) + a, len(text) + b) for a, b in encoded["offset_mapping"])
+        text += segment.text
+    return text, spans
 
 
-def build_session(engine: Engine, session_id: str, files: list[EvidenceFile]) -> list[dict[str, Any]]:
-    messages = opening_messages()
-    for added in [[], *agent_turns(files)]:
-        messages.extend(added)
-        final = None
-        for event in engine.chat(ChatRequest(session_id, list(messages), tools=TOOLS, max_tokens=8)):
-            final = event.final or final
-        assert final is not None
-        messages.append({"role": "assistant", "content": final.content,
-                         **({"tool_calls": final.tool_calls} if final.tool_calls else {})})
-    return messages
+def locate(text: str, spans: list[tuple[int, int]], workload: Workload) -> list[Located]:
+    def pages(a: int, b: int) -> set[int]:
+        return {t // PAGE_TOKENS for t, (s, e) in enumerate(spans) if e > a and s < b}
+
+    out = []
+    for q in workload.questions:
+        needed, touched = [], set()
+        for evidence, part in zip(q.evidence, q.answer_parts, strict=True):
+            at = text.find(evidence)
+            if at < 0:
+                raise AssertionError(f"{workload.shape}/{workload.seed}: evidence not in the transcript: {evidence!r}")
+            touched |= pages(at, at + len(evidence))
+            part_at = at + evidence.index(part)
+            needed.append(pages(part_at, part_at + len(part)))
+        out.append(Located(needed, touched))
+    return out
 
 
-def measure(model: str, files: int, facts_per_file: int, budget: int, controller_models: list[str],
-            deadline_s: float, seed: int = 7) -> dict[str, Any]:
+def build(engine: Engine, session_id: str, workload: Workload) -> list[dict[str, Any]]:
+    """The whole session in one request (one token generated), as a client resuming it would send it."""
+    messages = workload.messages()
+    final = None
+    for event in engine.chat(ChatRequest(session_id, list(messages), tools=workload.tools, max_tokens=1)):
+        final = event.final or final
+    assert final is not None
+    return [*messages, {"role": "assistant", "content": final.content}]
+
+
+def measure_session(backend: Backend, client: Any, workload: Workload, budget: int, chosen: Sequence[Selector]
+                    ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    fresh = backend.fork()
+    fresh.reset()
+    # The session is built with no selector: pages restored (and leased) while it is built would
+    # take the room every question's restores need. Each selector is asked in `Engine.probe`.
+    engine = Engine(fresh, ChatFormat(fresh.tokenizer), client,
+                    EngineConfig(budget_tokens=budget, tail_tokens=512, max_new_tokens=1), RecencySelector())
+    session_id = f"{workload.shape}-{workload.seed}-{budget}"
+    started = time.perf_counter()
+    messages = build(engine, session_id, workload)
+    build_s = time.perf_counter() - started
+    summaries_written(engine, session_id, [s for s in chosen if isinstance(s, ControllerSelector)])
+    text, spans = token_spans(engine, session_id)
+    located = locate(text, spans, workload)
+    session = engine.sessions[session_id]
+    results = {s.name: {"hits": 0, "questions": 0, "pages": [], "useful": 0, "ms": []} for s in chosen}
+    for question, where in zip(workload.questions, located, strict=True):
+        cold = {p.index for p in session.pager.pages if p.state is PageState.COLD}
+        if not any(pages & cold for pages in where.needed):
+            continue  # nothing it needs has left attention: it does not test retrieval
+        request = ChatRequest(session_id, [*messages, workload.question_message(question)], tools=workload.tools)
+        for name, probe in engine.probe(request, list(chosen)).items():
+            held = set(probe.resident) | set(probe.restore)
+            r = results[name]
+            r["questions"] += 1
+            r["hits"] += int(all(pages <= held for pages in where.needed))
+            r["pages"].append(len(probe.restore))
+            r["useful"] += len(set(probe.restore) & where.touched)
+            r["ms"].append(probe.decided_ms)
+    context = {"session_tokens": session.transcript.tokens, "cold_pages": sum(
+        1 for p in session.pager.pages if p.state is PageState.COLD), "build_s": round(build_s, 1)}
+    return results, context
+
+
+def row(name: str, r: dict[str, Any], shape: str, seed: int, budget: int) -> dict[str, Any]:
+    ms = sorted(r["ms"]) or [0.0]
+    restored = sum(r["pages"])
+    return {"selector": name, "shape": shape, "seed": seed, "budget": budget,
+            "hit_rate": round(r["hits"] / max(1, r["questions"]), 3), "hits": r["hits"],
+            "questions": r["questions"], "pages": round(restored / max(1, len(r["pages"])), 2),
+            "precision": round(r["useful"] / restored, 3) if restored else 0.0,
+            "p50_ms": round(statistics.median(ms), 2), "p95_ms": round(ms[min(len(ms) - 1, int(0.95 * len(ms)))], 2)}
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per selector and budget: hits / questions by shape over the seeds run, and the worst p95."""
+    out: dict[str, Any] = {}
+    for r in rows:
+        entry = out.setdefault(r["selector"], {}).setdefault(str(r["budget"]), {"by_shape": {}, "p95_ms": 0.0})
+        hits, questions = entry["by_shape"].get(r["shape"], (0, 0))
+        entry["by_shape"][r["shape"]] = (hits + r["hits"], questions + r["questions"])
+        entry["p95_ms"] = max(entry["p95_ms"], r["p95_ms"])
+    for budgets in out.values():
+        for entry in budgets.values():
+            entry["by_shape"] = {shape: round(h / max(1, q), 3) for shape, (h, q) in entry["by_shape"].items()}
+            entry["min_hit_rate"] = min(entry["by_shape"].values())
+    return out
+
+
+def controller_selectors(names: list[str], deadline_s: float) -> list[ControllerSelector]:
+    from serving.controller_models import LocalControllerModel
+
+    out = []
+    for n, model in enumerate(names):
+        controller = ControllerSelector(LocalControllerModel(model), deadline_s=deadline_s)
+        controller.name = "controller" if n == 0 else f"controller:{model}"
+        out.append(controller)
+    return out
+
+
+def summaries_written(engine: Engine, session_id: str, controllers: list[ControllerSelector]) -> None:
+    """Each controller writes its unit and cluster summaries for the session (as serving does in
+    the background after each turn) before it is asked anything."""
+    session = engine.sessions[session_id]
+    units, pages, ids = session.units, session.pager.pages, session.transcript.ids
+
+    def text_of(unit: Unit) -> str:
+        return engine.format.decode(ids[pages[unit.pages[0]].token_start:pages[unit.pages[-1]].token_end])
+
+    for controller in controllers:
+        controller.after_turn(SelectionContext(session_id, session.pager, units, ""),
+                              [units.units[u] for u in units.order], text_of)
+        controller.wait_idle()
+
+
+def seeds_of(text: str) -> list[int]:
+    if text == "held-out":
+        return list(HELD_OUT_SEEDS)
+    if text == "tuning":
+        return list(TUNING_SEEDS)
+    return [int(s) for s in text.split(",")]
+
+
+def run(shapes: list[str], seeds: list[int], budgets: list[int], tokens: int, chosen: list[Selector],
+        log: Any = print) -> dict[str, Any]:
     base = Path(tempfile.mkdtemp(prefix="kvb-sel-", dir="/tmp"))
     daemon = ContextdProcess(base / "root", base / "run" / "c.sock", extra=["--reserve-bytes", "0"])
     client = daemon.start()
+    rows: list[dict[str, Any]] = []
+    sessions: list[dict[str, Any]] = []
     try:
-        backend = load_backend("torch", model, capacity=budget + 256)
-        engine = Engine(backend, ChatFormat(backend.tokenizer), client,
-                        EngineConfig(budget_tokens=budget, tail_tokens=512, max_new_tokens=8))
-        evidence = evidence_files(files, tokens_per_file=1000, facts_per_file=facts_per_file, seed=seed)
-        started = time.perf_counter()
-        messages = build_session(engine, "sel", evidence)
-        build_seconds = time.perf_counter() - started
-        session = engine.sessions["sel"]
-        units = session.units
-        ids = session.transcript.ids
-        pages = session.pager.pages
-        results: dict[str, dict[str, Any]] = {}
-        languages: set[str] = set()
-
-        def text_of(unit: Unit) -> str:
-            return engine.format.decode(ids[pages[unit.pages[0]].token_start:pages[unit.pages[-1]].token_end])
-
-        def ask(selectors: list[Selector]) -> None:
-            """Every cold fact's question, put to these selectors on the same session state."""
-            for selector in selectors:
-                results[selector.name] = {"hits": 0, "facts": 0, "ms": [], "by_language": {}, "outcomes": {}}
-            for fact in (f for file in evidence for f in file.facts):
-                page = fact_page(engine, "sel", fact)
-                if page is None or session.pager.pages[page].state is not PageState.COLD:
-                    continue  # only facts that have left attention test retrieval
-                languages.add(fact.language)
-                question = [{"role": "user", "content": f"{fact.question} Answer with the value only."}]
-                probe = engine.probe(ChatRequest("sel", messages + question, tools=TOOLS), selectors)
-                for name, r in probe.items():
-                    hit = int(page in r.restore or page in r.resident)
-                    results[name]["facts"] += 1
-                    results[name]["hits"] += hit
-                    results[name]["ms"].append(r.decided_ms)
-                    outcome = r.note.split(":")[0].split(";")[0]  # "plan", "rubbish plan ignored", ...
-                    results[name]["outcomes"][outcome] = results[name]["outcomes"].get(outcome, 0) + 1
-                    tally = results[name]["by_language"].setdefault(fact.language, [0, 0])
-                    tally[0] += hit
-                    tally[1] += 1
-
-        ask([RecencySelector(), AttentionSelector()])
-        controllers: dict[str, tuple[ControllerSelector, float]] = {}
-        for n, controller_model in enumerate(controller_models):
-            from serving.controller_models import LocalControllerModel
-
-            # Each controller writes its own summaries into the session's units, then answers.
-            controller = ControllerSelector(LocalControllerModel(controller_model), deadline_s=deadline_s)
-            controller.name = "controller" if n == 0 else f"controller:{controller_model}"
-            started = time.perf_counter()
-            controller.after_turn(SelectionContext("sel", session.pager, units, ""),
-                                  [units.units[u] for u in units.order], text_of)
-            controller.wait_idle()
-            controllers[controller.name] = (controller, time.perf_counter() - started)
-            ask([controller])
-        summary: dict[str, Any] = {}
-        for name, r in results.items():
-            ms = sorted(r["ms"]) or [0.0]
-            summary[name] = {"hit_rate": round(r["hits"] / max(1, r["facts"]), 3), "hits": r["hits"],
-                             "facts": r["facts"], "p50_ms": round(statistics.median(ms), 1),
-                             "p95_ms": round(ms[min(len(ms) - 1, int(0.95 * len(ms)))], 1),
-                             "by_language": {k: f"{h}/{n}" for k, (h, n) in sorted(r["by_language"].items())},
-                             "outcomes": r["outcomes"]}
-        summary["attention"]["controller_tokens"] = 0
-        summary["recency"]["controller_tokens"] = 0
-        for name, (controller, seconds) in controllers.items():
-            summary[name].update(summary_seconds=round(seconds, 1), summaries=controller.summaries_written,
-                                 controller_tokens=controller.model.tokens_processed, deadline_s=deadline_s)
-        summary["_workload"] = {"seed": seed, "session_tokens": session.transcript.tokens, "budget_tokens": budget,
-                                "build_seconds": round(build_seconds, 1), "units": len(session.units.units),
-                                "languages": sorted(languages)}
-        return summary
+        backend = load_backend("torch", MODEL, capacity=max(budgets) + 256)
+        for budget in budgets:
+            for shape in shapes:
+                for seed in seeds:
+                    workload = make(shape, seed, tokens)
+                    results, context = measure_session(backend, client, workload, budget, chosen)
+                    sessions.append({"shape": shape, "seed": seed, "budget": budget, **context})
+                    for name, r in results.items():
+                        rows.append(row(name, r, shape, seed, budget))
+                        log(f"{shape:<15} seed {seed:<4} budget {budget:<5} {name:<20} "
+                            f"{r['hits']:>2}/{r['questions']:<2} pages {rows[-1]['pages']:<5} "
+                            f"precision {rows[-1]['precision']:<5} p95 {rows[-1]['p95_ms']} ms")
     finally:
         daemon.stop()
         shutil.rmtree(base, ignore_errors=True)
+    tuned = sorted(set(seeds) & set(TUNING_SEEDS))
+    return {"rows": rows, "summary": summarise(rows), "sessions": sessions, "tokens": tokens,
+            "tuning_seeds": tuned, "held_out_seeds": sorted(set(seeds) - set(TUNING_SEEDS))}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--files", type=int, default=16)
-    parser.add_argument("--facts-per-file", type=int, default=2)
-    parser.add_argument("--budget", type=int, default=4096)
-    parser.add_argument("--controller-models", default="smollm2-135m",
-                        help="comma-separated embedded controller models (smollm2-135m, gemma3-270m, or a path)")
+    parser.add_argument("--shapes", default="all", help=f"comma-separated, or all: {', '.join(SHAPES)}")
+    parser.add_argument("--seeds", default="held-out", help="held-out, tuning, or comma-separated seeds")
+    parser.add_argument("--budgets", default="2048,4096")
+    parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="approximate session length")
+    parser.add_argument("--ablation", action="store_true", help="also the hybrid without each part, and with keys")
+    parser.add_argument("--controller-models", default="",
+                        help="comma-separated embedded controller models to measure too (minutes each)")
     parser.add_argument("--controller-deadline", type=float, default=30.0,
                         help="generous here, so the measured latency is the controller's own")
-    parser.add_argument("--skip-controller", action="store_true")
-    parser.add_argument("--seed", type=int, default=7, help="workload seed (7 is the one the defaults were tuned on)")
     args = parser.parse_args(argv)
-    summary = measure(args.model, args.files, args.facts_per_file, args.budget,
-                      [] if args.skip_controller else args.controller_models.split(","), args.controller_deadline,
-                      args.seed)
-    for name, r in summary.items():
-        if not name.startswith("_"):
-            print(f"{name:<11} hit rate {r['hit_rate']:.2f} ({r['hits']}/{r['facts']})  p50 {r['p50_ms']} ms  "
-                  f"p95 {r['p95_ms']} ms")
-    print(json.dumps(summary, ensure_ascii=False))
+    shapes = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
+    unknown = sorted(set(shapes) - set(SHAPES))
+    if unknown:
+        parser.error(f"unknown shapes {unknown}: use {', '.join(SHAPES)}")
+    chosen = selectors(args.ablation)
+    if args.controller_models:
+        chosen += controller_selectors(args.controller_models.split(","), args.controller_deadline)
+    result = run(shapes, seeds_of(args.seeds), [int(b) for b in args.budgets.split(",")], args.tokens, chosen)
+    for name, budgets in result["summary"].items():
+        for budget, entry in budgets.items():
+            shapes_text = "  ".join(f"{shape} {rate:.2f}" for shape, rate in entry["by_shape"].items())
+            print(f"{name:<20} budget {budget:<5} {shapes_text}  p95 {entry['p95_ms']} ms")
+    print(json.dumps(result, ensure_ascii=False))
     return 0
 
 

@@ -64,7 +64,8 @@ def status_line(reply: pb.StatusReply) -> str:
     for s in reply.sessions:
         p = s.pages
         parts.append(f"{s.session_id}: hot {p.hot} cold {p.cold} pinned {p.pinned} | attn "
-                     f"{s.attention_tokens}/{s.budget_tokens} | restored {s.counters.get('restored_pages', 0)}")
+                     f"{s.attention_tokens}/{s.budget_tokens} | restored {s.counters.get('restored_pages_turn', 0)} "
+                     f"this turn, {s.counters.get('restored_pages', 0)} in all")
     body = "; ".join(parts) if parts else "no sessions"
     return f"kv #{reply.commit_seq} {body}"
 

@@ -403,6 +403,7 @@ class Pager:
             page = self.pages[index]
             assert page.stored, f"page {index} left attention without a stored payload"
             self._set_state(index, PageState.COLD)
+            page.last_used_turn = self.turn
         for index in decision.restore:
             page = self.pages[index]
             self._set_state(index, PageState.HOT)

@@ -1,6 +1,10 @@
 """Selectors: who advises the pager which units to restore, pin and evict first.
 
   recency     no advice: the pager's default retention (oldest unpinned first) alone.
+  hybrid      the default: lexical rarity over the tokenizer's ids (controller.lexical, BM25 with
+              the chat template's own ids left out), a coverage order over the best-scoring pages,
+              a cutoff where the evidence falls off, and the neighbour a match leans on
+              (controller.hybrid). Optionally the key index's evidence beside it.
   attention   model-native, no second model: the turn's new tokens are matched against every cold
               page in the serving model's own key space (controller.keyindex); the best pages
               that fit the room come back.
@@ -10,22 +14,25 @@
 
 Whatever a selector says goes through controller.planner.validate and the pager's rules. No
 selector, and nothing in the host, looks at the words of the transcript.
-Depends on numpy, controller.pager, controller.units, controller.planner, controller.keyindex.
+Depends on numpy, controller.pager, controller.units, controller.planner, controller.keyindex,
+controller.lexical and controller.hybrid.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
+from controller.hybrid import HybridConfig, choose_pages, key_evidence, match_edges
 from controller.keyindex import KeyIndex
-from controller.pager import Pager, PageState, Plan
+from controller.lexical import LexicalIndex
+from controller.pager import PAGE_TOKENS, Pager, PageState, Plan
 from controller.planner import (
     PlanError,
     UnitPlan,
@@ -50,6 +57,8 @@ class SelectionContext:
     incoming_keys: np.ndarray | None = None  # Block keys [layers, kv_heads, tokens, head_dim] of the new tokens
     key_index: KeyIndex | None = None        # the session's model-native page index
     room_tokens: int = 0                   # what restores may fill under the low watermark
+    lexical_index: LexicalIndex | None = None  # the session's stored full pages as terms
+    incoming_ids: Sequence[int] | None = None  # token ids of the turn's new tokens (aligned with incoming_keys)
 
 
 @dataclass
@@ -57,11 +66,13 @@ class Selection:
     plan: Plan | None
     decided_ms: float
     note: str = ""
+    scores: dict[int, float] = field(default_factory=dict)  # page -> the score that chose it (shown to the user)
 
 
 class Selector(Protocol):
     name: str
-    uses_key_index: bool  # the engine keeps a KeyIndex per session and passes the new tokens' keys
+    uses_key_index: bool      # the engine keeps a KeyIndex per session and passes the new tokens' keys
+    uses_lexical_index: bool  # the engine keeps a LexicalIndex per session and passes the new tokens' ids
 
     def select(self, ctx: SelectionContext) -> Selection: ...
 
@@ -85,6 +96,7 @@ def _fit_units(ranked: list[str], units: UnitIndex, pager: Pager, room: int) -> 
 class RecencySelector:
     name = "recency"
     uses_key_index = False
+    uses_lexical_index = False
 
     def select(self, ctx: SelectionContext) -> Selection:
         return Selection(None, 0.0, "default retention")
@@ -99,6 +111,7 @@ class AttentionSelector:
 
     name = "attention"
     uses_key_index = True
+    uses_lexical_index = False
 
     def __init__(self, max_pages: int = 8) -> None:
         if max_pages < 1:
@@ -111,20 +124,66 @@ class AttentionSelector:
         cold = [] if index is None else [
             p.index for p in ctx.pager.pages if p.state is PageState.COLD and p.index in index.pages]
         if index is None or ctx.incoming_keys is None or not cold:
-            return Selection(None, (time.perf_counter() - started) * 1000, "nothing to score")
+            return Selection(None, _ms(started), "nothing to score")
         scores = index.scores(ctx.incoming_keys, cold)
-        chosen: list[int] = []
+        chosen: dict[int, float] = {}
         used = 0
         for k in np.argsort(-scores, kind="stable")[:self.max_pages]:
             page = ctx.pager.pages[cold[k]]
             if used + page.tokens <= ctx.room_tokens:
-                chosen.append(page.index)
+                chosen[page.index] = float(scores[k])
                 used += page.tokens
         plan = Plan(restore=sorted(chosen))
-        return Selection(plan, (time.perf_counter() - started) * 1000, f"restore {len(chosen)} pages")
+        return Selection(plan, _ms(started), f"restore {len(chosen)} pages", chosen)
 
     def after_turn(self, ctx: SelectionContext, closed: list[Unit], text_of: Callable[[Unit], str]) -> None:
         return None
+
+
+class HybridSelector:
+    """Restores the cold pages that share the rarest terms with the incoming turn (controller.hybrid)."""
+
+    uses_lexical_index = True
+
+    def __init__(self, config: HybridConfig | None = None, name: str = "hybrid") -> None:
+        self.config = config or HybridConfig()
+        self.name = name
+        self.uses_key_index = self.config.key_weight > 0
+
+    def select(self, ctx: SelectionContext) -> Selection:
+        started = time.perf_counter()
+        lexical, incoming = ctx.lexical_index, ctx.incoming_ids
+        if lexical is None or incoming is None or len(incoming) == 0:
+            return Selection(None, _ms(started), "no lexical index or incoming ids")
+        cold = [p.index for p in ctx.pager.pages if p.state is PageState.COLD and p.index in lexical.pages]
+        if not cold:
+            return Selection(None, _ms(started), "nothing to score")
+        ids = np.asarray(incoming, dtype=np.int64)[-self.config.incoming_tokens:]
+        match = lexical.match(ids, cold)
+        shortlist = lexical.top(match, self.config.shortlist_pages)
+        evidence = lexical.evidence(match, shortlist)
+        keys = ctx.key_index
+        if self.config.key_weight > 0 and keys is not None and ctx.incoming_keys is not None and shortlist \
+                and all(p in keys.pages for p in shortlist):
+            by_key = key_evidence(keys, ctx.incoming_keys, shortlist, ~np.isin(ids, lexical.stop_ids))
+            scale = evidence.sum(axis=1).max() / max(float(by_key.sum(axis=1).max()), 1e-9)
+            evidence = np.concatenate([evidence, self.config.key_weight * scale * by_key], axis=1)
+        room_pages = ctx.room_tokens // PAGE_TOKENS   # only full pages are indexed
+
+        def edges(page: int) -> tuple[bool, bool]:
+            return match_edges(lexical.profile(page, match), self.config.neighbour_tokens)
+
+        chosen = choose_pages(evidence, shortlist, room_pages, self.config, edges, set(cold))
+        bm25 = dict(zip(shortlist, evidence.sum(axis=1).tolist(), strict=True))
+        return Selection(Plan(restore=sorted(chosen)), _ms(started), f"restore {len(chosen)} pages",
+                         {p: bm25.get(p, 0.0) for p in chosen})
+
+    def after_turn(self, ctx: SelectionContext, closed: list[Unit], text_of: Callable[[Unit], str]) -> None:
+        return None
+
+
+def _ms(started: float) -> float:
+    return (time.perf_counter() - started) * 1000
 
 
 class ControllerModel(Protocol):
@@ -141,6 +200,7 @@ class ControllerSelector:
 
     name = "controller"
     uses_key_index = False
+    uses_lexical_index = False
 
     def __init__(self, model: ControllerModel, deadline_s: float = 1.0, max_units: int = 2) -> None:
         self.model = model
@@ -179,13 +239,13 @@ class ControllerSelector:
             future.result(timeout=self.deadline_s)
         except TimeoutError:
             self.pending[ctx.session_id] = future
-            return Selection(None, (time.perf_counter() - started) * 1000, "deadline passed; plan applies next turn")
+            return Selection(None, _ms(started), "deadline passed; plan applies next turn")
         except Exception:  # noqa: BLE001 - the answer is judged in _finish
             pass
         return self._finish(future, ctx, started, "")
 
     def _finish(self, future: Future[UnitPlan], ctx: SelectionContext, started: float, note: str) -> Selection:
-        elapsed = (time.perf_counter() - started) * 1000
+        elapsed = _ms(started)
         try:
             unit_plan = future.result()
         except PlanError as exc:
@@ -224,9 +284,14 @@ class ControllerSelector:
         self.pool.submit(lambda: None).result()
 
 
+SELECTORS = ("hybrid", "attention", "recency", "controller")
+
+
 def make_selector(name: str, controller: ControllerModel | None = None, **kw: Any) -> Selector:
     if name == "recency":
         return RecencySelector()
+    if name == "hybrid":
+        return HybridSelector(HybridConfig(**kw))
     if name == "attention":
         return AttentionSelector(**kw)
     if name == "controller":
@@ -234,4 +299,4 @@ def make_selector(name: str, controller: ControllerModel | None = None, **kw: An
             raise ValueError("the controller selector needs a controller model "
                              "(--controller-model or --controller-url)")
         return ControllerSelector(controller, **kw)
-    raise ValueError(f"unknown selector {name!r}: use recency, attention or controller")
+    raise ValueError(f"unknown selector {name!r}: use one of {', '.join(SELECTORS)}")

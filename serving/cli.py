@@ -19,7 +19,7 @@ from pathlib import Path
 from contextd.client import Client
 from contextd.errors import DaemonUnavailable
 from contextd.paths import default_root, default_socket
-from controller.selectors import ControllerModel, Selector, make_selector
+from controller.selectors import SELECTORS, ControllerModel, Selector, make_selector
 from serving.controller_models import LocalControllerModel, RemoteControllerModel
 from serving.launcher import ContextdProcess, start_tied_contextd
 
@@ -49,7 +49,8 @@ def _selector(args: argparse.Namespace) -> Selector:
         else:
             controller = LocalControllerModel(args.controller_model)
     options = {"controller": {"deadline_s": args.controller_deadline},
-               "attention": {"max_pages": args.restore_pages}}.get(args.selector, {})
+               "attention": {"max_pages": args.restore_pages},
+               "hybrid": {"max_pages": args.restore_pages}}.get(args.selector, {})
     return make_selector(args.selector, controller, **options)
 
 
@@ -108,7 +109,7 @@ def cmd_models(args: argparse.Namespace) -> int:
             print(f"    {runtime:<6} {'exact' if reason is None else 'no: ' + reason}")
     roots = [*hf_cache_roots(), *lmstudio_model_roots()]
     print(f"searched: {', '.join(str(r) for r in roots)}")
-    print(f"built in: smollm2-135m, {', '.join(TINY_MODELS)} (each tiny one also as -q4 / -q8 for --backend mlx)")
+    print(f"built in: smollm2-135m, {', '.join(TINY_MODELS)} (each also as -q4 / -q8: MLX-quantized, --backend mlx)")
     return 0
 
 
@@ -127,13 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="store pages losslessly compressed (byte planes + zstd: ~1.2x for float32 K/V, "
                        "~1.5x for bfloat16; see docs/contextd.md for what a restore pays)")
     serve.add_argument("--max-new-tokens", type=int, default=1024, help="cap on tokens generated per turn")
-    serve.add_argument("--selector", default="attention", choices=["attention", "controller", "recency"],
-                       help="who advises which pages come back (default: attention, model-native)")
+    serve.add_argument("--selector", default="hybrid", choices=list(SELECTORS),
+                       help="who advises which pages come back (default: hybrid: rare token ids and byte "
+                       "n-grams, coverage, neighbours; attention: the model's own keys; see docs/controller.md)")
     serve.add_argument("--controller-model", default="smollm2-135m",
                        help="embedded controller (smollm2-135m, gemma3-270m) or, with --controller-url, its model id")
     serve.add_argument("--controller-url", default=None, help="OpenAI-compatible endpoint for the controller")
     serve.add_argument("--restore-pages", type=int, default=8,
-                       help="attention selector: at most this many cold pages come back per turn")
+                       help="hybrid and attention selectors: at most this many cold pages come back per turn "
+                       "(the hybrid one stops earlier when the evidence falls off)")
     serve.add_argument("--controller-deadline", type=float, default=1.0,
                        help="seconds the turn waits for the controller's plan before running without it")
     serve.add_argument("--chat-template", default=None, help="file with a Jinja chat template to use instead "

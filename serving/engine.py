@@ -30,6 +30,7 @@ from backends import Backend
 from contextd import crashpoints
 from contextd.client import Client, pb
 from controller.keyindex import KeyIndex, KeyIndexConfig
+from controller.lexical import DEFAULT_LEXICAL, LexicalConfig, LexicalIndex
 from controller.pager import Decision, Pager, PagerConfig, PinKind, Plan
 from controller.selectors import RecencySelector, SelectionContext, Selector
 from controller.units import Unit, UnitIndex
@@ -52,6 +53,8 @@ log = logging.getLogger("kv_elision.engine")
 
 # What a tokenizer decodes a partial UTF-8 sequence to; such text is held back from the stream.
 INCOMPLETE_CHARACTER = chr(0xFFFD)
+# The newest ids of a turn handed to the selector: more than any selector reads (256 by default).
+INCOMING_IDS = 1024
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class EngineConfig:
     fixed_point_seed: int = 1234
     compress_pages: bool = False   # store K/V shuffle-zstd compressed (benchmarks.restore measures what it pays)
     key_index: KeyIndexConfig = field(default_factory=KeyIndexConfig)
+    lexical_index: LexicalConfig = DEFAULT_LEXICAL
 
     def __post_init__(self) -> None:
         if self.prefill_chunk <= 0 or self.max_new_tokens <= 0:
@@ -152,7 +156,7 @@ class Engine:
         self.config = config
         self.selector: Selector = selector or RecencySelector()
         self.tally = Tally()
-        self.mover = PageMover(backend, contextd, self.tally, self._key_index, compress=config.compress_pages)
+        self.mover = PageMover(backend, contextd, self.tally, self._indexes, compress=config.compress_pages)
         self.sessions: dict[str, Session] = {}
         self.active: str | None = None
         tokenizer = chat_format.tokenizer
@@ -166,11 +170,17 @@ class Engine:
 
     # ------------------------------------------------------------------ sessions
 
-    def _key_index(self, wanted: bool | None = None) -> KeyIndex | None:
-        """A new, empty model-native index when the selector (or the caller) wants one."""
-        if not (self.selector.uses_key_index if wanted is None else wanted):
-            return None
+    def _indexes(self) -> tuple[KeyIndex | None, LexicalIndex | None]:
+        """New, empty page indexes: the ones the selector searches."""
+        return (self._key_index() if self.selector.uses_key_index else None,
+                self._lexical_index() if self.selector.uses_lexical_index else None)
+
+    def _key_index(self) -> KeyIndex:
         return KeyIndex(self.config.key_index, len(self.backend.layer_view.attention_layers))
+
+    def _lexical_index(self) -> LexicalIndex:
+        return LexicalIndex(self.config.lexical_index, stop_ids=self.format.template_ids,
+                            token_bytes=self.format.token_bytes)
 
     def _activate(self, session_id: str, fingerprint: Fingerprint) -> Session:
         """Make `session_id` the backend's session: from memory, from contextd, or new."""
@@ -182,8 +192,9 @@ class Engine:
         if session is None:
             session = self.mover.recover(session_id, self.config.pager_config())
             if session is None:
+                key_index, lexical_index = self._indexes()
                 session = Session(session_id, Transcript(fingerprint), Pager(self.config.pager_config()),
-                                  UnitIndex(), key_index=self._key_index())
+                                  UnitIndex(), key_index=key_index, lexical_index=lexical_index)
                 self.contextd.open_session(session_id, model_id=self.backend.model_name,
                                            fingerprint=fingerprint.combined(), budget_tokens=self.config.budget_tokens)
             else:
@@ -206,10 +217,11 @@ class Engine:
         fingerprint = self.format.fingerprint(request.tools, request.thinking)
         self.format.normalize(request.messages, request.tools, {})  # a malformed request fails before any work
         session = self._activate(request.session_id, fingerprint)
+        session.phase_ms = {}
+        preparing = time.perf_counter()
         rendering = self.format.render(request.messages, request.tools, request.thinking, session.transcript.generated)
         rendered = rendering.text
         session.pager.begin_turn()
-        session.selected_ms = 0.0
         self.tally.count(session, turns=1)
         session.counters.restored_pages_turn = session.counters.evicted_pages_turn = 0
 
@@ -236,6 +248,7 @@ class Engine:
 
         pieces = self._prompt_pieces(session, request, rendering, alignment.new_text)
         prompt_ids = [t for piece in pieces for t in piece.segment.ids]
+        session.timed("prepare", preparing)
         if not prompt_ids:
             raise TranscriptError("the request adds nothing after the cached transcript; send the next message")
         for piece in pieces:
@@ -284,24 +297,27 @@ class Engine:
             cut = offset
         return pieces
 
-    def _selection_context(self, session: Session, incoming: str, new_tokens: int,
-                           key_index: KeyIndex | None) -> SelectionContext:
+    def _selection_context(self, session: Session, incoming: str, new_tokens: int) -> SelectionContext:
+        ids = session.transcript.ids
         return SelectionContext(session.session_id, session.pager, session.units, incoming,
-                                incoming_keys=self._incoming_keys(new_tokens, key_index), key_index=key_index,
-                                room_tokens=session.pager.room())
+                                incoming_keys=self._incoming_keys(new_tokens, session.key_index),
+                                key_index=session.key_index, room_tokens=session.pager.room(),
+                                lexical_index=session.lexical_index,
+                                incoming_ids=ids[len(ids) - min(new_tokens, INCOMING_IDS):])
 
     def _apply_plan(self, session: Session, request: ChatRequest, incoming: str, new_tokens: int) -> None:
         """Between prefill and decode: the request's own plan, else the selector's, through the
         pager's rules. Restored pages land at their place in the timeline, before the new text."""
         pager = session.pager
+        scores: dict[int, float] = {}
         if request.plan is not None:
             plan: Plan | None = request.plan
             session.last_selection = "plan from the request"
         else:
             choosing = time.perf_counter()
-            selection = self.selector.select(self._selection_context(session, incoming, new_tokens, session.key_index))
-            session.selected_ms = (time.perf_counter() - choosing) * 1e3
-            plan = selection.plan
+            selection = self.selector.select(self._selection_context(session, incoming, new_tokens))
+            session.timed("select", choosing)
+            plan, scores = selection.plan, selection.scores
             session.last_selection = f"{self.selector.name}: {selection.note} ({selection.decided_ms:.0f} ms)"
             self.tally.count(session, selector_ms=int(selection.decided_ms))
         if plan is None:
@@ -310,7 +326,7 @@ class Engine:
         self.tally.count(session, plans_used=int(decision.plan_used), plans_rejected=int(not decision.plan_used))
         if decision.plan_rejected:
             session.last_selection += f"; rejected: {decision.plan_rejected}"
-        self.mover.execute(session, decision)
+        self.mover.execute(session, decision, scores)
 
     def _incoming_keys(self, new_tokens: int, key_index: KeyIndex | None) -> np.ndarray | None:
         """Canonical keys of the turn's newest tokens (still in attention), for the key index."""
@@ -448,10 +464,10 @@ class Engine:
         persisting = time.perf_counter()
         self.mover.persist(session, lambda: self._record(session))
         self._index_units(session)
-        session.last_turn = TurnTimings(
-            total_ms=(time.perf_counter() - started) * 1e3,
-            forward_ms=(after["forward_ns"] - before["forward_ns"]) / 1e6,
-            select_ms=session.selected_ms, persist_ms=(time.perf_counter() - persisting) * 1e3)
+        session.timed("persist", persisting)
+        session.last_turn = TurnTimings(total_ms=(time.perf_counter() - started) * 1e3,
+                                        forward_ms=(after["forward_ns"] - before["forward_ns"]) / 1e6,
+                                        phases=dict(session.phase_ms))
         return TurnResult(content=content, tool_calls=calls, finish_reason="tool_calls" if calls else finish,
                           prompt_tokens=0, prefilled_tokens=0, completion_tokens=len(picked),
                           counters=SessionCounters.from_dict(session.counters.as_dict()))
@@ -511,11 +527,12 @@ class Engine:
             self._prefill(session, piece.segment, piece.pin)
             new_tokens += len(piece.segment.ids)
         pager = session.pager
-        index = session.key_index
-        if index is None and any(s.uses_key_index for s in selectors):
-            index = session.key_index = self._key_index(wanted=True)
-            self.mover.index_stored_pages(session)
-        context = self._selection_context(session, alignment.new_text, new_tokens, index)
+        if session.key_index is None and any(s.uses_key_index for s in selectors):
+            session.key_index = self._key_index()
+        if session.lexical_index is None and any(s.uses_lexical_index for s in selectors):
+            session.lexical_index = self._lexical_index()
+        self.mover.index_stored_pages(session)
+        context = self._selection_context(session, alignment.new_text, new_tokens)
         results: dict[str, ProbeResult] = {}
         for selector in selectors:
             selection = selector.select(context)
@@ -548,6 +565,32 @@ class Engine:
         return len(view.attention_layers) * view.num_kv_heads * (
             view.head_dim + view.rotary_dim + view.value_head_dim) * itemsize
 
+    def pages(self, session_id: str, text: bool = False) -> dict[str, Any]:
+        """Every page of a session, as /v1/kv/pages lists it: where it is and why. With `text`, the
+        decoded text of each page (the user's own data: the server only offers it on loopback)."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise KeyError(session_id)
+        pager = session.pager
+        ids = session.transcript.ids
+        listed = []
+        for page in pager.pages:
+            state = pager.effective_state(page).name.lower()
+            if state == "hot" and page.lease_until_turn > pager.turn:
+                state = "leased"
+            entry: dict[str, Any] = {"index": page.index, "page_id": page.page_id, "state": state,
+                                     "token_start": page.token_start, "token_end": page.token_end,
+                                     "moved_turn": page.last_used_turn, "stored": page.stored,
+                                     "score": round(session.restore_scores[page.index], 4)
+                                     if page.index in session.restore_scores else None}
+            if text:
+                entry["text"] = self.format.decode(ids[page.token_start:page.token_end])
+            listed.append(entry)
+        return {"session_id": session_id, "turn": pager.turn, "budget_tokens": self.config.budget_tokens,
+                "restored_this_turn": session.counters.restored_pages_turn,
+                "evicted_this_turn": session.counters.evicted_pages_turn,
+                "last_selection": session.last_selection, "pages": listed}
+
     def stats(self, session_id: str | None) -> dict[str, Any]:
         """Counters, page states and budget of one session, or the server's totals (JSON for /v1/kv/stats)."""
         if session_id is None:
@@ -568,7 +611,9 @@ class Engine:
                 "recovery_notes": session.recovery_notes,
                 "last_turn": session.last_turn.as_dict() if session.last_turn else None,
                 "key_index_pages": len(session.key_index.pages) if session.key_index else 0,
-                "key_index_bytes": session.key_index.nbytes if session.key_index else 0}
+                "key_index_bytes": session.key_index.nbytes if session.key_index else 0,
+                "lexical_index_pages": len(session.lexical_index.pages) if session.lexical_index else 0,
+                "lexical_index_bytes": session.lexical_index.nbytes if session.lexical_index else 0}
 
 
 def _sample(logits: np.ndarray, temperature: float, seed: int) -> int:

@@ -4,6 +4,8 @@ Routes:
   POST /v1/chat/completions   streaming (SSE) or not, `usage` included, tools passed to the template
   GET  /v1/models             the served model, with its attention budget
   GET  /v1/kv/stats[?session=ID]   one session's counters, page states and budget; else the totals
+  GET  /v1/kv/pages?session=ID[&text=1]   every page: state, token range, the turn it last moved,
+                              the score that brought it back; with text=1 (loopback clients only) its text
   GET  /health
 
 Request threads parse and validate; the single worker runs turns in arrival order and streams
@@ -19,6 +21,7 @@ Depends on serving.engine, serving.transcript and contextd.errors.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import logging
 import queue
@@ -273,10 +276,28 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                             raise RequestError(HTTPStatus.NOT_FOUND, f"no session {session!r} on this server",
                                                "session_not_found") from None
                     self._json(HTTPStatus.OK, stats)
+                elif url.path == "/v1/kv/pages":
+                    self._json(HTTPStatus.OK, self._pages(parse_qs(url.query)))
                 else:
                     raise RequestError(HTTPStatus.NOT_FOUND, f"no route {url.path}", "not_found")
             except RequestError as exc:
                 self._error(exc)
+
+        def _pages(self, query: dict[str, list[str]]) -> dict[str, Any]:
+            session = query.get("session", [None])[0]
+            if not session:
+                raise RequestError(HTTPStatus.BAD_REQUEST, "say which session: /v1/kv/pages?session=ID")
+            flag = query.get("text", ["0"])[0]
+            if flag not in ("0", "1"):
+                raise RequestError(HTTPStatus.BAD_REQUEST, "text must be 0 or 1")
+            if flag == "1" and not ipaddress.ip_address(self.client_address[0]).is_loopback:
+                raise RequestError(HTTPStatus.FORBIDDEN, "page text is only served to loopback clients", "forbidden")
+            with worker.lock:
+                try:
+                    return worker.engine.pages(session, text=flag == "1")
+                except KeyError:
+                    raise RequestError(HTTPStatus.NOT_FOUND, f"no session {session!r} on this server",
+                                       "session_not_found") from None
 
         def do_POST(self) -> None:  # noqa: N802
             try:

@@ -23,6 +23,7 @@ serving.session / serving.transcript.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -32,6 +33,7 @@ from contextd import crashpoints
 from contextd.client import Client, pb
 from contextd.errors import DataCorrupt, NotFound
 from controller.keyindex import KeyIndex
+from controller.lexical import LexicalIndex
 from controller.pager import PAGE_TOKENS, Decision, Pager, PagerConfig, PageState, PinKind
 from controller.units import UnitIndex
 from serving.session import Session, SessionCounters
@@ -72,13 +74,14 @@ class PageMover:
     """Carries the pager's decisions out on the backend and records them in contextd."""
 
     def __init__(self, backend: Backend, contextd: Client, tally: Tally,
-                 new_key_index: Callable[[], KeyIndex | None], compress: bool = False) -> None:
+                 new_indexes: Callable[[], tuple[KeyIndex | None, LexicalIndex | None]],
+                 compress: bool = False) -> None:
         self.backend = backend
         self.compress = compress
         self.contextd = contextd
         self.payloads = contextd.payloads()
         self.tally = tally
-        self.new_key_index = new_key_index
+        self.new_indexes = new_indexes
 
     # ------------------------------------------------------------------ during a turn
 
@@ -92,14 +95,20 @@ class PageMover:
         """Store, evict, restore; return the pages that came back. Pages leave attention only once
         their payload is durable; a page whose payload is gone or corrupt stays out (said in the log)."""
         pager = session.pager
+        storing = time.perf_counter()
         self.store(session, [i for i in decision.evict if not pager.pages[i].stored])
+        session.timed("store", storing)
         # From the right, so the logical offsets of pages still to remove stay valid.
         for index in sorted(decision.evict, reverse=True):
             start = pager.logical_start(index)
             self.backend.remove_attention_range(start, start + pager.pages[index].tokens)
         crashpoints.reached("serving.evict.removed")
         pager.apply(Decision(evict=decision.evict, restore=[], plan_used=decision.plan_used))
+        restoring = time.perf_counter()
         restored = self._restore(session, sorted(decision.restore))
+        session.timed("restore", restoring)
+        for index in restored:
+            session.restore_scores[index] = (scores or {}).get(index, 0.0)
         self.tally.count(session, evicted_pages=len(decision.evict), evicted_pages_turn=len(decision.evict),
                          restored_pages=len(restored), restored_pages_turn=len(restored))
         changes = [pb.PageStateChange(page_id=pager.pages[i].page_id, state=pb.COLD, last_used_turn=pager.turn)
@@ -172,6 +181,8 @@ class PageMover:
             crashpoints.reached("serving.store.payload_written")
             if page.tokens == PAGE_TOKENS and session.key_index is not None:
                 session.key_index.add(index, block.keys)
+            if page.tokens == PAGE_TOKENS and session.lexical_index is not None:
+                session.lexical_index.add(index, block.token_ids)
             page.stored = True
             previous = session.stored_ids.get(index)
             if previous is not None and previous != page.page_id:
@@ -209,6 +220,8 @@ class PageMover:
             session.message_ends.clear()
             if session.key_index is not None:
                 session.key_index.clear()
+            if session.lexical_index is not None:
+                session.lexical_index.clear()
             return
         pager = session.pager
         cut_page = pager.pages[(tokens - 1) // PAGE_TOKENS] if tokens < pager.total_tokens else None
@@ -221,6 +234,8 @@ class PageMover:
         session.message_ends = {i for i in session.message_ends if i < len(pager.pages)}
         if session.key_index is not None:
             session.key_index.truncate(tokens // PAGE_TOKENS)
+        if session.lexical_index is not None:
+            session.lexical_index.truncate(tokens // PAGE_TOKENS)
         held = pager.hot_tokens
         if self.backend.attention_tokens > held:
             self.backend.remove_attention_range(held, self.backend.attention_tokens)
@@ -298,13 +313,20 @@ class PageMover:
         return len(resident)
 
     def index_stored_pages(self, session: Session) -> None:
-        """Give a recovered session's key index its stored full pages not indexed yet (resident
-        pages were, as they were restored): one positioned read of the index layer's keys per
+        """Give a recovered session's indexes its stored full pages not indexed yet. The lexical
+        index reads the transcript's token ids (no file). The key index (resident pages were
+        indexed as they were restored) does one positioned read of the index layer's keys per
         page, not the whole payload (a SmolLM2 page is 5.9 MB, its index layer 98 KB)."""
+        pager = session.pager
+        lexical = session.lexical_index
+        if lexical is not None:
+            ids = session.transcript.ids
+            for page in pager.pages:
+                if page.stored and page.tokens == PAGE_TOKENS and page.index not in lexical.pages:
+                    lexical.add(page.index, ids[page.token_start:page.token_end])
         index = session.key_index
         if index is None:
             return
-        pager = session.pager
         wanted = [p for p in pager.pages if p.stored and p.tokens == PAGE_TOKENS and p.index not in index.pages]
         records = {r.page_id: r for r in self.contextd.get_pages(session.session_id, [p.page_id for p in wanted])}
         for page in wanted:
@@ -350,8 +372,9 @@ class PageMover:
 
         pager.turn = int(record.turn)
         pager.ledger = [i for i in record.ledger_pages if i < len(pager.pages)]
-        session = Session(session_id, transcript, pager, UnitIndex(record.unit_salt), key_index=self.new_key_index(),
-                          counters=SessionCounters.from_dict(dict(record.counters)))
+        key_index, lexical_index = self.new_indexes()
+        session = Session(session_id, transcript, pager, UnitIndex(record.unit_salt), key_index=key_index,
+                          lexical_index=lexical_index, counters=SessionCounters.from_dict(dict(record.counters)))
         session.stored_segments = len(transcript.segments)
         session.message_ends = message_end_pages(transcript.segments)
         moved = []

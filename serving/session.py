@@ -12,10 +12,12 @@ Depends on backends (RecurrentSnapshot), controller and serving.transcript.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 from backends import RecurrentSnapshot
 from controller.keyindex import KeyIndex
+from controller.lexical import LexicalIndex
 from controller.pager import Pager
 from controller.units import UnitIndex
 from serving.transcript import Transcript
@@ -76,8 +78,7 @@ class TurnTimings:
 
     total_ms: float
     forward_ms: float
-    select_ms: float
-    persist_ms: float
+    phases: dict[str, float]   # milliseconds in each of PHASES (none of them runs the model)
 
     @property
     def overhead_ms(self) -> float:
@@ -85,8 +86,13 @@ class TurnTimings:
 
     def as_dict(self) -> dict[str, float]:
         return {"total_ms": round(self.total_ms, 2), "forward_ms": round(self.forward_ms, 2),
-                "overhead_ms": round(self.overhead_ms, 2), "select_ms": round(self.select_ms, 2),
-                "persist_ms": round(self.persist_ms, 2)}
+                "overhead_ms": round(self.overhead_ms, 2),
+                **{f"{name}_ms": round(self.phases.get(name, 0.0), 2) for name in PHASES}}
+
+
+# Where a turn's overhead goes: render, align and tokenize the request; the selector's decision;
+# payload writes and their records; restores (reads, checks, inserts); the end-of-turn write-through.
+PHASES = ("prepare", "select", "store", "restore", "persist")
 
 
 @dataclass(frozen=True)
@@ -104,7 +110,8 @@ class Session:
     transcript: Transcript
     pager: Pager
     units: UnitIndex
-    key_index: KeyIndex | None = None
+    key_index: KeyIndex | None = None          # stored full pages by their keys (attention selector)
+    lexical_index: LexicalIndex | None = None  # stored full pages by their token ids (hybrid selector)
     counters: SessionCounters = field(default_factory=SessionCounters)
     snapshots: dict[int, RecurrentSnapshot] = field(default_factory=dict)  # tokens -> state (hybrids)
     last_answer: LastAnswer | None = None
@@ -117,8 +124,13 @@ class Session:
     message_ends: set[int] = field(default_factory=set)        # pages where a message ends
     last_selection: str = ""
     last_turn: TurnTimings | None = None
-    selected_ms: float = 0.0   # the selector's decision this turn, with the context it needed
+    phase_ms: dict[str, float] = field(default_factory=dict)   # this turn so far, by PHASES
+
+    def timed(self, phase: str, started: float) -> None:
+        """Add the time since `started` (time.perf_counter) to this turn's `phase`."""
+        self.phase_ms[phase] = self.phase_ms.get(phase, 0.0) + (time.perf_counter() - started) * 1e3
     recovery_notes: list[str] = field(default_factory=list)    # what recovery found and fixed
+    restore_scores: dict[int, float] = field(default_factory=dict)  # page -> score that last brought it back
 
     def cut_segments(self, keep: int) -> None:
         """The transcript keeps its first `keep` segments; the record then keeps no more either."""

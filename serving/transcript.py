@@ -14,7 +14,8 @@ Fail closed: the cache is trusted only while the tokenizer, the chat template, t
 and the thinking mode are those that built it and the cached text is a prefix of the new render.
 Otherwise `align` says how much can be kept (whole segments before the first difference) and why.
 
-Depends on xxhash and a tokenizer object (encode / decode / apply_chat_template).
+Depends on xxhash, controller.lexical (vocabulary bytes) and a tokenizer object (encode / decode /
+apply_chat_template).
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import xxhash
+
+from controller.lexical import vocabulary_bytes
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 _TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(\{.*?\})\s*" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
@@ -356,6 +360,30 @@ class ChatFormat:
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    @cached_property
+    def template_ids(self) -> list[int]:
+        """The ids the chat template writes around every message (role markers, the newline after
+        a role), found by rendering empty messages of every role: they say nothing about what a
+        page holds, so the lexical index leaves them out (controller.lexical)."""
+        ids: set[int] = set()
+        for role in ("user", "assistant", "tool"):
+            for opener in (False, True):
+                text = self._render([{"role": "system", "content": ""}, {"role": role, "content": ""}], None,
+                                    "default", add_generation_prompt=opener)
+                ids.update(self.encode(text))
+        return sorted(ids)
+
+    @cached_property
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes (for byte n-grams across token boundaries, controller.lexical). A
+        vocabulary whose pieces carry GPT-2's stand-in for a space (U+0120) is byte-level BPE."""
+        vocab: dict[str, int] = self.tokenizer.get_vocab()
+        pieces = [""] * (max(vocab.values()) + 1)
+        for piece, i in vocab.items():
+            pieces[i] = piece
+        byte_level = any(p.startswith(chr(0x120)) for p in pieces)
+        return vocabulary_bytes(pieces, byte_level)
 
 
 CHANGED_TEXT = "transcript changed before the cached end (edited or retried)"

@@ -22,12 +22,18 @@ import numpy as np
 import pytest
 
 from backends import Backend, load_backend
-from backends.models import load_tokenizer, resolve
+from backends.models import TINY_MODELS, load_tokenizer, resolve
 from benchmarks.corpus import sample_tokens
 
 from .mlx_harness import MlxHarness
 
 BACKENDS = ["torch", "mlx"]
+# One tiny random-weight model per family (hidden 64, 4-6 layers), each run by the whole suite, and
+# their 4-bit MLX copies made with mlx-lm's converter (MLX only).
+FAMILIES = list(TINY_MODELS)
+QUANTIZED = [f"{name}-q4" for name in FAMILIES]
+WINDOWED = ["tiny-gemma3", "tiny-gemma4", "tiny-gpt-oss", "tiny-ministral"]
+HYBRIDS = ["tiny-qwen3-next", "tiny-qwen3-5", "tiny-qwen3-5-moe", "tiny-nemotron-h"]
 DEVICES = ["cpu", "cuda"]
 PREFILL_TOKENS = 1024
 TEXT_TOKENS = 1536
@@ -43,12 +49,16 @@ class Harness(Protocol):
         """None when `device` can run here, else the reason to skip."""
         ...
 
-    def capture_prerope_keys(self, be: Backend) -> contextlib.AbstractContextManager[list[list[np.ndarray]]]:
-        """While active, collect every attention layer's pre-rotary keys [n, heads, dim] per forward."""
+    def capture_prerope_keys(self, be: Backend, role: str = "paged"
+                             ) -> contextlib.AbstractContextManager[list[list[np.ndarray]]]:
+        """While active, collect the pre-rotary keys [n, heads, dim] per forward of every paged layer
+        (role "paged") or every sliding-window layer (role "window")."""
         ...
 
-    def model_rotate(self, be: Backend, keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """The model's own rotary embedding applied to canonical keys [layers, heads, n, dim]."""
+    def model_rotate(self, be: Backend, keys: np.ndarray, positions: np.ndarray,
+                     layer_type: str = "full_attention") -> np.ndarray:
+        """The model's own rotary embedding of `layer_type` ("full_attention" or "sliding_attention")
+        applied to canonical keys [layers, heads, n, dim]."""
         ...
 
     def stock_recurrent_after_naive_removal(self, be: Backend, token_ids: list[int], start: int,
@@ -67,6 +77,9 @@ class Harness(Protocol):
 
 
 class TorchHarness:
+    """The transformers model itself: its key modules, its rotary module and `apply_rotary_pos_emb`,
+    its stock cache and attention."""
+
     def supports_device(self, device: str) -> str | None:
         import torch
 
@@ -74,29 +87,38 @@ class TorchHarness:
             return "torch.cuda.is_available() is False"
         return None
 
+    @staticmethod
+    def _shape(be: Backend) -> Any:
+        from backends.torch_backend import classify
+
+        return classify(be.hf_model)  # type: ignore[attr-defined]
+
     @contextlib.contextmanager
-    def capture_prerope_keys(self, be: Backend) -> Iterator[list[list[np.ndarray]]]:
+    def capture_prerope_keys(self, be: Backend, role: str = "paged") -> Iterator[list[list[np.ndarray]]]:
         import torch
 
         model = be.hf_model  # type: ignore[attr-defined]
-        layers = model.model.layers
-        attention = [i for i, layer in enumerate(layers) if hasattr(layer, "self_attn")]
-        captured: list[list[np.ndarray]] = [[] for _ in attention]
-        handles = []
-        for slot, i in enumerate(attention):
-            attn = layers[i].self_attn
-            # Where the model computes the key before rotating it: the per-head k_norm when the
-            # family has one, else the k_proj output split into heads.
-            if isinstance(getattr(attn, "k_norm", None), torch.nn.Module):
-                module, split = attn.k_norm, False
-            else:
-                module, split = attn.k_proj, True
+        shape = self._shape(be)
+        layers = list(shape.roles.paged if role == "paged" else shape.roles.window)
+        captured: list[list[np.ndarray]] = [[] for _ in layers]
+        tokens = {"n": 0}
 
-            def hook(mod: Any, args: Any, out: Any, slot: int = slot, split: bool = split,
-                     head_dim: int = int(attn.head_dim)) -> None:
-                k = out.detach()
-                if split:
-                    k = k.view(*k.shape[:-1], -1, head_dim)
+        def count(module: Any, args: Any) -> None:
+            tokens["n"] = int(args[0].shape[-1])
+
+        handles = [model.get_input_embeddings().register_forward_pre_hook(count)]
+        for slot, i in enumerate(layers):
+            attn = shape.attention[i]
+            # Where the model computes the key before rotating it: the per-head k_norm when the
+            # attention has one, else the k_proj output split into heads.
+            module = attn.k_norm if isinstance(getattr(attn, "k_norm", None), torch.nn.Module) else attn.k_proj
+
+            def hook(mod: Any, args: Any, out: Any, slot: int = slot, head_dim: int = int(attn.head_dim)) -> None:
+                k, n = out.detach(), tokens["n"]
+                if k.dim() == 3:
+                    k = k.view(1, n, -1, head_dim)
+                elif k.shape[1] != n:
+                    k = k.transpose(1, 2)  # [B, H, S, D] (Gemma 3's k_norm) -> [B, S, H, D]
                 captured[slot].append(k[0].float().cpu().numpy())
 
             handles.append(module.register_forward_hook(hook))
@@ -106,18 +128,33 @@ class TorchHarness:
             for h in handles:
                 h.remove()
 
-    def model_rotate(self, be: Backend, keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    def model_rotate(self, be: Backend, keys: np.ndarray, positions: np.ndarray,
+                     layer_type: str = "full_attention") -> np.ndarray:
+        """The model's rotary module (per layer type where it has several) and its own
+        apply_rotary_pos_emb, whichever signature it has; keys unchanged without rotary (NoPE)."""
+        import inspect
+
         import torch
 
         model = be.hf_model  # type: ignore[attr-defined]
-        attn = next(layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn"))
-        apply_rotary_pos_emb = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        shape = self._shape(be)
+        rotary = getattr(shape.decoder, "rotary_emb", None)
+        if rotary is None:
+            return np.asarray(keys, dtype=np.float32)
+        layers = shape.roles.paged if layer_type == "full_attention" else shape.roles.window
+        apply = sys.modules[type(shape.attention[layers[0]]).__module__].apply_rotary_pos_emb
         device = next(model.parameters()).device
         k = torch.from_numpy(np.ascontiguousarray(keys, dtype=np.float32)).to(device)
         pos = torch.from_numpy(positions.astype(np.int64))[None, :].to(device)
         with torch.no_grad():
-            cos, sin = model.model.rotary_emb(k, pos)
-            _, rotated = apply_rotary_pos_emb(k, k, cos, sin)
+            if "layer_type" in inspect.signature(rotary.forward).parameters:
+                cos, sin = rotary(k, pos, layer_type)
+            else:
+                cos, sin = rotary(k, pos)
+            if "k" in inspect.signature(apply).parameters:
+                _, rotated = apply(k, k, cos, sin)
+            else:
+                rotated = apply(k, cos, sin)
         return np.asarray(rotated.float().cpu().numpy())
 
     def _stock_forward(self, be: Backend, token_ids: list[int], cache: Any) -> Any:
@@ -126,7 +163,7 @@ class TorchHarness:
         model = be.hf_model  # type: ignore[attr-defined]
         impl = model.config._attn_implementation
         try:
-            model.config._attn_implementation = "sdpa"
+            model.config._attn_implementation = "sdpa" if model._supports_sdpa else "eager"
             with torch.no_grad():
                 return model(input_ids=torch.tensor([token_ids], device=next(model.parameters()).device),
                              cache=cache, use_cache=True, logits_to_keep=1)
@@ -168,7 +205,7 @@ class TorchHarness:
 
     @contextlib.contextmanager
     def fail_next_forward(self, be: Backend) -> Iterator[None]:
-        layers = be.hf_model.model.layers  # type: ignore[attr-defined]
+        layers = self._shape(be).decoder.layers
 
         def boom(module: Any, args: Any) -> None:
             raise RuntimeError("injected failure in the middle of a forward pass")
@@ -182,6 +219,22 @@ class TorchHarness:
 
 
 HARNESSES: dict[str, type] = {"torch": TorchHarness, "mlx": MlxHarness}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The suite's models are tiny and its ops short: with two OpenMP threads every op waits for the
+    slower one, and on a shared 2-core machine that wait (a descheduled thread) made tiny decode
+    steps 10-50x slower than on one thread. Exactness does not depend on it."""
+    if importlib.util.find_spec("torch") is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session", params=BACKENDS)
@@ -209,6 +262,12 @@ def device(request: pytest.FixtureRequest, harness: Harness) -> str:
     return str(request.param)
 
 
+def skip_unless_runtime_has(backend: str, model: str) -> None:
+    """The 4-bit copies are MLX-quantized folders: the torch backend refuses them (tested apart)."""
+    if backend != "mlx" and model.endswith("-q4"):
+        pytest.skip(f"{model} is an MLX-quantized copy")
+
+
 @pytest.fixture(scope="session")
 def text_tokens() -> list[int]:
     """Real-text token ids (SmolLM2 vocabulary, which the tiny models share)."""
@@ -219,10 +278,17 @@ def text_tokens() -> list[int]:
 class Prefilled:
     be: Backend
     ids: list[int]
-    prerope_keys: np.ndarray  # [layers, heads, n, dim], captured from the model during prefill
+    prerope_keys: np.ndarray  # [layers, heads, n, dim], captured from the paged layers during prefill
+    window_keys: np.ndarray | None  # the same for the sliding-window layers (None without any)
 
     def fork(self) -> Backend:
         return self.be.fork()
+
+
+def stacked(captured: list[list[np.ndarray]]) -> np.ndarray:
+    """Per-forward captures [n, heads, dim] of each layer -> [layers, heads, tokens, dim]."""
+    keys = np.stack([np.concatenate(chunks, axis=0) for chunks in captured])
+    return keys.transpose(0, 2, 1, 3).copy()
 
 
 class Models:
@@ -247,10 +313,12 @@ class Models:
         if model not in self._prefilled:
             be = self.fresh(model)
             ids = self.tokens[:PREFILL_TOKENS]
-            with self.harness.capture_prerope_keys(be) as captured:
+            windowed = bool(be.layer_roles.window)  # type: ignore[attr-defined]
+            with contextlib.ExitStack() as stack:
+                paged = stack.enter_context(self.harness.capture_prerope_keys(be))
+                window = stack.enter_context(self.harness.capture_prerope_keys(be, "window")) if windowed else None
                 be.prefill(ids)
-            keys = np.stack([np.concatenate(chunks, axis=0) for chunks in captured])  # [L, n, H, D]
-            self._prefilled[model] = Prefilled(be, ids, keys.transpose(0, 2, 1, 3).copy())
+            self._prefilled[model] = Prefilled(be, ids, stacked(paged), stacked(window) if window else None)
         return self._prefilled[model]
 
 

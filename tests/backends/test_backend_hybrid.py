@@ -1,4 +1,5 @@
-"""Hybrid models: attention-only operations never touch the recurrent (Gated DeltaNet) state."""
+"""Hybrid models: attention-only operations never touch the recurrent (Gated DeltaNet, Mamba2) state,
+nor the window caches of sliding-window layers; snapshots of both put a session back exactly."""
 
 from __future__ import annotations
 
@@ -7,20 +8,23 @@ import pytest
 
 from backends import BackendError, Block, BlockMismatchError, RecurrentSnapshot
 
-from .conftest import PREFILL_TOKENS, Harness, Models
+from .conftest import HYBRIDS, PREFILL_TOKENS, WINDOWED, Harness, Models
 
 HYBRID = "tiny-qwen3-next"
+STATEFUL = [*HYBRIDS, *WINDOWED]
 
 
-def test_recurrent_and_conv_states_bit_identical_across_attention_ops(models: Models) -> None:
-    pre = models.prefilled(HYBRID)
+@pytest.mark.parametrize("model", STATEFUL)
+def test_recurrent_and_window_states_bit_identical_across_attention_ops(models: Models, model: str) -> None:
+    pre = models.prefilled(model)
     be = pre.fork()
     assert be.is_hybrid
     taken = be.snapshot_recurrent()
     assert taken is not None
     # Compare against a copy that cannot alias the live tensors.
     base = RecurrentSnapshot.from_bytes(taken.to_bytes())
-    assert {k.split("/")[0] for k in base.states} == {"conv", "recurrent"}
+    kinds = {k.split("/")[0] for k in base.states}
+    assert kinds == ({"window"} if model in WINDOWED else {"conv", "recurrent"})
     assert base.stream_tokens == PREFILL_TOKENS
 
     def unchanged() -> None:
@@ -56,14 +60,17 @@ def test_recurrent_and_conv_states_bit_identical_across_attention_ops(models: Mo
     be.prefill(pre.ids[:3])
     moved = be.snapshot_recurrent()
     assert moved is not None
-    assert all(not np.array_equal(moved.states[k], base.states[k]) for k in base.states if k.startswith("recurrent/"))
+    assert all(not np.array_equal(moved.states[k], base.states[k]) for k in base.states
+               if k.startswith(("recurrent/", "window/")))
     assert taken.equals(base)
 
 
-def test_naive_whole_cache_range_removal_would_change_recurrent_state(models: Models, harness: Harness) -> None:
+@pytest.mark.parametrize("model", [HYBRID, "tiny-nemotron-h"])
+def test_naive_whole_cache_range_removal_would_change_recurrent_state(models: Models, harness: Harness,
+                                                                       model: str) -> None:
     """The whole-cache range removal a stock runtime offers (it clears every layer, recurrent ones
     included) changes the recurrent and conv states; the attention-only removal does not."""
-    pre = models.prefilled(HYBRID)
+    pre = models.prefilled(model)
     before, after = harness.stock_recurrent_after_naive_removal(pre.be, pre.ids, 384, 512)
     assert before.keys() == after.keys() and before
     changed = [k for k in before if not np.array_equal(before[k], after[k])]
@@ -77,9 +84,11 @@ def test_naive_whole_cache_range_removal_would_change_recurrent_state(models: Mo
     assert base.equals(be.snapshot_recurrent())
 
 
-def test_snapshot_round_trip_and_rewind(models: Models) -> None:
-    """snapshot -> more tokens -> drop them from attention + restore the snapshot = the old session."""
-    be = models.fresh(HYBRID)
+@pytest.mark.parametrize("model", STATEFUL)
+def test_snapshot_round_trip_and_rewind(models: Models, model: str) -> None:
+    """snapshot -> more tokens -> drop them from attention + restore the snapshot = the old session:
+    a cut back puts the recurrent state, and the window of a sliding-window layer, back as they were."""
+    be = models.fresh(model)
     ids = models.tokens[:300]
     be.prefill(ids[:256])
     twin = be.fork()
@@ -108,15 +117,16 @@ def test_snapshot_round_trip_and_rewind(models: Models) -> None:
     assert float(np.abs(be.last_logits() - twin.last_logits()).max()) <= 1e-4
 
 
-def test_snapshot_restores_into_an_empty_session(models: Models) -> None:
-    src = models.fresh(HYBRID)
+@pytest.mark.parametrize("model", [HYBRID, "tiny-nemotron-h", "tiny-gemma3"])
+def test_snapshot_restores_into_an_empty_session(models: Models, model: str) -> None:
+    src = models.fresh(model)
     src.prefill(models.tokens[:200])
     snap = src.snapshot_recurrent()
     assert snap is not None
-    dst = models.fresh(HYBRID)
+    dst = models.fresh(model)
     dst.restore_recurrent(snap)
     assert snap.equals(dst.snapshot_recurrent())
-    empty = models.fresh(HYBRID).snapshot_recurrent()
+    empty = models.fresh(model).snapshot_recurrent()
     assert empty is not None and not empty.states
     dst.restore_recurrent(empty)
     again = dst.snapshot_recurrent()

@@ -28,7 +28,8 @@ from backends.blockfile import FORMAT_VERSION, checksum
 
 from .conftest import Harness, Models
 
-TINY = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-next"]
+# The random mixes run on a dense, a hybrid and a sliding-window (with attention sinks) model.
+TINY = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-next", "tiny-gpt-oss"]
 
 
 # -- loading -----------------------------------------------------------------------------------
@@ -64,12 +65,36 @@ def _hf_folder(tmp_path: Path, config: dict[str, object]) -> str:
         ({"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
           "num_key_value_heads": 1, "intermediate_size": 64, "vocab_size": 100,
           "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}, "dynamic"),
+        ({"model_type": "deepseek_v3", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+          "kv_lora_rank": 16, "q_lora_rank": 24, "vocab_size": 100}, "MLA"),
+        ({"model_type": "bloom", "hidden_size": 32, "n_layer": 2, "n_head": 2, "vocab_size": 100}, "ALiBi"),
+        ({"model_type": "llama4_text", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+          "attention_chunk_size": 64, "vocab_size": 100}, "chunked attention"),
+        ({"model_type": "mistral", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+          "num_key_value_heads": 1, "intermediate_size": 64, "vocab_size": 100, "sliding_window": 16},
+         "no global-attention layer"),
     ],
 )
 def test_unsupported_models_name_what_is_missing(backend_name: str, device: str, tmp_path: Path,
                                                  config: dict[str, object], named: str) -> None:
+    """Refused from the config and the modules, before any weight is read (these folders have none)."""
     with pytest.raises(UnsupportedModelError, match=named):
         load_backend(backend_name, _hf_folder(tmp_path, config), device=device)
+
+
+def test_mlx_quantized_copies_load_natively_and_only_in_mlx(backend_name: str, models: Models) -> None:
+    """A 4-bit folder made by mlx_lm.convert runs on mlx-lm's quantized layers (no dequantised copy);
+    the torch backend refuses it and says where it runs."""
+    if backend_name != "mlx":
+        with pytest.raises(UnsupportedModelError, match="MLX-quantized"):
+            load_backend(backend_name, "tiny-llama-q4")
+        return
+    import mlx.nn as nn
+
+    be = models.fresh("tiny-llama-q4")
+    attn = be.mlx_model.layers[0].self_attn  # type: ignore[attr-defined]
+    assert isinstance(attn.q_proj, nn.QuantizedLinear) and attn.q_proj.bits == 4
+    assert be.layer_view.dtype == "float32" and be.model_id != models.fresh("tiny-llama").model_id
 
 
 # -- the block format --------------------------------------------------------------------------
@@ -230,9 +255,10 @@ def test_block_with_another_dtype_is_refused(models: Models) -> None:
         full.insert_block(Block.from_bytes(blk.to_bytes()), 0)
 
 
-def test_bfloat16_restore_is_bit_identical(models: Models) -> None:
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-gemma3"])
+def test_bfloat16_restore_is_bit_identical(models: Models, model: str) -> None:
     """In bf16 the re-anchoring uses the model's own bf16 arithmetic: keys come back bit for bit."""
-    be = models.fresh("tiny-qwen3", dtype="bfloat16")
+    be = models.fresh(model, dtype="bfloat16")
     be.prefill(models.tokens[:512])
     ref = be.fork()
     blk = Block.from_bytes(be.save_block(128, 256).to_bytes(), expect=be.layer_view)

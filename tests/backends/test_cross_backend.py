@@ -5,8 +5,10 @@
 - The same SmolLM2 prompt gives the same 32 greedy tokens on both.
 - A block saved by torch restores in MLX and vice versa: the next-token logits equal the receiving
   runtime's own untouched reference within the suite's 1e-4, and greedy decoding goes on the same.
-- Hybrid (Qwen3-Next): a whole session - attention block plus recurrent snapshot - moves between
-  runtimes and continues as the receiving runtime would have computed it itself.
+- Hybrid and sliding-window models: a whole session - attention block plus recurrent / window
+  snapshot - moves between runtimes and continues as the receiving runtime would have computed it.
+- Every family's tiny model loads from the same folder in both runtimes (transformers' loader;
+  mlx-lm's own loader and model classes) as one model.
 
 Tolerances: within one runtime the suite's (1e-4 logits). Across runtimes the arithmetic differs
 legitimately - matmul and RMSNorm summation order, and the rotary angle `p * inv_freq` rounded to
@@ -29,6 +31,8 @@ from backends import Backend, Block, BlockMismatchError, RecurrentSnapshot, load
 from backends.models import TINY_MODELS, load_tokenizer, resolve
 from benchmarks.corpus import sample_tokens
 
+from .conftest import FAMILIES
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("mlx") is None or importlib.util.find_spec("torch") is None,
     reason="cross-backend tests need both torch and mlx installed",
@@ -36,7 +40,12 @@ pytestmark = pytest.mark.skipif(
 
 LOGIT_TOL = 1e-4  # the exactness suite's, for a restore checked against the same runtime
 CROSS_LOGIT_TOL = 1e-3  # logits of the two runtimes against each other (see the module docstring)
-TINY = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-next"]
+# Nemotron-H's Mamba2 layers compute differently in the two runtimes (chunked scan, float32 state
+# vs mlx-lm's): ~1e-2 apart on these logits. What it means for a block from the other runtime:
+# its keys were computed by that runtime's Mamba2, so they fit the receiving runtime to that much.
+FAMILY_TOL = {"tiny-nemotron-h": 3e-2}
+TINY = FAMILIES
+SESSION_MOVES = ["tiny-qwen3-next", "tiny-qwen3-5", "tiny-nemotron-h", "tiny-gemma3", "tiny-gpt-oss"]
 SMOLLM2_PROMPT = 1024
 PAGE = (384, 512)
 
@@ -69,9 +78,9 @@ def prefilled_pair(model: str, ids: list[int]) -> Pair:
     return pair
 
 
-def assert_same_greedy(a: Backend, b: Backend, steps: int) -> None:
+def assert_same_greedy(a: Backend, b: Backend, steps: int, tol: float = CROSS_LOGIT_TOL) -> None:
     """Both runtimes pick `steps` greedy tokens from their current state; tokens equal and every
-    step's logits within CROSS_LOGIT_TOL. A divergence reports both top-2 margins."""
+    step's logits within `tol`. A divergence reports both top-2 margins."""
     worst = 0.0
     for step in range(steps):
         ta, tb = a.decode(), b.decode()
@@ -81,7 +90,7 @@ def assert_same_greedy(a: Backend, b: Backend, steps: int) -> None:
             pytest.fail(f"greedy tokens diverge at step {step}: {ta} vs {tb}; top-2 margins {margins}, "
                         f"logits max |delta| {max_delta(la, lb):.3g}")
         worst = max(worst, max_delta(la, lb))
-    assert worst <= CROSS_LOGIT_TOL, worst
+    assert worst <= tol, worst
 
 
 def restore_foreign_block(dst: Backend, blk: Block, page: tuple[int, int]) -> Backend:
@@ -94,12 +103,12 @@ def restore_foreign_block(dst: Backend, blk: Block, page: tuple[int, int]) -> Ba
     return be
 
 
-def assert_restore_matches_own_reference(dst: Backend, restored: Backend, steps: int) -> None:
+def assert_restore_matches_own_reference(dst: Backend, restored: Backend, steps: int, tol: float = LOGIT_TOL) -> None:
     ref = dst.fork()
     first = [ref.decode(), ref.decode()], [restored.decode(), restored.decode()]
     assert first[0] == first[1]
     assert int(np.argmax(ref.last_logits())) == int(np.argmax(restored.last_logits()))
-    assert max_delta(ref.last_logits(), restored.last_logits()) <= LOGIT_TOL
+    assert max_delta(ref.last_logits(), restored.last_logits()) <= tol
     assert [ref.decode() for _ in range(steps)] == [restored.decode() for _ in range(steps)]
     c = restored.counters
     assert c["model_forward_tokens"] == c["new_prefill_tokens"] + c["decoded_tokens"]
@@ -108,20 +117,23 @@ def assert_restore_matches_own_reference(dst: Backend, restored: Backend, steps:
 
 @pytest.mark.parametrize("model", TINY)
 def test_tiny_models_one_identity_same_tokens_blocks_both_ways(model: str, tokens: list[int]) -> None:
+    tol = FAMILY_TOL.get(model, CROSS_LOGIT_TOL)
     pair = prefilled_pair(model, tokens[:384])
     assert pair.torch.layer_view == pair.mlx.layer_view
-    assert max_delta(pair.torch.last_logits(), pair.mlx.last_logits()) <= CROSS_LOGIT_TOL
-    assert_same_greedy(pair.torch.fork(), pair.mlx.fork(), 16)
+    assert max_delta(pair.torch.last_logits(), pair.mlx.last_logits()) <= tol
+    assert_same_greedy(pair.torch.fork(), pair.mlx.fork(), 16, tol)
     for src, dst in pair.runtimes():
         blk = src.save_block(128, 256)
         np.testing.assert_array_equal(blk.positions, np.arange(128, 256))
-        assert_restore_matches_own_reference(dst, restore_foreign_block(dst, blk, (128, 256)), 8)
+        assert_restore_matches_own_reference(dst, restore_foreign_block(dst, blk, (128, 256)), 8,
+                                             FAMILY_TOL.get(model, LOGIT_TOL))
 
 
-def test_a_hybrid_session_moves_between_runtimes(tokens: list[int]) -> None:
-    """Attention block of every held token + recurrent snapshot, through bytes, into an empty
-    session of the other runtime: it continues as that runtime's own prefill would."""
-    model = "tiny-qwen3-next"
+@pytest.mark.parametrize("model", SESSION_MOVES)
+def test_a_hybrid_session_moves_between_runtimes(model: str, tokens: list[int]) -> None:
+    """Attention block of every held token + recurrent / window snapshot, through bytes, into an
+    empty session of the other runtime: it continues as that runtime's own prefill would."""
+    tol = FAMILY_TOL.get(model, LOGIT_TOL)
     pair = prefilled_pair(model, tokens[:300])
     for src, dst in pair.runtimes():
         blk = Block.from_bytes(src.save_block(0, 300).to_bytes(), expect=dst.layer_view)
@@ -144,7 +156,7 @@ def test_a_hybrid_session_moves_between_runtimes(tokens: list[int]) -> None:
         a = [moved.decode(tokens[300])] + [moved.decode() for _ in range(15)]
         b = [native.decode(tokens[300])] + [native.decode() for _ in range(15)]
         assert a == b
-        assert max_delta(moved.last_logits(), native.last_logits()) <= LOGIT_TOL
+        assert max_delta(moved.last_logits(), native.last_logits()) <= tol
         c = moved.counters
         assert c["model_forward_tokens"] == c["decoded_tokens"] == 16 and c["new_prefill_tokens"] == 0
 

@@ -21,7 +21,7 @@ def _fill(daemon: ContextdProcess) -> None:
     store_payload(client, "alpha", records[0], b"k" * 2048)
     client.set_page_states("alpha", states([("p0", pb.COLD), ("p1", pb.PINNED)]))
     client.write_record("alpha", pb.SessionRecord(turn=2, attention_tokens=640, unit_salt="s",
-                                                  counters={"restored_pages": 3}), 0, [])
+                                                  counters={"restored_pages": 3, "restored_pages_turn": 1}), 0, [])
 
 
 def test_status_prints_a_table_and_json(daemon: ContextdProcess) -> None:
@@ -48,7 +48,7 @@ def test_watch_prints_one_line_per_change(daemon: ContextdProcess) -> None:
                             cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     first = proc.stdout.readline()
-    assert "alpha: hot 4 cold 1 pinned 1 | attn 640/4096 | restored 3" in first
+    assert "alpha: hot 4 cold 1 pinned 1 | attn 640/4096 | restored 1 this turn, 3 in all" in first
     client = daemon.client
     assert client is not None
     client.set_page_states("alpha", states([("p2", pb.PINNED)]))

@@ -1,5 +1,6 @@
 """Selectors in serving: a real `kv-elision serve` process on the real SmolLM2 weights, the
-attention selector's index and the embedded controller model (slow: minutes on two cores).
+default hybrid selector with the page listing a user reads, the attention selector's index and
+the embedded controller model (slow: minutes on two cores).
 
 Hit rates over many planted facts are asserted in tests/e2e/test_retrieval.py; here each
 selector runs where a user meets it, and the pager's accounting stays exact.
@@ -38,8 +39,34 @@ def exact(stats: dict[str, Any]) -> None:
     assert stats["attention_tokens"] <= stats["budget_tokens"]
 
 
-def test_attention_selector_restores_pages_for_a_question_about_a_cold_fact(server_factory: Any) -> None:
+def test_the_default_selector_brings_the_fact_back_and_the_page_listing_shows_it(server_factory: Any) -> None:
     server: ServerProcess = server_factory("smollm2-135m", 1536)
+    messages = grow(server, "h", files=5)
+    before = server.get("/v1/kv/pages?session=h&text=1").body
+    where = {f.answer: [p["index"] for p in before["pages"] if f.answer in p["text"]]
+             for file in evidence_files(5, tokens_per_file=600, facts_per_file=1) for f in file.facts}
+    fact = next(f for file in evidence_files(5, tokens_per_file=600, facts_per_file=1) for f in file.facts
+                if where[f.answer] and all(before["pages"][i]["state"] == "cold" for i in where[f.answer]))
+    holding = where[fact.answer]
+    reply = server.chat([*messages, {"role": "user", "content": fact.question}], session="h", tools=TOOLS,
+                        max_tokens=4)
+    assert reply.status == 200, reply.body
+    listing = server.get("/v1/kv/pages?session=h").body
+    assert listing["last_selection"].startswith("hybrid: restore "), listing["last_selection"]
+    back = [p for p in listing["pages"] if p["moved_turn"] == listing["turn"] and p["state"] == "leased"]
+    assert len(back) == listing["restored_this_turn"] > 0
+    assert any(p["index"] in holding for p in back), (holding, back)
+    assert all("text" not in p for p in listing["pages"])
+    assert [p["token_start"] for p in listing["pages"]] == [128 * i for i in range(len(listing["pages"]))]
+    assert server.get("/v1/kv/pages?session=nobody").status == 404
+    assert server.get("/v1/kv/pages?session=h&text=yes").status == 400
+    stats = server.stats("h")
+    assert stats["lexical_index_pages"] > 0 and stats["key_index_pages"] == 0  # no key index unless asked for
+    exact(stats)
+
+
+def test_attention_selector_restores_pages_for_a_question_about_a_cold_fact(server_factory: Any) -> None:
+    server: ServerProcess = server_factory("smollm2-135m", 1536, "--selector", "attention")
     messages = grow(server, "a", files=5)
     fact = evidence_files(5, tokens_per_file=600, facts_per_file=1)[0].facts[0]
     before = server.stats("a")

@@ -21,7 +21,7 @@ from backends import Backend, load_backend
 from contextd.client import Client, pb
 from contextd.wire import PageState as WireState
 from controller.pager import PageState
-from controller.selectors import AttentionSelector
+from controller.selectors import AttentionSelector, HybridSelector
 from serving.engine import ChatRequest, Engine, EngineConfig, Prepared, TurnResult
 from serving.launcher import ContextdProcess
 from serving.transcript import ChatFormat
@@ -50,7 +50,7 @@ def engine_on(backend: Backend, contextd: ContextdProcess) -> Engine:
     fresh = backend.fork()
     fresh.reset()
     return Engine(fresh, ChatFormat(fresh.tokenizer), Client(contextd.socket, timeout=60.0), CONFIG,
-                  AttentionSelector())
+                  HybridSelector())
 
 
 def turn(engine: Engine, session: str, messages: list[dict[str, Any]]) -> TurnResult:
@@ -103,8 +103,9 @@ def test_a_new_engine_recovers_the_session_exactly(backend: Backend, contextd: C
     first = engine_on(backend, contextd)
     messages = grow(first, "r", 6)
     question = [*messages, {"role": "user", "content": "How many times does handler 1 retry?"}]
-    before = first.probe(ChatRequest("r", question), [first.selector])["attention"]
-    assert before.restore, "the selector restored nothing: the comparison would say nothing"
+    before = first.probe(ChatRequest("r", question), [HybridSelector(), AttentionSelector()])
+    assert before["hybrid"].restore and before["attention"].restore, \
+        "a selector restored nothing: the comparison would say nothing"
     # The store as a restarted server finds it: a copy of the daemon's root, served by a second daemon.
     contextd.stop()
     copy = ContextdProcess(contextd.root.parent / "copy", contextd.root.parent / "copy.sock",
@@ -114,8 +115,9 @@ def test_a_new_engine_recovers_the_session_exactly(backend: Backend, contextd: C
     copy.start()
     try:
         second = engine_on(backend, copy)
-        after = second.probe(ChatRequest("r", question), [second.selector])["attention"]
-        assert after.restore == before.restore and after.resident == before.resident
+        after = second.probe(ChatRequest("r", question), [HybridSelector(), AttentionSelector()])
+        for name in ("hybrid", "attention"):
+            assert after[name].restore == before[name].restore and after[name].resident == before[name].resident
         recovered, original = second.sessions["r"], first.sessions["r"]
         assert recovered.recovery_notes == []
         assert recovered.counters.recovered_pages == sum(1 for p in recovered.pager.pages if p.resident)
@@ -123,6 +125,7 @@ def test_a_new_engine_recovers_the_session_exactly(backend: Backend, contextd: C
         assert [p.state for p in recovered.pager.pages] == [p.state for p in original.pager.pages]
         assert [p.pin for p in recovered.pager.pages] == [p.pin for p in original.pager.pages]
         assert set(recovered.key_index.pages) == set(original.key_index.pages)  # type: ignore[union-attr]
+        assert set(recovered.lexical_index.pages) == set(original.lexical_index.pages)  # type: ignore[union-attr]
         np.testing.assert_array_equal(second.backend.positions(), first.backend.positions())
         # the same request gives the same greedy answer from both
         one, two = turn(first, "r", question), turn(second, "r", question)

@@ -1,0 +1,255 @@
+"""Our backends next to the runtimes they wrap, on the same weights: speed and memory.
+
+    python -m benchmarks.runtime [--runtimes torch,mlx] [--prompt 2048] [--decode 256] [--repeats 1]
+    python -m benchmarks.runtime --make-mlx-folder DIR [--model smollm2-135m] [--bits 4]
+
+Arms, each in its own subprocess (so peak RSS is per arm), alternating ours / theirs:
+
+- torch, ours: `load_backend("torch", ...)` prefill of a `--prompt`-token real-text prompt in one
+  chunk, then `--decode` greedy tokens, each fed back (`decode()`); theirs: transformers'
+  `model.generate` on the same model (same loader, dtype and SDPA attention), greedy, EOS disabled,
+  timed by a streamer: prefill = until the first new token, decode = the tokens after it.
+- mlx, ours: `load_backend("mlx", ...)` the same way; theirs: mlx-lm's `load` + `stream_generate`
+  (prefill step = the prompt, EOS disabled), timed by when its responses arrive, the same split.
+
+Models: SmolLM2-135M (the GGUF for torch, its 4-bit mlx-lm folder `smollm2-135m-q4` for MLX, made
+by mlx_lm.convert on first use) and a tiny hybrid (Qwen3-Next: 3 Gated DeltaNet layers + 1 gated
+attention layer; its 4-bit MLX copy for MLX). Speeds are tokens per second of wall time; peak RSS
+is the arm's `ru_maxrss`. Per runtime the ratios are ours / theirs on SmolLM2 (the models entry has
+every model's): `prefill_ratio`, `decode_ratio` (goal >= 0.9), `rss_ratio` (goal <= 1.2). Also
+reported: the share of the machine's CPU other processes took meanwhile (`other_processes_cpu_share`;
+above a few percent the run measured contention as much as code). Last line: one JSON object.
+
+`--make-mlx-folder DIR` writes SmolLM2 (or `--model`) as an mlx-lm 4-bit folder (GGUF -> Hugging
+Face folder -> `mlx_lm.convert -q`), for `kv-elision serve --backend mlx --model DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MODELS = {
+    "torch": {"smollm2-135m": "smollm2-135m", "tiny-qwen3-next": "tiny-qwen3-next"},
+    "mlx": {"smollm2-135m": "smollm2-135m-q4", "tiny-qwen3-next": "tiny-qwen3-next-q4"},
+}
+HEADLINE = "smollm2-135m"
+WARMUP = 16  # prompt tokens of the untimed warm-up run every arm does first
+
+
+def _prompt(model: str, n: int) -> list[int]:
+    from backends.models import load_tokenizer, resolve
+    from benchmarks.corpus import sample_tokens
+
+    return sample_tokens(load_tokenizer(resolve(model)), n)
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _ours(runtime: str, model: str, prompt: list[int], decode: int) -> dict[str, Any]:
+    from backends import load_backend
+
+    t0 = time.perf_counter()
+    be = load_backend(runtime, model, dtype="float32" if runtime == "torch" else "auto",
+                      capacity=len(prompt) + decode + 8, prefill_chunk=len(prompt))
+    load_s = time.perf_counter() - t0
+    be.prefill(prompt[:WARMUP])  # both arms warm up the same way before anything is timed
+    for _ in range(3):
+        be.decode()
+    be.reset()
+    be.synchronize()
+    t0 = time.perf_counter()
+    be.prefill(prompt)
+    be.decode()  # the first new token, picked from the prefill's logits
+    be.synchronize()
+    t1 = time.perf_counter()
+    for _ in range(decode):
+        be.decode()
+    be.synchronize()
+    t2 = time.perf_counter()
+    return {"prefill_tps": len(prompt) / (t1 - t0), "decode_tps": decode / (t2 - t1), "load_s": load_s}
+
+
+def _torch_theirs(model: str, prompt: list[int], decode: int) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    from backends.models import resolve
+
+    source = resolve(model)
+    t0 = time.perf_counter()
+    kw: dict[str, Any] = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    hf = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32, **kw).eval()
+    load_s = time.perf_counter() - t0
+    hf.generation_config.eos_token_id = None
+    stamps: list[float] = []
+
+    class Clock(BaseStreamer):  # type: ignore[misc]
+        def put(self, value: Any) -> None:
+            stamps.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        warm = ids[:, :WARMUP]
+        hf.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        stamps.clear()
+        t0 = time.perf_counter()
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=decode + 1,
+                    do_sample=False, streamer=Clock(), pad_token_id=0)
+    # put() gets the prompt first, then each new token: stamps[1] is the first new token.
+    assert len(stamps) == decode + 2, len(stamps)
+    return {"prefill_tps": len(prompt) / (stamps[1] - t0), "decode_tps": decode / (stamps[-1] - stamps[1]),
+            "load_s": load_s}
+
+
+def _mlx_theirs(model: str, prompt: list[int], decode: int) -> dict[str, Any]:
+    import mlx.core as mx
+    from mlx_lm import load, stream_generate
+
+    from backends.mlx_backend import quantized_copy
+    from backends.models import resolve
+
+    source = resolve(model)
+    folder = quantized_copy(source) if source.kind == "mlx_quant" else source.path
+    t0 = time.perf_counter()
+    hf_model, tokenizer = load(str(folder))
+    load_s = time.perf_counter() - t0
+    tokenizer.eos_token_ids = set()
+    for _ in stream_generate(hf_model, tokenizer, mx.array(prompt[:WARMUP]), max_tokens=4):
+        pass
+    stamps: list[float] = []
+    t0 = time.perf_counter()
+    for _ in stream_generate(hf_model, tokenizer, mx.array(prompt), max_tokens=decode + 1,
+                             prefill_step_size=len(prompt)):
+        stamps.append(time.perf_counter())
+    assert len(stamps) == decode + 1, len(stamps)
+    return {"prefill_tps": len(prompt) / (stamps[0] - t0), "decode_tps": decode / (stamps[-1] - stamps[0]),
+            "load_s": load_s}
+
+
+def prepare(runtime: str, name: str) -> None:
+    """Build what the arms read (tiny folders, MLX-quantized copies, the tokenizer folder) before
+    any arm runs, so no arm's time or peak memory includes a one-time build."""
+    from backends.models import load_tokenizer, resolve
+
+    source = resolve(MODELS[runtime][name])
+    load_tokenizer(source)
+    if source.kind == "mlx_quant":
+        from backends.mlx_backend import quantized_copy
+
+        quantized_copy(source)
+
+
+def run_arm(arm: str, prompt_tokens: int, decode: int) -> dict[str, Any]:
+    runtime, who, name = arm.split(":", 2)
+    if who == "prepare":
+        prepare(runtime, name)
+        return {}
+    model = MODELS[runtime][name]
+    prompt = _prompt(model, prompt_tokens)
+    if who == "ours":
+        out = _ours(runtime, model, prompt, decode)
+    elif runtime == "torch":
+        out = _torch_theirs(model, prompt, decode)
+    else:
+        out = _mlx_theirs(model, prompt, decode)
+    out["peak_rss_mb"] = _peak_rss_mb()
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def _busy_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]
+    return sum(fields) - idle, sum(fields)
+
+
+def _ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
+    return {"prefill_ratio": round(ours["prefill_tps"] / theirs["prefill_tps"], 3),
+            "decode_ratio": round(ours["decode_tps"] / theirs["decode_tps"], 3),
+            "rss_ratio": round(ours["peak_rss_mb"] / theirs["peak_rss_mb"], 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runtimes", default="torch,mlx")
+    parser.add_argument("--models", default=",".join(MODELS["torch"]))
+    parser.add_argument("--prompt", type=int, default=2048)
+    parser.add_argument("--decode", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per arm; the fastest counts")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads in every arm (0: torch's "
+                        "default); on a busy shared machine 1 avoids measuring waits for descheduled threads")
+    parser.add_argument("--arm", help=argparse.SUPPRESS)
+    parser.add_argument("--make-mlx-folder", type=Path, help="write --model as an mlx-lm folder there and exit")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--bits", type=int, default=4)
+    args = parser.parse_args(argv)
+
+    if args.make_mlx_folder:
+        from backends.mlx_backend import make_mlx_folder
+
+        out = make_mlx_folder(args.model, args.make_mlx_folder.resolve(), bits=args.bits)
+        size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+        print(json.dumps({"folder": str(out), "weights_mb": round(size / 1e6, 1)}))
+        return 0
+    if args.arm:
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        print(json.dumps(run_arm(args.arm, args.prompt, args.decode)))
+        return 0
+
+    busy0, total0 = _busy_jiffies()
+    children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result: dict[str, Any] = {"prompt_tokens": args.prompt, "decode_tokens": args.decode,
+                              "torch_threads": args.threads or "default"}
+    for runtime in args.runtimes.split(","):
+        per_model: dict[str, Any] = {}
+        for name in args.models.split(","):
+            arms: dict[str, list[dict[str, Any]]] = {"ours": [], "theirs": []}
+            subprocess.run([sys.executable, "-m", "benchmarks.runtime", "--arm", f"{runtime}:prepare:{name}"],
+                           check=True, capture_output=True, env=os.environ.copy())
+            for _ in range(args.repeats):
+                for who in ("ours", "theirs"):
+                    cmd = [sys.executable, "-m", "benchmarks.runtime", "--arm", f"{runtime}:{who}:{name}",
+                           "--prompt", str(args.prompt), "--decode", str(args.decode), "--threads", str(args.threads)]
+                    done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+                    if done.returncode != 0:
+                        raise SystemExit(f"arm {runtime}:{who}:{name} failed:\n{done.stderr[-3000:]}")
+                    arms[who].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                    print(f"{runtime} {name} {who}: {arms[who][-1]}", file=sys.stderr, flush=True)
+            best = {who: {"prefill_tps": max(r["prefill_tps"] for r in runs),
+                          "decode_tps": max(r["decode_tps"] for r in runs),
+                          "peak_rss_mb": min(r["peak_rss_mb"] for r in runs),
+                          "load_s": min(r["load_s"] for r in runs)} for who, runs in arms.items()}
+            per_model[name] = {**best, **_ratios(best["ours"], best["theirs"]), "model": MODELS[runtime][name]}
+        headline = per_model.get(HEADLINE) or next(iter(per_model.values()))
+        result[runtime] = {k: headline[k] for k in ("prefill_ratio", "decode_ratio", "rss_ratio")}
+        result[runtime]["models"] = per_model
+    busy1, total1 = _busy_jiffies()
+    children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    ticks = os.sysconf("SC_CLK_TCK")
+    ours_jiffies = ((children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)) * ticks
+    if total1 > total0:
+        result["other_processes_cpu_share"] = round(max(0.0, (busy1 - busy0 - ours_jiffies) / (total1 - total0)), 3)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,152 @@
+"""The hybrid selector's policy: which cold pages to restore, given each page's evidence.
+
+Evidence is a matrix [candidate pages, query terms]: each term's BM25 share in each page
+(controller.lexical), optionally followed by the key index's per-token matches (`key_evidence`).
+
+  shortlist  only the `shortlist_pages` pages with the highest BM25 are weighed further: the rest
+             could not be chosen before them (a page's coverage gain never exceeds its score) and
+             a decision stays a few milliseconds however long the session.
+  coverage   greedy: each next page is the one that adds the most evidence, a term already covered
+             by k chosen pages counting decay**k: after the page naming the service, the next pick
+             is the page that holds what the first lacks (the port after the host), not a second
+             copy of the same boilerplate.
+  cutoff     stop when a page would add under `cutoff` of the first page's gain: how many pages
+             come back depends on the evidence, not on a fixed count (at most `max_pages`, and
+             never more than the room under the low watermark).
+  neighbours a page whose match touches its first or last `neighbour_tokens` tokens brings the
+             page across that edge: a sentence cut by a page boundary comes back whole.
+
+The figures behind each default are in docs/controller.md (benchmarks.selectors, ablation rows).
+Depends on numpy and controller.keyindex only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+import numpy as np
+
+from controller.keyindex import KeyIndex, token_vectors
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    max_pages: int = 8               # pages restored per decision at most, neighbours included
+    shortlist_pages: int = 64        # pages with the best BM25 that the coverage order weighs
+    coverage_decay: float = 0.7      # a query term already covered by k chosen pages counts decay**k again
+    neighbour_tokens: int = 16       # a match this close to a page edge brings the page across the edge
+    cutoff: float = 0.1              # stop when a page would add under this share of the first page's gain
+    neighbour_share: float = 0.0     # a page brings a neighbour only if it adds this share of the first gain
+    key_weight: float = 0.0          # weight of the key-match evidence next to the lexical evidence
+    incoming_tokens: int = 256       # newest tokens of the turn that make the query (as the key index)
+
+    def __post_init__(self) -> None:
+        if self.max_pages < 1:
+            raise ValueError(f"max_pages must be >= 1, got {self.max_pages}")
+        if self.shortlist_pages < self.max_pages:
+            raise ValueError(f"shortlist_pages must be >= max_pages, got {self.shortlist_pages}")
+        if not 0.0 <= self.coverage_decay <= 1.0:
+            raise ValueError(f"coverage_decay must be in [0, 1], got {self.coverage_decay}")
+        if self.neighbour_tokens < 0:
+            raise ValueError(f"neighbour_tokens must be >= 0, got {self.neighbour_tokens}")
+        if not 0.0 <= self.cutoff < 1.0:
+            raise ValueError(f"cutoff must be in [0, 1), got {self.cutoff}")
+        if not 0.0 <= self.neighbour_share <= 1.0:
+            raise ValueError(f"neighbour_share must be in [0, 1], got {self.neighbour_share}")
+        if self.key_weight < 0:
+            raise ValueError(f"key_weight must be >= 0, got {self.key_weight}")
+        if self.incoming_tokens < 1:
+            raise ValueError(f"incoming_tokens must be >= 1, got {self.incoming_tokens}")
+
+
+DEFAULT_CONFIG = HybridConfig()
+
+
+def coverage_order(evidence: np.ndarray, decay: float, count: int) -> tuple[list[int], list[float]]:
+    """Greedy order of rows (pages) by the evidence they add over the columns (query terms): a
+    column already covered by k chosen rows counts decay**k. Returns the first `count` rows and
+    the gain of each when it was chosen."""
+    rows = evidence.shape[0]
+    covered = np.zeros(evidence.shape[1], dtype=np.float64)
+    left = np.ones(rows, dtype=bool)
+    order: list[int] = []
+    gains: list[float] = []
+    for _ in range(min(count, rows)):
+        gain = (evidence * decay ** covered).sum(axis=1)
+        gain[~left] = -1.0
+        best = int(np.argmax(gain))
+        order.append(best)
+        gains.append(float(gain[best]))
+        left[best] = False
+        covered += evidence[best] > 0
+    return order, gains
+
+
+def key_evidence(index: KeyIndex, incoming_keys: np.ndarray, candidates: list[int],
+                 keep: np.ndarray | None = None) -> np.ndarray:
+    """KeyIndex's score, token by token: [candidates, incoming tokens] with
+    weight(t) * max(0, m(t, p) - floor), so that rows sum to KeyIndex.scores. `keep` masks the
+    incoming tokens that count (the chat template's own tokens say nothing)."""
+    config = index.config
+    stacked = [index.pages[p] for p in candidates]
+    lengths = [len(v) for v in stacked]
+    tokens = np.concatenate(stacked).astype(np.float32)
+    centre = tokens.mean(axis=0)
+    tokens = _normalise(tokens - centre)
+    incoming = token_vectors(incoming_keys, index.layer)[-config.incoming_tokens:].astype(np.float32)
+    if keep is not None:  # aligned at the end: both are the turn's newest tokens
+        n = min(len(keep), len(incoming))
+        incoming = incoming[-n:][keep[-n:]] if n else incoming[:0]
+    if len(incoming) == 0:
+        return np.zeros((len(candidates), 0), dtype=np.float64)
+    incoming = _normalise(incoming - centre)
+    cosine = incoming @ tokens.T
+    bounds = np.cumsum([0, *lengths])
+    best = np.maximum.reduceat(cosine, bounds[:-1], axis=1)        # [incoming, pages]
+    present = (best >= config.match_threshold).mean(axis=1)
+    weight = np.log(1.0 / np.clip(present, 1.0 / len(candidates), 1.0))
+    evidence: np.ndarray = (weight[:, None] * np.maximum(best - config.match_floor, 0.0)).T.astype(np.float64)
+    return evidence
+
+
+def _normalise(x: np.ndarray) -> np.ndarray:
+    unit: np.ndarray = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-6)
+    return unit
+
+
+def choose_pages(evidence: np.ndarray, candidates: list[int], room_pages: int, config: HybridConfig,
+                 edges: Callable[[int], tuple[bool, bool]] | None = None,
+                 cold: Collection[int] | None = None) -> list[int]:
+    """Pages to restore, best first: coverage order, cut where the gain falls under `cutoff` of the
+    first, each followed by the neighbour its match leans on (`edges(page)` -> (before, after)) when
+    that neighbour is cold (`cold`: every cold page; the candidates by default)."""
+    limit = min(config.max_pages, room_pages)
+    if limit < 1 or not candidates or evidence.size == 0:
+        return []
+    cold = set(candidates) if cold is None else cold
+    order, gains = coverage_order(evidence, config.coverage_decay, limit)
+    if not gains or gains[0] <= 0:
+        return []
+    chosen: list[int] = []
+    for row, gain in zip(order, gains, strict=True):
+        if len(chosen) >= limit or gain <= 0 or (chosen and gain < config.cutoff * gains[0]):
+            break
+        page = candidates[row]
+        if page not in chosen:
+            chosen.append(page)
+        if edges is not None and gain >= config.neighbour_share * gains[0]:
+            before, after = edges(page)
+            for flag, other in ((after, page + 1), (before, page - 1)):
+                if flag and other in cold and other not in chosen and len(chosen) < limit:
+                    chosen.append(other)
+    return chosen
+
+
+def match_edges(profile: np.ndarray, neighbour_tokens: int) -> tuple[bool, bool]:
+    """Does the strong part of a page's match (at least half its peak) touch the first or the last
+    `neighbour_tokens` tokens?"""
+    if neighbour_tokens <= 0 or profile.size == 0 or profile.max() <= 0:
+        return False, False
+    strong = np.nonzero(profile >= 0.5 * profile.max())[0]
+    return bool(strong.min() < neighbour_tokens), bool(strong.max() >= len(profile) - neighbour_tokens)

@@ -1,0 +1,119 @@
+"""Finding models offline (Hugging Face hub cache, LM Studio), listing them with verdicts, and the
+config-level refusals - without loading any runtime."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from backends import UnsupportedModelError
+from backends.models import config_refusals, list_local_models, resolve, tiny_folder
+
+REV = "0123456789abcdef0123456789abcdef01234567"
+
+
+def fake_hub_cache(root: Path, repo: str, src: Path) -> Path:
+    """models--org--name/{blobs, snapshots/<rev>/<files as links>, refs/main}, as huggingface_hub
+    lays it out."""
+    base = root / ("models--" + repo.replace("/", "--"))
+    snap = base / "snapshots" / REV
+    (base / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    (base / "refs").mkdir()
+    (base / "refs" / "main").write_text(REV)
+    for i, f in enumerate(sorted(src.iterdir())):
+        blob = base / "blobs" / f"blob{i}"
+        shutil.copy(f, blob)
+        os.symlink(os.path.relpath(blob, snap), snap / f.name)
+    return snap
+
+
+@pytest.fixture
+def offline_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    home = tmp_path / "home"
+    home.mkdir()
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("KV_ELISION_CACHE", os.environ.get("KV_ELISION_CACHE") or str(Path.home() / ".cache" /
+                                                                                       "kv-elision"))
+    tiny = tiny_folder("tiny-llama")  # built (or found) under the real cache before HOME moves
+    monkeypatch.setenv("HOME", str(home))
+    fake_hub_cache(tmp_path / "hf" / "hub", "tiny-org/llama", tiny)
+    studio = home / ".lmstudio" / "models" / "lmstudio-community" / "tiny-gemma3"
+    shutil.copytree(tiny_folder("tiny-gemma3"), studio)
+    gguf_dir = home / ".lmstudio" / "models" / "someone" / "smol-gguf"
+    gguf_dir.mkdir(parents=True)
+    (gguf_dir / "model.gguf").symlink_to(resolve("smollm2-135m").path / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return home
+
+
+def test_org_name_resolves_from_the_hub_cache_and_lm_studio(offline_home: Path) -> None:
+    hub = resolve("tiny-org/llama")
+    assert hub.origin == "hf-cache" and hub.kind == "hf_dir" and hub.path is not None
+    assert hub.path.name == REV and (hub.path / "config.json").is_file()
+    studio = resolve("lmstudio-community/tiny-gemma3")
+    assert studio.origin == "lmstudio" and studio.kind == "hf_dir"
+    gguf = resolve("someone/smol-gguf")
+    assert gguf.kind == "gguf" and gguf.gguf_file == "model.gguf"
+    with pytest.raises(UnsupportedModelError) as err:
+        resolve("nobody/nothing")
+    message = str(err.value)
+    assert "Hugging Face cache" in message and "models--nobody--nothing" in message
+    assert "LM Studio" in message and str(offline_home / ".lmstudio" / "models" / "nobody" / "nothing") in message
+
+
+def test_listing_says_what_can_be_served_exactly(offline_home: Path) -> None:
+    found = {m.name: m for m in list_local_models()}
+    assert {"smollm2-135m", "tiny-org/llama", "lmstudio-community/tiny-gemma3", "someone/smol-gguf"} <= set(found)
+    assert found["tiny-org/llama"].runtimes == {"torch": None, "mlx": None}
+    assert found["lmstudio-community/tiny-gemma3"].family == "gemma3_text"
+    assert found["someone/smol-gguf"].format == "gguf" and found["someone/smol-gguf"].family == "llama"
+
+
+def test_models_verb_lists_them(offline_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from serving.cli import main
+
+    assert main(["models", "--json"]) == 0
+    listed = {m["name"]: m for m in json.loads(capsys.readouterr().out)}
+    assert listed["tiny-org/llama"]["origin"] == "hf-cache"
+    assert main(["models"]) == 0
+    text = capsys.readouterr().out
+    assert "tiny-org/llama" in text and "exact" in text and "searched:" in text
+
+
+def test_the_same_folder_is_the_same_model_by_any_name(offline_home: Path) -> None:
+    """Identity is the files': the hub-cache copy of tiny-llama is tiny-llama."""
+    pytest.importorskip("torch")
+    from backends import load_backend
+
+    assert load_backend("torch", "tiny-org/llama", capacity=16).model_id == \
+        load_backend("torch", "tiny-llama", capacity=16).model_id
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"model_type": "deepseek_v3", "kv_lora_rank": 512}, "latent attention"),
+        ({"model_type": "falcon", "alibi": True}, "ALiBi"),
+        ({"model_type": "llama4_text", "attention_chunk_size": 8192}, "chunked attention"),
+        ({"model_type": "gemma3_text", "use_bidirectional_attention": "all"}, "bidirectional"),
+        ({"model_type": "phi3", "sliding_window": 2047}, "sliding window"),
+        ({"model_type": "gemma3_text", "rope_parameters": {"full_attention": {"rope_type": "longrope"},
+                                                           "sliding_attention": {"rope_type": "default"}}},
+         "longrope"),
+        ({"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text", "kv_lora_rank": 8}}, "MLA"),
+    ],
+)
+def test_config_refusals_name_what_is_missing(config: dict[str, object], named: str) -> None:
+    assert any(named in reason for reason in config_refusals(config)), config_refusals(config)
+
+
+def test_servable_configs_have_no_refusals() -> None:
+    for name in ("tiny-gemma4", "tiny-gpt-oss", "tiny-nemotron-h", "tiny-qwen3-5", "tiny-ministral"):
+        assert config_refusals(json.loads((tiny_folder(name) / "config.json").read_text())) == []
+    assert config_refusals({"model_type": "qwen2", "sliding_window": 32768, "use_sliding_window": False}) == []
