@@ -85,7 +85,9 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.contextd_commit
 	$(PY) -m benchmarks.restore
 	$(PY) -m benchmarks.session
-	$(PY) -m benchmarks.selectors --controller-models smollm2-135m,gemma3-270m
+	$(PY) -m benchmarks.selectors --ablation
+	$(PY) -m benchmarks.scale
+	$(PY) -m benchmarks.runtime
 
 # The reliability campaign (docs/reliability.md): kill -9 at 200+ crash points, storage faults,
 # 10,000 fuzzed HTTP and gRPC requests each, 4 interleaved sessions, access checks. Slow.

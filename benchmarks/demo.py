@@ -2,11 +2,15 @@
 
 Starts `kv-elision serve` (which starts contextd), plays a scripted agent session that reads
 evidence files in five languages and code far past the attention budget through `read` tool
-calls, then asks about a fact planted in the first file. Prints one line per turn (pages hot /
-cold / pinned, session and attention tokens, tokens prefilled, restores, the accounting check)
-and the answer, and writes a plot of attention tokens against session tokens.
+calls, then asks about facts planted in the first files, long cold by then (one fact per file,
+an English sentence about a distinct setting, as in benchmarks.compare). Prints one line per
+turn (pages hot / cold / pinned, session and attention tokens, tokens prefilled, restores, the
+accounting check), and for every question the answer, whether it holds the planted code, and
+where the fact's page was when the model answered: brought back for that question, already in
+attention, or still cold (contextd's manifest). It ends by saying which facts the model got and
+which it did not. Writes a plot of attention tokens against session tokens.
 
-    python -m benchmarks.demo [--files 24] [--budget 4096] [--out demo-out]
+    python -m benchmarks.demo [--files 24] [--budget 4096] [--questions 6] [--out demo-out]
 
 The plot and a JSON record of every turn land in --out. The last line is one JSON object.
 """
@@ -20,7 +24,9 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from backends.models import load_tokenizer, resolve
 from benchmarks.agent import AgentRun, TurnRecord
+from benchmarks.compare import answers_with, fact_needle, fact_residency, plant_fact
 from benchmarks.workload import evidence_files
 from serving.launcher import ServerProcess
 
@@ -53,13 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", type=int, default=24)
     parser.add_argument("--tokens-per-file", type=int, default=1000)
     parser.add_argument("--budget", type=int, default=4096)
+    parser.add_argument("--questions", type=int, default=6, help="facts asked about, from the first files")
     parser.add_argument("--out", default="demo-out")
     args = parser.parse_args(argv)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="kvd-demo-", dir="/tmp"))
-    files = evidence_files(args.files, tokens_per_file=args.tokens_per_file)
+    planted = [plant_fact(f, i, seed=7) for i, f in enumerate(evidence_files(args.files,
+                                                                             tokens_per_file=args.tokens_per_file))]
+    files = [f for f, _ in planted]
     server = ServerProcess(root=root, model=args.model, budget=args.budget,
                            extra=("--max-new-tokens", "48")).start()
     print(f"kv-elision demo: {args.model}, budget {args.budget} tokens, {args.files} evidence files "
@@ -79,12 +88,35 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run = AgentRun(server, "demo", max_tokens=16)
         run.run(files, on_turn=show)
-        fact = files[0].facts[0]
-        final = run.ask([{"role": "user", "content": f"Question about {files[0].path}: {fact.question} "
-                                                      "Answer with the value only."}], max_tokens=24)
-        show(final)
+        tokenizer = load_tokenizer(resolve(args.model))
+        asked = [fact for _, fact in planted[:args.questions]]
+        print(f"\nquestions about facts planted in the first {len(asked)} files (cold long before):")
+        answers = []
+        final = run.turns[-1]
+        for fact in asked:
+            final = run.ask([{"role": "user", "content": fact.question}], max_tokens=24)
+            show(final)
+            turn = server.stats("demo")["turn"]
+            where = fact_residency(server.socket, "demo", fact_needle(fact.code), tokenizer, turn=turn)
+            page = ("its page came back for this question" if where["came_back"] else
+                    "its page was already in attention" if where["in_view"] else "its page stayed cold")
+            got = answers_with(final.answer, fact.code)
+            answers.append({"file": fact.path, "language": fact.language, "question": fact.question,
+                            "expected": fact.code, "answer": final.answer.strip(), "correct": got,
+                            "in_view": where["in_view"], "came_back": where["came_back"], "pages": where["detail"]})
+            print(f"     {fact.path} ({fact.language}) {fact.question}\n       expected {fact.code}; answer "
+                  f"{final.answer.strip()[:70]!r}: {'CORRECT' if got else 'wrong'}; {page} ({where['detail']})")
         counters = final.counters
-        print(f"\nquestion: {fact.question}\nexpected: {fact.answer}\nanswer:   {final.answer.strip()!r}")
+        right = [a for a in answers if a["correct"]]
+        wrong = [a for a in answers if not a["correct"]]
+        because = [a for a in right if a["came_back"]]
+        print(f"\nthe model got {len(right)} of {len(answers)} facts"
+              + (f" ({', '.join(a['expected'] + ' from ' + a['file'] for a in right)})" if right else "")
+              + (f"; {len(because)} of them because the page came back for the question" if right else "")
+              + (f"; it did not get {', '.join(a['expected'] + ' from ' + a['file'] for a in wrong)}" if wrong else "")
+              + f". The fact's page was in attention for {sum(a['in_view'] for a in answers)} of {len(answers)}"
+              " questions: a page in view is no promise that SmolLM2-135M copies the value out of a "
+              f"{args.budget}-token view.")
         print(f"peak attention {counters['peak_attention_tokens']} of {args.budget} tokens over a "
               f"{final.session_tokens}-token session; {counters['evicted_pages']} pages evicted, "
               f"{counters['restored_pages']} restored; model_forward_tokens {counters['model_forward_tokens']} == "
@@ -99,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
                    "model_forward_tokens": counters["model_forward_tokens"],
                    "new_prefill_tokens": counters["new_prefill_tokens"], "decoded_tokens": counters["decoded_tokens"],
                    "historical_forward_during_restore": counters["historical_forward_during_restore"],
-                   "fact_expected": fact.answer, "answer": final.answer.strip(),
-                   "fact_recalled": fact.answer in final.answer}
+                   "facts_asked": len(answers), "facts_correct": len(right), "facts_in_view":
+                   sum(a["in_view"] for a in answers), "facts_correct_after_restore": len(because),
+                   "facts": answers}
         print(json.dumps(summary, ensure_ascii=False))
     finally:
         server.stop()

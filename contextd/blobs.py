@@ -12,11 +12,21 @@ when space runs short is the daemon's decision, not this module's.
 Payloads are written by the serving process on the same host (contextd.client.Payloads: the file
 first, then its manifest record through the daemon); the daemon reads them for `verify` and
 deletes them. This is the one durable write path of the project. Files are 0600 in 0700 folders:
-they hold the user's source code. Depends on xxhash and contextd.errors / contextd.ids.
+they hold the user's source code. A write that the filesystem refuses for want of space (ENOSPC,
+EDQUOT) raises StoreFull, like a write the reserve refuses; any other OSError (EIO, EROFS, ...)
+propagates as it is, and either way no file is left under a payload name.
+
+Fault injection (`inject`, or `KV_ELISION_IO_FAULT=OP:ERRNO[:N[:TIMES]]` in the environment of a
+process): every file operation here passes `_io(op, path)` first, so the reliability campaign
+(benchmarks.faults, tests/reliability) can make the N-th write, fsync, rename, ... fail with ENOSPC,
+EIO or EROFS exactly where the kernel would, on machines where a small tmpfs cannot be mounted.
+Unset, it costs one global lookup per operation. Depends on xxhash and contextd.errors / .ids /
+.paths / .crashpoints.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -27,11 +37,79 @@ from pathlib import Path
 
 import xxhash
 
-from contextd.errors import DataCorrupt, InvalidArgument
+from contextd import crashpoints
+from contextd.errors import DataCorrupt, InvalidArgument, StoreFull
 from contextd.ids import check_id
+from contextd.paths import private_folder
 
 TEMP_PREFIX = ".tmp-"
 _IOV_MAX = 512
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+# ---------------------------------------------------------------------------- fault injection
+
+IO_FAULT_ENV = "KV_ELISION_IO_FAULT"
+IO_OPS = ("mkdir", "open", "write", "fsync", "rename", "dirsync", "unlink")
+
+
+@dataclass
+class IOFault:
+    """OSError(`error`) at the `nth` `op` from now on, and at the `times` - 1 after it (0: at
+    every one from the nth on). `seen` and `fired` say how far it got."""
+
+    op: str
+    error: int
+    nth: int = 1
+    times: int = 1
+    seen: int = 0
+    fired: int = 0
+
+    def __post_init__(self) -> None:
+        if self.op not in IO_OPS:
+            raise ValueError(f"unknown file operation {self.op!r}: use one of {', '.join(IO_OPS)}")
+        if self.nth < 1 or self.times < 0:
+            raise ValueError("a fault needs nth >= 1 and times >= 0")
+
+
+def _parse_fault(spec: str) -> IOFault | None:
+    """`OP:ERRNO[:N[:TIMES]]`, e.g. `write:ENOSPC`, `fsync:EIO:3`, `open:EROFS:1:0`."""
+    if not spec:
+        return None
+    parts = spec.split(":")
+    code = getattr(errno, parts[1], None) if len(parts) >= 2 else None
+    if len(parts) > 4 or not isinstance(code, int) or not all(p.isdigit() for p in parts[2:]):
+        raise ValueError(f"{IO_FAULT_ENV}={spec!r}: expected OP:ERRNO[:N[:TIMES]], e.g. write:ENOSPC:2")
+    numbers = [int(p) for p in parts[2:]]
+    return IOFault(parts[0], code, *numbers)
+
+
+_fault: IOFault | None = _parse_fault(os.environ.get(IO_FAULT_ENV, ""))
+
+
+def inject(op: str, error: int, nth: int = 1, times: int = 1) -> IOFault:
+    """Arm one fault in this process (replacing any other); return it, to read `fired` later."""
+    global _fault
+    _fault = IOFault(op, error, nth, times)
+    return _fault
+
+
+def clear_fault() -> IOFault | None:
+    """Disarm; return the fault that was armed (the disk has room again, the device came back)."""
+    global _fault
+    fault, _fault = _fault, None
+    return fault
+
+
+def _io(op: str, path: object) -> None:
+    fault = _fault
+    if fault is None or fault.op != op:
+        return
+    fault.seen += 1
+    if fault.seen >= fault.nth and (fault.times == 0 or fault.fired < fault.times):
+        fault.fired += 1
+        raise OSError(fault.error, os.strerror(fault.error), str(path))
+
+# ----------------------------------------------------------------------------------------------
 _LOCATOR = re.compile(r"[A-Za-z0-9_:\-][A-Za-z0-9._:\-]{0,127}/[A-Za-z0-9_:\-][A-Za-z0-9._:\-]{0,200}")
 
 
@@ -39,6 +117,7 @@ def fsync_dir(path: Path) -> None:
     """Make a rename or unlink in `path` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
+        _io("dirsync", path)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -81,7 +160,7 @@ class BlobStore:
     def __init__(self, root: Path, reserve: Reserve | None = None) -> None:
         self.root = root
         self.reserve = reserve or Reserve()
-        root.mkdir(parents=True, exist_ok=True)
+        private_folder(root)  # payloads are the user's code: 0700 folders
 
     def locator(self, session_id: str, name: str, digest: str, suffix: str) -> str:
         check_id(session_id, "session_id")
@@ -93,25 +172,47 @@ class BlobStore:
             raise InvalidArgument(f"locator {locator[:60]!r} is not a store-relative payload name")
         return self.root / locator
 
-    def write(self, session_id: str, name: str, data: bytes | Sequence[memoryview], suffix: str = "kv") -> StoredBlob:
+    def write(self, session_id: str, name: str, data: bytes | Sequence[memoryview], suffix: str = "kv",
+              sync_folder: bool = True) -> StoredBlob:
         """Write a payload durably under a fresh immutable name; return where it went.
 
         `data` is the bytes or a list of buffers written back to back (a block file straight
-        from its arrays, see backends.blockfile.pack). The checksum is computed while writing."""
+        from its arrays, see backends.blockfile.pack). The checksum is computed while writing.
+        With `sync_folder=False` the file's contents are durable but its name is not until
+        `sync_folder(session_id)`: a batch of pages pays one directory fsync, not one each."""
         check_id(session_id, "session_id")
         check_id(name, "payload name")
         pending = [memoryview(data)] if isinstance(data, bytes) else [memoryview(p).cast("B") for p in data if len(p)]
+        size = sum(len(p) for p in pending)
+        try:
+            return self._write(session_id, name, pending, suffix, sync_folder)
+        except OSError as exc:
+            if exc.errno in _NO_SPACE:
+                raise StoreFull(f"no room on the store's filesystem for a {size}-byte payload "
+                                f"({exc.strerror}); nothing stored was touched") from exc
+            raise
+
+    def sync_folder(self, session_id: str) -> None:
+        """Make the names of the session's payloads written so far durable."""
+        check_id(session_id, "session_id")
+        fsync_dir(self.root / session_id)
+
+    def _write(self, session_id: str, name: str, pending: list[memoryview], suffix: str,
+               sync_folder: bool) -> StoredBlob:
         folder = self.root / session_id
+        _io("mkdir", folder)
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         temp = folder / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
         hasher = xxhash.xxh3_128()
         total = 0
+        _io("open", temp)
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             for piece in pending:
                 hasher.update(piece)
                 total += len(piece)
             while pending:
+                _io("write", temp)
                 written = os.writev(fd, pending[:_IOV_MAX])
                 if written <= 0:
                     raise OSError(f"{temp}: write made no progress")
@@ -119,6 +220,8 @@ class BlobStore:
                     written -= len(pending.pop(0))
                 if written:
                     pending[0] = pending[0][written:]
+            crashpoints.reached("serving.blob.temp_written")  # a kill here leaves a temporary file
+            _io("fsync", temp)
             os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -127,8 +230,15 @@ class BlobStore:
         os.close(fd)
         digest = hasher.hexdigest()
         locator = self.locator(session_id, name, digest, suffix)
-        os.replace(temp, self.path(locator))
-        fsync_dir(folder)
+        try:
+            _io("rename", temp)
+            os.replace(temp, self.path(locator))
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        crashpoints.reached("serving.blob.renamed")  # a kill here leaves a file no manifest row names
+        if sync_folder:
+            fsync_dir(folder)
         return StoredBlob(locator, total, digest)
 
     def read(self, locator: str, expected_checksum: str, expected_size: int) -> bytes:
@@ -157,6 +267,7 @@ class BlobStore:
         path = self.path(locator)
         try:
             size = path.stat().st_size
+            _io("unlink", path)
             path.unlink()
         except FileNotFoundError:
             return 0

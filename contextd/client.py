@@ -42,13 +42,20 @@ def _raise_typed(exc: grpc.RpcError, socket_path: Path) -> None:
     raise BY_CODE.get(code, ContextdError)(detail) from None
 
 
+# How soon a channel tries the socket again after contextd went away. gRPC's default backoff (1 s,
+# x1.6 per attempt, up to 120 s) would keep failing calls for minutes after a long outage although
+# the daemon is back; a connect on a local socket is cheap, so try every quarter second at most.
+RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+             ("grpc.max_reconnect_backoff_ms", 250)]
+
+
 class Client:
     """A connection to one daemon. Thread-safe; cheap calls; reuse one per process."""
 
     def __init__(self, socket_path: Path | str | None = None, timeout: float = 30.0) -> None:
         self.socket_path = Path(socket_path) if socket_path else default_socket()
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target(self.socket_path), options=grpc_options())
+        self._channel = grpc.insecure_channel(target(self.socket_path), options=grpc_options() + RECONNECT)
         self._stub = pb_grpc.ContextdStub(self._channel)  # type: ignore[no-untyped-call]
 
     def close(self) -> None:
@@ -288,14 +295,19 @@ class Payloads:
         self.client = client
         self.blobs = blobs
 
-    def write(self, session_id: str, name: str, data: bytes | Sequence[memoryview], suffix: str = "kv") -> StoredBlob:
+    def write(self, session_id: str, name: str, data: bytes | Sequence[memoryview], suffix: str = "kv",
+              sync_folder: bool = True) -> StoredBlob:
         size = len(data) if isinstance(data, bytes) else sum(len(memoryview(p).cast("B")) for p in data)
         # The store's own size only matters under a quota; free space is read here, not asked for.
         store_bytes = self.client.status().store_bytes if self.blobs.reserve.quota_bytes else 0
         needed = self.blobs.shortfall(size, store_bytes)
         if needed and self.client.reclaim(needed).bytes_freed < needed:
             raise StoreFull(f"no room for a {size}-byte payload: {needed} bytes short and nothing left to drop")
-        return self.blobs.write(session_id, name, data, suffix)
+        return self.blobs.write(session_id, name, data, suffix, sync_folder)
+
+    def sync_folder(self, session_id: str) -> None:
+        """Make the names of payloads written with `sync_folder=False` durable (before recording them)."""
+        self.blobs.sync_folder(session_id)
 
     def path(self, locator: str) -> Path:
         return self.blobs.path(locator)

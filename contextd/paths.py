@@ -2,7 +2,12 @@
 
 The root holds `db/` (LMDB), `store/` (payload files) and `contextd.lock`. The socket lives in a
 folder of its own with mode 0700: under `$XDG_RUNTIME_DIR/kv-elision/` when that variable is set
-(a per-user, memory-backed folder), else under `ROOT/run/`. Depends on nothing of ours.
+(a per-user, memory-backed folder), else under `ROOT/run/`.
+
+Everything under the root is private to the user (folders 0700, files 0600): the transcript in
+LMDB and the K/V payloads are the user's source code. `private_folder` / `private_file` also
+tighten what already exists (a root made beforehand by `mkdir -p`, which gives 0755). Depends on
+nothing of ours.
 """
 
 from __future__ import annotations
@@ -31,6 +36,22 @@ def default_socket(root: Path | None = None) -> Path:
     if runtime:
         return Path(runtime) / "kv-elision" / SOCKET_NAME
     return (root or default_root()) / "run" / SOCKET_NAME
+
+
+def private_folder(folder: Path) -> Path:
+    """Create `folder` (and its parents) 0700, or take group and other access from an existing one."""
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    mode = folder.stat().st_mode & 0o777
+    if mode & 0o077:
+        os.chmod(folder, mode & 0o700)
+    return folder
+
+
+def private_file(path: Path) -> None:
+    """Take group and other access from an existing file."""
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        os.chmod(path, mode & 0o700)
 
 
 def target(socket_path: Path) -> str:

@@ -21,16 +21,17 @@ import stat
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import grpc
 
 from contextd._gen import contextd_pb2_grpc as pb_grpc
 from contextd.daemon import Daemon, DaemonConfig
 from contextd.errors import AlreadyRunning, InvalidArgument
-from contextd.paths import MAX_SOCKET_PATH, target
+from contextd.paths import MAX_SOCKET_PATH, private_file, private_folder, target
 from contextd.service import ContextdService
 from contextd.wire import grpc_options
 
@@ -43,7 +44,9 @@ SHUTDOWN_GRACE_S = 10.0
 
 def _lock_root(root: Path) -> IO[str]:
     """Hold ROOT/contextd.lock for the life of the process, or raise AlreadyRunning."""
-    handle = open(root / "contextd.lock", "a+")
+    path = root / "contextd.lock"
+    handle = open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600), "a+")
+    private_file(path)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -85,16 +88,49 @@ def _claim_socket_path(path: Path) -> None:
     raise AlreadyRunning(f"a daemon is already listening on {path}; choose another --socket")
 
 
+class _UndecodableIsInvalid(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc ships no types
+    """A request body that is not the method's message is the caller's mistake: INVALID_ARGUMENT,
+    where grpcio would answer INTERNAL ('Exception deserializing request!'), which reads as a fault
+    of the daemon. The generated handlers are kept; only their decoding moves inside the call."""
+
+    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+                          details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        decode = handler.request_deserializer
+        method = details.method
+
+        def parse(raw: bytes, context: grpc.ServicerContext) -> Any:
+            try:
+                return decode(raw)
+            except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and kin
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{method}: the request body is not a valid message ({exc})")
+
+        serialize = handler.response_serializer
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+            return grpc.unary_unary_rpc_method_handler(lambda raw, ctx: unary(parse(raw, ctx), ctx),
+                                                       response_serializer=serialize)
+        if handler.unary_stream is not None:
+            stream = handler.unary_stream
+            return grpc.unary_stream_rpc_method_handler(lambda raw, ctx: stream(parse(raw, ctx), ctx),
+                                                        response_serializer=serialize)
+        return handler
+
+
 def serve(config: DaemonConfig, socket_path: Path, announce: IO[str] = sys.stderr) -> int:
     """Run the daemon until SIGTERM or SIGINT; return the process exit status."""
-    config.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_folder(config.root)  # LMDB holds the transcript, store/ the K/V: the user's code
     lock = _lock_root(config.root)
     _private_folder(socket_path.parent)
     _claim_socket_path(socket_path)
     daemon = Daemon(config)
     service = ContextdService(daemon)
     server = grpc.server(ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="contextd"),
-                         options=grpc_options(), maximum_concurrent_rpcs=WORKERS * 4)
+                         options=grpc_options(), maximum_concurrent_rpcs=WORKERS * 4,
+                         interceptors=[_UndecodableIsInvalid()])
     pb_grpc.add_ContextdServicer_to_server(service, server)  # type: ignore[no-untyped-call]
     if server.add_insecure_port(target(socket_path)) == 0:
         raise InvalidArgument(f"cannot listen on {socket_path}")

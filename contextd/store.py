@@ -10,7 +10,10 @@ it as one LMDB transaction (group commit). Each operation runs in its own nested
 one bad request aborts alone while the rest of the batch commits. A caller returns only after
 the batch is durable under the configured sync mode.
 
-Depends on lmdb, msgpack, xxhash and contextd.errors; knows nothing about gRPC or files.
+A commit the disk refuses for want of space (ENOSPC, or LMDB's map full) fails its batch with
+StoreFull, as a payload write does; nothing of the batch is applied.
+
+Depends on lmdb, msgpack, xxhash, contextd.errors and contextd.paths; knows nothing about gRPC.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import msgpack
 import xxhash
 
 from contextd import crashpoints
-from contextd.errors import ContextdError, DataCorrupt, InvalidArgument
+from contextd.errors import ContextdError, DataCorrupt, InvalidArgument, StoreFull
+from contextd.paths import private_file, private_folder
 
 SCHEMA_VERSION = 2
 
@@ -153,10 +157,11 @@ class Store:
     """The LMDB environment: named tables, group-committed writes, consistent reads."""
 
     def __init__(self, path: Path, sync: SyncMode = SyncMode.FULL, map_size: int = 1 << 34) -> None:
-        path.mkdir(parents=True, exist_ok=True)
+        private_folder(path)  # the records hold the transcript: the user's code
         self.sync = sync
         self._env = lmdb.open(
             str(path),
+            mode=0o600,
             map_size=map_size,
             max_dbs=len(TABLES) + 1,
             max_readers=256,
@@ -164,6 +169,8 @@ class Store:
             metasync=sync is SyncMode.FULL,
             subdir=True,
         )
+        for name in ("data.mdb", "lock.mdb"):  # made by an older contextd with lmdb's default 0644
+            private_file(path / name)
         self._dbs = {name: self._env.open_db(name.encode()) for name in TABLES}
         self._cv = threading.Condition()
         self._queue: list[_Pending[Any]] = []
@@ -235,7 +242,7 @@ class Store:
                         pending.result = pending.op(Txn(child, self._dbs))
                     except BaseException as exc:  # noqa: BLE001 - one op fails alone
                         child.abort()
-                        pending.error = exc
+                        pending.error = _no_room(exc, "this write was not applied")
                     else:
                         child.commit()
                 seq = self.commit_seq + 1
@@ -246,8 +253,9 @@ class Store:
                 started = time.perf_counter()
             commit_ms = (time.perf_counter() - started) * 1000.0
         except BaseException as exc:  # noqa: BLE001 - the whole batch failed to commit
+            failed = _no_room(exc, f"the batch of {len(batch)} writes was not applied")
             for pending in batch:
-                pending.error = pending.error or exc
+                pending.error = pending.error or failed
                 pending.done = True
             return
         crashpoints.reached("contextd.commit.durable")
@@ -289,6 +297,15 @@ class Store:
     @property
     def dbs(self) -> dict[str, Any]:
         return self._dbs
+
+
+def _no_room(exc: BaseException, what: str) -> BaseException:
+    """StoreFull for LMDB's out-of-space errors (ENOSPC at commit, a full map at a put), else exc."""
+    if not isinstance(exc, (lmdb.DiskError, lmdb.MapFullError)):
+        return exc
+    full = StoreFull(f"the database cannot grow ({exc}); {what}, everything committed before it stays")
+    full.__cause__ = exc
+    return full
 
 
 class _ReadContext:

@@ -29,6 +29,7 @@ import numpy as np
 from backends import Backend
 from contextd import crashpoints
 from contextd.client import Client, pb
+from contextd.errors import DataCorrupt
 from controller.keyindex import KeyIndex, KeyIndexConfig
 from controller.lexical import DEFAULT_LEXICAL, LexicalConfig, LexicalIndex
 from controller.pager import Decision, Pager, PagerConfig, PinKind, Plan
@@ -198,7 +199,16 @@ class Engine:
                 self.contextd.open_session(session_id, model_id=self.backend.model_name,
                                            fingerprint=fingerprint.combined(), budget_tokens=self.config.budget_tokens)
             else:
-                self.tally.count(session, recovered_pages=self.mover.fill_resident(session))
+                try:
+                    recovered = self.mover.fill_resident(session)
+                except DataCorrupt:
+                    # A resident page failed its checksum and is now marked CORRUPT: recovering
+                    # again rebuilds the session without it, in this same request.
+                    self.backend.reset()
+                    session = self.mover.recover(session_id, self.config.pager_config())
+                    assert session is not None
+                    recovered = self.mover.fill_resident(session)
+                self.tally.count(session, recovered_pages=recovered)
                 self.mover.index_stored_pages(session)
                 log.info("session %s recovered from contextd: %d tokens, %d resident pages", session_id,
                          session.transcript.tokens, len(session.pager.resident))
@@ -251,12 +261,17 @@ class Engine:
         session.timed("prepare", preparing)
         if not prompt_ids:
             raise TranscriptError("the request adds nothing after the cached transcript; send the next message")
-        for piece in pieces:
+        # The template's opening of the answer is prefilled after the plan: the logits the first
+        # answer token comes from then see the restored pages too.
+        body, opener = (pieces[:-1], pieces[-1:]) if pieces[-1].segment.opener else (pieces, [])
+        for piece in body:
             self._prefill(session, piece.segment, piece.pin)
             session.message_ends.add(len(session.pager.pages) - 1)
             if piece.tool_call:
                 session.pager.mark_ledger(len(session.pager.pages) - 1)
-        self._apply_plan(session, request, alignment.new_text, len(prompt_ids))
+        self._apply_plan(session, request, alignment.new_text, sum(len(p.segment.ids) for p in body))
+        for piece in opener:
+            self._prefill(session, piece.segment, piece.pin)
         yield TurnEvent(prepared=Prepared(prefilled_tokens=len(prompt_ids), rebuilt=rebuilt))
 
         picked, finish, sampled = yield from self._generate(session, request, prompt_ids)
@@ -320,13 +335,13 @@ class Engine:
             plan, scores = selection.plan, selection.scores
             session.last_selection = f"{self.selector.name}: {selection.note} ({selection.decided_ms:.0f} ms)"
             self.tally.count(session, selector_ms=int(selection.decided_ms))
-        if plan is None:
-            return
-        decision = pager.decide(plan, incoming_tokens=0)
-        self.tally.count(session, plans_used=int(decision.plan_used), plans_rejected=int(not decision.plan_used))
-        if decision.plan_rejected:
-            session.last_selection += f"; rejected: {decision.plan_rejected}"
-        self.mover.execute(session, decision, scores)
+        if plan is not None:
+            decision = pager.decide(plan, incoming_tokens=0)
+            self.tally.count(session, plans_used=int(decision.plan_used), plans_rejected=int(not decision.plan_used))
+            if decision.plan_rejected:
+                session.last_selection += f"; rejected: {decision.plan_rejected}"
+            self.mover.execute(session, decision, scores)
+        self.mover.close_gaps(session)
 
     def _incoming_keys(self, new_tokens: int, key_index: KeyIndex | None) -> np.ndarray | None:
         """Canonical keys of the turn's newest tokens (still in attention), for the key index."""
@@ -524,6 +539,8 @@ class Engine:
         resident_before = set(session.pager.resident)
         new_tokens = 0
         for piece in self._prompt_pieces(session, request, rendering, alignment.new_text):
+            if piece.segment.opener:
+                continue  # as in a turn: the plan is made before the answer's opening is prefilled
             self._prefill(session, piece.segment, piece.pin)
             new_tokens += len(piece.segment.ids)
         pager = session.pager

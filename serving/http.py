@@ -92,6 +92,7 @@ class Worker(threading.Thread):
                 except TranscriptError as exc:
                     job.events.put(RequestError(HTTPStatus.BAD_REQUEST, str(exc)))
                 except StoreFull as exc:
+                    self.engine.forget_active()   # the next turn starts from the last durable state
                     job.events.put(RequestError(HTTPStatus.INSUFFICIENT_STORAGE, str(exc), "store_full"))
                 except DaemonUnavailable as exc:
                     self.engine.forget_active()
@@ -99,6 +100,10 @@ class Worker(threading.Thread):
                 except ContextdError as exc:
                     self.engine.forget_active()
                     job.events.put(RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc), "contextd_error"))
+                except OSError as exc:  # EIO, EROFS, ... from the store's disk
+                    self.engine.forget_active()
+                    job.events.put(RequestError(HTTPStatus.SERVICE_UNAVAILABLE, f"the store's disk failed: {exc}",
+                                                "storage_unavailable"))
                 except Exception as exc:  # noqa: BLE001 - the worker must outlive any one turn
                     log.exception("turn failed")
                     self.engine.forget_active()
@@ -224,6 +229,7 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "kv-elision"
+        timeout = 30  # seconds a client may take to send its request (or to take the answer); then it is let go
 
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("%s " + format, self.address_string(), *args)
@@ -311,6 +317,8 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                     body = json.loads(self.rfile.read(length) or b"null")
                 except (json.JSONDecodeError, UnicodeDecodeError):
                     raise RequestError(HTTPStatus.BAD_REQUEST, "the request body is not valid JSON") from None
+                except RecursionError:
+                    raise RequestError(HTTPStatus.BAD_REQUEST, "the request body is nested too deeply") from None
                 request, stream, include_usage = parse_chat(body, self.headers, model_id)
             except RequestError as exc:
                 self._error(exc)

@@ -266,6 +266,11 @@ class ChatFormat:
                 calls = message.get("tool_calls") or []
                 if not isinstance(calls, list):
                     raise TranscriptError(f"messages[{n}].tool_calls must be a list")
+                for k, call in enumerate(calls):
+                    function = call.get("function", call) if isinstance(call, dict) else None
+                    if not isinstance(function, dict) or not isinstance(function.get("name", ""), str):
+                        raise TranscriptError(f"messages[{n}].tool_calls[{k}] must be an object with a "
+                                              "`function` object that has a string `name`")
                 key = assistant_key(text, calls)
                 raws = generated.get(key)
                 seen = occurrences[key] = occurrences.get(key, 0) + 1

@@ -30,6 +30,12 @@ export interface KvConfig {
   url: string;
   socketPath: string;
   protoPath: string;
+  // The bearer token for a server started with --api-key (KV_ELISION_API_KEY); undefined: none.
+  apiKey?: string;
+}
+
+export function apiKey(env: NodeJS.ProcessEnv = process.env): string | undefined {
+  return env[API_KEY_ENV]?.trim() || undefined;
 }
 
 export function serverUrl(env: NodeJS.ProcessEnv = process.env): string {
@@ -55,7 +61,7 @@ export function protoPath(env: NodeJS.ProcessEnv = process.env, extensionDir: st
 }
 
 export function loadConfig(env: NodeJS.ProcessEnv = process.env): KvConfig {
-  return { url: serverUrl(env), socketPath: socketPath(env), protoPath: protoPath(env) };
+  return { url: serverUrl(env), socketPath: socketPath(env), protoPath: protoPath(env), apiKey: apiKey(env) };
 }
 
 export function serveHint(modelId: string, url: string): string {

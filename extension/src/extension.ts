@@ -12,7 +12,7 @@ type Level = "info" | "warning" | "error";
 export async function activate(pi: ExtensionAPI): Promise<void> {
   const config = loadConfig();
   // Awaited by Pi before startup continues; fetchModels never throws and gives up quickly.
-  const { models, problem } = await fetchModels(config.url);
+  const { models, problem } = await fetchModels(config.url, undefined, config.apiKey);
   pi.registerProvider(createKvProvider(config.url, models));
 
   const said = new Set<string>();

@@ -2,7 +2,14 @@
 // the extension. A server that is down must not stop Pi from starting, so every failure turns
 // into the default model plus a message the extension shows once a UI exists.
 import type { Model } from "@earendil-works/pi-ai";
-import { DEFAULT_CONTEXT_WINDOW, DEFAULT_MAX_TOKENS, DEFAULT_MODEL_ID, MODELS_TIMEOUT_MS, PROVIDER } from "./config.ts";
+import {
+  API_KEY_ENV,
+  DEFAULT_CONTEXT_WINDOW,
+  DEFAULT_MAX_TOKENS,
+  DEFAULT_MODEL_ID,
+  MODELS_TIMEOUT_MS,
+  PROVIDER,
+} from "./config.ts";
 
 export type KvModel = Model<"openai-completions">;
 
@@ -73,10 +80,20 @@ export function parseModels(body: unknown, baseUrl: string): KvModel[] {
   return models;
 }
 
-export async function fetchModels(url: string, timeoutMs: number = MODELS_TIMEOUT_MS): Promise<ModelList> {
+// A server started with --api-key answers /v1/models only with the key, so it is sent here too.
+export async function fetchModels(
+  url: string,
+  timeoutMs: number = MODELS_TIMEOUT_MS,
+  apiKey?: string,
+): Promise<ModelList> {
   const endpoint = `${url}/models`;
   try {
-    const response = await fetch(endpoint, { signal: AbortSignal.timeout(timeoutMs) });
+    const headers: Record<string, string> = apiKey ? { authorization: `Bearer ${apiKey}` } : {};
+    const response = await fetch(endpoint, { signal: AbortSignal.timeout(timeoutMs), headers });
+    if (response.status === 401) {
+      const why = apiKey ? `refused the key in ${API_KEY_ENV}` : `wants an API key: set ${API_KEY_ENV}`;
+      return defaultModels(url, `GET ${endpoint} answered HTTP 401 (the server ${why})`);
+    }
     if (!response.ok) return defaultModels(url, `GET ${endpoint} answered HTTP ${response.status}`);
     return { models: parseModels(await response.json(), url) };
   } catch (error) {

@@ -97,9 +97,15 @@ export function createKvProvider(baseUrl: string, models: KvModel[]): Provider {
     auth: {
       apiKey: {
         name: "kv-elision server",
-        resolve: async ({ ctx }) => {
-          const key = await ctx.env(API_KEY_ENV);
-          return { auth: { apiKey: key || API_KEY_NONE }, source: key ? API_KEY_ENV : "local server, no key" };
+        // A server started with --api-key wants `Authorization: Bearer KEY` on every route but
+        // /health. The key Pi stored for this provider (auth.json, `"kv-elision": {"type":
+        // "api_key", "key": ...}`) wins, as for Pi's own providers; else KV_ELISION_API_KEY.
+        resolve: async ({ ctx, credential }) => {
+          const stored = credential?.key?.trim();
+          const fromEnv = (await ctx.env(API_KEY_ENV))?.trim();
+          const key = stored || fromEnv;
+          const source = stored ? "Pi's stored key" : fromEnv ? API_KEY_ENV : "local server, no key";
+          return { auth: { apiKey: key || API_KEY_NONE }, source };
         },
       },
     },

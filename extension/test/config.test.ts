@@ -3,7 +3,7 @@ import { existsSync, mkdirSync, mkdtempSync, rmSync, writeFileSync } from "node:
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { test } from "node:test";
-import { protoPath, serveHint, serverUrl, socketPath } from "../src/config.ts";
+import { apiKey, loadConfig, protoPath, serveHint, serverUrl, socketPath } from "../src/config.ts";
 
 test("server URL from KV_ELISION_URL, default 127.0.0.1:8088, no trailing slash", () => {
   assert.equal(serverUrl({}), "http://127.0.0.1:8088/v1");
@@ -38,4 +38,11 @@ test("an installed package uses the proto `npm pack` put into it", () => {
 
 test("the start hint uses the URL's port", () => {
   assert.equal(serveHint("m", "http://127.0.0.1:9000/v1"), "kv-elision serve --model m --budget 4096 --root DIR --port 9000");
+});
+
+test("the API key comes from KV_ELISION_API_KEY (blank: none)", () => {
+  assert.equal(apiKey({ KV_ELISION_API_KEY: " k-1 " }), "k-1");
+  assert.equal(apiKey({ KV_ELISION_API_KEY: "  " }), undefined);
+  assert.equal(apiKey({}), undefined);
+  assert.equal(loadConfig({ KV_ELISION_API_KEY: "k-2" }).apiKey, "k-2");
 });

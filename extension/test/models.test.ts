@@ -119,3 +119,31 @@ test("an HTTP error gives the default model and the status", async () => {
     server.close();
   }
 });
+
+// `kv-elision serve --api-key KEY` answers /v1/models only with `Authorization: Bearer KEY`.
+test("fetchModels sends the API key, and a 401 says which key to set", async () => {
+  const seen: Array<string | undefined> = [];
+  const server = createServer((req, res) => {
+    seen.push(req.headers.authorization);
+    if (req.headers.authorization !== "Bearer k-1") {
+      res.writeHead(401, { "content-type": "application/json" });
+      res.end(JSON.stringify({ error: { message: "missing or wrong API key", type: "invalid_api_key", code: 401 } }));
+      return;
+    }
+    res.writeHead(200, { "content-type": "application/json" });
+    res.end(JSON.stringify(SERVED));
+  });
+  try {
+    const url = await listen(server);
+    const ok = await fetchModels(url, 2000, "k-1");
+    assert.equal(ok.problem, undefined);
+    assert.equal(ok.models[0]!.maxTokens, 24);
+    const none = await fetchModels(url);
+    assert.match(none.problem ?? "", /HTTP 401 .*set KV_ELISION_API_KEY/);
+    const wrong = await fetchModels(url, 2000, "k-2");
+    assert.match(wrong.problem ?? "", /HTTP 401 .*refused the key in KV_ELISION_API_KEY/);
+    assert.deepEqual(seen, ["Bearer k-1", undefined, "Bearer k-2"]);
+  } finally {
+    server.close();
+  }
+});

@@ -2,7 +2,7 @@
 // Pi's real OpenAI chat-completions client, against a socket that records what arrives.
 import assert from "node:assert/strict";
 import { after, before, test } from "node:test";
-import { createModels, type Context } from "@earendil-works/pi-ai";
+import { InMemoryCredentialStore, createModels, type Context } from "@earendil-works/pi-ai";
 import { contextHeader, fingerprintPayload } from "../src/fingerprint.ts";
 import { modelConfig } from "../src/models.ts";
 import {
@@ -62,6 +62,24 @@ test("a key in KV_ELISION_API_KEY is sent as the bearer token", async () => {
     const { models, model } = runtime(url);
     await models.streamSimple(model, context, { maxRetries: 0 }).result();
     assert.equal(lastRequest().headers.authorization, "Bearer secret-1");
+  } finally {
+    delete process.env.KV_ELISION_API_KEY;
+  }
+});
+
+// The extension's other source of the key: the credential Pi stores for the provider (auth.json,
+// `"kv-elision": {"type": "api_key", "key": "..."}`); it wins over the environment, as for Pi's
+// own providers.
+test("a key Pi stored for the provider is sent, ahead of KV_ELISION_API_KEY", async () => {
+  process.env.KV_ELISION_API_KEY = "from-env";
+  try {
+    const credentials = new InMemoryCredentialStore();
+    await credentials.modify("kv-elision", async () => ({ type: "api_key", key: "stored-1" }));
+    const models = createModels({ credentials });
+    const model = modelConfig("m", url);
+    models.setProvider(createKvProvider(url, [model]));
+    await models.streamSimple(model, context, { maxRetries: 0 }).result();
+    assert.equal(lastRequest().headers.authorization, "Bearer stored-1");
   } finally {
     delete process.env.KV_ELISION_API_KEY;
   }

@@ -2,8 +2,10 @@
 contextd, the real engine (benchmarks.selectors at a smaller session size than its default).
 
 The default (hybrid) selector must bring back what most questions need on every shape, never do
-worse than recency or than lexical rarity alone, and decide in well under the foreground budget.
-Recency brings back nothing (every fact is cold by construction).
+worse than lexical rarity alone, and decide in well under the foreground budget. Recency brings
+back nothing (every fact is cold by construction). Measured with this very configuration
+(`python -m benchmarks.selectors --seeds 102 --budgets 2048 --tokens 5000`): the hybrid selector
+found all 56 questions' pages, bm25 alone 50, attention 34 (docs/controller.md).
 """
 
 from __future__ import annotations
@@ -24,5 +26,5 @@ def test_the_default_selector_finds_what_each_shape_of_session_needs_on_an_untun
         assert hybrid["questions"] >= 5, hybrid
         assert recency["hits"] == 0, recency
         assert hybrid["hit_rate"] >= 0.8, hybrid
-        assert hybrid["hits"] >= bm25["hits"] - 1, (hybrid, bm25)
+        assert hybrid["hits"] >= bm25["hits"], (hybrid, bm25)
         assert hybrid["p95_ms"] <= 100, hybrid

@@ -215,7 +215,7 @@ def test_kill9_mid_turn_then_restart_continues_from_contextd(server_factory: Any
     after = server.stats("k")
     assert after["counters"]["recovered_pages"] > 0
     # The attention selector's index came back from the canonical store, not from memory.
-    assert after["key_index_pages"] >= before["key_index_pages"] > 0
+    assert after["lexical_index_pages"] >= before["lexical_index_pages"] > 0
     assert after["counters"]["historical_forward_during_restore"] == 0
     assert after["session_tokens"] > before["session_tokens"]
     from contextd.client import Client
