@@ -10,7 +10,8 @@ import pytest
 
 from benchmarks.agent import AgentRun
 from benchmarks.workload import evidence_files
-from contextd.client import Client, pb
+from contextd.client import Client
+from contextd.wire import PageState
 from serving.launcher import ServerProcess
 
 BUDGET = 4096
@@ -36,7 +37,7 @@ def test_sixty_thousand_tokens_through_a_4096_token_budget() -> None:
         assert counters["new_prefill_tokens"] == sum(t.prefilled for t in run.turns)
         assert last.cold > 400 and counters["evicted_pages"] >= last.cold
         with Client(server.socket) as client:
-            cold = client.query_pages("long", [pb.COLD])
+            cold = client.query_pages("long", [PageState.COLD])
             assert len(cold) == last.cold
             assert all(p.locator and len(p.checksum) == 32 and p.byte_size > 0 for p in cold)
             verified = client.verify("long")
