@@ -188,6 +188,7 @@ class Engine:
         session = self.sessions.get(session_id)
         if self.active == session_id and session is not None:
             return session
+        switched = self.active is not None   # another session's cache leaves the backend
         self.backend.reset()
         self.active = None
         if session is None:
@@ -214,7 +215,9 @@ class Engine:
                          session.transcript.tokens, len(session.pager.resident))
             self.sessions[session_id] = session
         else:
-            self.mover.fill_resident(session)
+            self.tally.count(session, recovered_pages=self.mover.fill_resident(session))
+        if switched:
+            self.tally.count(session, session_switches=1)
         self.active = session_id
         return session
 

@@ -52,6 +52,7 @@ class SessionCounters:
     plans_rejected: int = 0
     selector_ms: int = 0
     cancelled_turns: int = 0
+    session_switches: int = 0   # turns that found another session's cache in the backend
 
     def add(self, **deltas: int) -> None:
         for name, n in deltas.items():

@@ -94,9 +94,6 @@ def test_after_a_contextd_outage_the_next_request_succeeds(server: ServerProcess
     assert reply.status == 200, reply.body
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a switch back to a session still in memory streams its resident pages "
-                   "back (Engine._activate -> fill_resident) without counting them: recovered_pages stays 0 although "
-                   "docs/architecture.md says it counts them; and no counter says how many switches there were")
 def test_session_switches_are_counted(server: ServerProcess) -> None:
     sc = faults.SCENARIOS["llama"]
     for sid in ("sw-a", "sw-b", "sw-a"):  # sw-a has resident pages when it comes back
