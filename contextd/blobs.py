@@ -195,7 +195,13 @@ class BlobStore:
     def sync_folder(self, session_id: str) -> None:
         """Make the names of the session's payloads written so far durable."""
         check_id(session_id, "session_id")
-        fsync_dir(self.root / session_id)
+        try:
+            fsync_dir(self.root / session_id)
+        except OSError as exc:
+            if exc.errno in _NO_SPACE:
+                raise StoreFull(f"no room on the store's filesystem to record new payload names "
+                                f"({exc.strerror}); nothing recorded was touched") from exc
+            raise
 
     def _write(self, session_id: str, name: str, pending: list[memoryview], suffix: str,
                sync_folder: bool) -> StoredBlob:
