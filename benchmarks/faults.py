@@ -526,7 +526,7 @@ def _corrupt(d: Driver, target: str, how: str) -> dict[str, Any]:
     page ("@cold"), its first stored resident page ("@resident") or its recurrent snapshot."""
     client, sid = d.client, d.sid
     if target == "@snapshot":
-        snaps = client.query_snapshots(sid)
+        snaps = [s for s in client.query_snapshots(sid) if s.slot == "recurrent"]
         if not snaps:
             return {"skipped": "no snapshot"}
         locator, page_id = snaps[0].locator, "snapshot"
@@ -1361,9 +1361,12 @@ def fuzz_http(port: int, n: int, seed: int = 0, alive: Callable[[], bool] | None
     return tally
 
 
-def slow_clients(port: int, clients: int = 40, hold_s: float = 3.0) -> dict[str, Any]:
+SLOW_CLIENT_TIMEOUT_S = 2.0   # the fuzzed server's --client-timeout: short, so the check waits past it
+
+
+def slow_clients(port: int, clients: int = 40, hold_s: float = SLOW_CLIENT_TIMEOUT_S + 2.0) -> dict[str, Any]:
     """Clients that open a connection, send half a request and wait: does the server still answer
-    others, and does it let go of them (a read timeout)?"""
+    others, and does it let go of each once its --client-timeout has passed?"""
     conns = []
     for n in range(clients):
         conn = socket.create_connection(("127.0.0.1", port), timeout=5)
@@ -1537,7 +1540,8 @@ def run_fuzz_part(args: argparse.Namespace, work: Path, zygote: Any, log: Callab
 
     outcomes: list[CaseOutcome] = []
     server = ServerProcess(root=work / "fuzz-server", model="tiny-llama", budget=1024,
-                           extra=["--tail-tokens", "256", "--max-new-tokens", "2"])
+                           extra=["--tail-tokens", "256", "--max-new-tokens", "2",
+                                  "--client-timeout", str(SLOW_CLIENT_TIMEOUT_S)])
     with _env(CRASH_ENV, None), _env(IO_FAULT_ENV, None), _env("KV_ELISION_API_KEY", None):
         server.start()
     assert server.proc is not None and server.contextd is not None and server.contextd.proc is not None

@@ -244,10 +244,10 @@ class Client:
         )
 
     def write_record(self, session_id: str, record: pb.SessionRecord, keep_segments: int,
-                     append: Iterable[pb.TranscriptSegment]) -> pb.WriteAck:
-        return self._call("WriteRecord", pb.WriteRecordRequest(session_id=session_id, record=record,
-                                                               keep_segments=keep_segments, append=list(append)),
-                          pb.WriteAck)
+                     append: Iterable[pb.TranscriptSegment], snapshots: Iterable[pb.Snapshot] = ()) -> pb.WriteAck:
+        return self._call("WriteRecord", pb.WriteRecordRequest(
+            session_id=session_id, record=record, keep_segments=keep_segments, append=list(append),
+            snapshots=list(snapshots)), pb.WriteAck)
 
     def read_record(self, session_id: str) -> pb.RecordReply:
         return self._call("ReadRecord", pb.SessionRef(session_id=session_id), pb.RecordReply)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -299,7 +300,8 @@ class Daemon:
                 page = txn.get("kv_manifest", key(session_id, page_id))
                 if page is None:
                     raise NotFound(f"session {session_id} has no page {page_id!r}")
-                if not self._may_drop(txn, session_id, page_id, session["turn"], now):
+                # the owner deletes what its record no longer names: only pins and leases hold a page here
+                if not self._may_drop(txn, session_id, page, session["turn"], now, recorded=set()):
                     raise FailedPrecondition(f"page {page_id} is pinned or leased; it cannot be deleted")
                 _account(session["pages"], page, -1)
                 txn.delete("kv_manifest", key(session_id, page_id))
@@ -384,21 +386,25 @@ class Daemon:
         scope = [self._session(txn, session_id)] if session_id else [s for _, s in txn.scan("sessions", b"")]
         for session in scope:
             sid = session["session_id"]
+            recorded = _recorded_resident(txn, sid)
             for state_key in txn.scan_keys("page_state", prefix(sid, str(int(COLD)))):
                 page_id = state_key.rsplit(b"\x00", 1)[1].decode()
-                if not self._may_drop(txn, sid, page_id, session["turn"], now):
-                    continue
                 page = txn.get("kv_manifest", key(sid, page_id))
                 assert page is not None
+                if not self._may_drop(txn, sid, page, session["turn"], now, recorded):
+                    continue
                 candidates.append((page["last_used_turn"], page["updated_unix"], sid, page_id, page["byte_size"]))
         candidates.sort()
         return candidates
 
     @staticmethod
-    def _may_drop(txn: Txn, sid: str, page_id: str, turn: int, now: float) -> bool:
-        if txn.has("pins", key(sid, page_id)):
+    def _may_drop(txn: Txn, sid: str, page: Record, turn: int, now: float, recorded: set[int]) -> bool:
+        """Not pinned, not leased, and not in attention at the end of the last completed turn: a
+        turn that fails after evicting a page (a 507) leaves it COLD in the manifest, yet the
+        session resumes from that turn's record, which needs the page back exactly."""
+        if page["index"] in recorded or txn.has("pins", key(sid, page["page_id"])):
             return False
-        lease = txn.get("leases", key(sid, page_id))
+        lease = txn.get("leases", key(sid, page["page_id"]))
         return lease is None or not _lease_active(lease, turn, now)
 
     def reclaim(self, bytes_needed: int, session_id: str = "", partial: bool = False
@@ -426,12 +432,15 @@ class Daemon:
             def op(txn: Txn) -> list[str]:
                 now = time.time()
                 locators = []
+                recorded: dict[str, set[int]] = {}
                 for sid, page_id in chosen:
                     session = self._session(txn, sid)
                     page = txn.get("kv_manifest", key(sid, page_id))
+                    if sid not in recorded:
+                        recorded[sid] = _recorded_resident(txn, sid)
                     # Re-check inside the write: the page may have been restored or pinned since.
-                    if page is None or page["state"] != COLD or not self._may_drop(txn, sid, page_id,
-                                                                                    session["turn"], now):
+                    if page is None or page["state"] != COLD or not self._may_drop(txn, sid, page, session["turn"],
+                                                                                    now, recorded[sid]):
                         continue
                     locators.append(page["locator"])
                     new = dict(page, state=DROPPED, locator="", checksum="", byte_size=0, updated_unix=now)
@@ -546,6 +555,19 @@ class Daemon:
     def put_snapshot(self, session_id: str, snapshot: Record) -> CommitInfo:
         """Record a snapshot whose payload is already in the store; the slot's previous payload
         is deleted after the commit."""
+        self._check_snapshot(session_id, snapshot)
+        replaced: list[str] = []
+
+        def op(txn: Txn) -> None:
+            self._session(txn, session_id)
+            self._put_snapshot(txn, session_id, snapshot, replaced)
+
+        info = self.store.write(op)[1]
+        for old_locator in replaced:
+            self.blobs.delete(old_locator)
+        return info
+
+    def _check_snapshot(self, session_id: str, snapshot: Record) -> None:
         slot = check_id(snapshot["slot"], "snapshot slot")
         _check_text(snapshot["fingerprint"], "fingerprint", 256)
         locator = snapshot["locator"]
@@ -553,29 +575,30 @@ class Daemon:
             raise InvalidArgument(f"snapshot {slot}: locator is outside session {session_id}")
         if not self.blobs.exists(locator, snapshot["byte_size"]):
             raise FailedPrecondition(f"snapshot {slot}: no payload of {snapshot['byte_size']} bytes at {locator}")
-        replaced: list[str] = []
 
-        def op(txn: Txn) -> None:
-            self._session(txn, session_id)
-            old = txn.get("snapshots", key(session_id, slot))
-            if old is not None and old["locator"] and old["locator"] != locator:
-                replaced.append(old["locator"])
-            txn.put("snapshots", key(session_id, slot), dict(snapshot, created_unix=time.time()))
-
-        info = self.store.write(op)[1]
-        for old_locator in replaced:
-            self.blobs.delete(old_locator)
-        return info
+    @staticmethod
+    def _put_snapshot(txn: Txn, session_id: str, snapshot: Record, replaced: list[str]) -> None:
+        """Put a checked snapshot in its slot; the slot's previous payload joins `replaced`."""
+        old = txn.get("snapshots", key(session_id, snapshot["slot"]))
+        if old is not None and old["locator"] and old["locator"] != snapshot["locator"]:
+            replaced.append(old["locator"])
+        txn.put("snapshots", key(session_id, snapshot["slot"]), dict(snapshot, created_unix=time.time()))
 
     def query_snapshots(self, session_id: str) -> list[Record]:
         with self.store.read() as txn:
             self._session(txn, session_id)
             return [r for _, r in txn.scan("snapshots", prefix(session_id))]
 
-    def write_record(self, session_id: str, record: Record, keep_segments: int, append: list[Record]) -> CommitInfo:
+    def write_record(self, session_id: str, record: Record, keep_segments: int, append: list[Record],
+                     snapshots: Sequence[Record] = ()) -> CommitInfo:
         """The end of a turn in one transaction: the session's counters, turn and fingerprint, its
-        record, and its transcript cut back to `keep_segments` segments and extended by `append`."""
+        record, its transcript cut back to `keep_segments` segments and extended by `append`, and
+        its recurrent snapshots (the slots' previous payloads are deleted after the commit)."""
         _check_batch(append, "segments")
+        if len(snapshots) > 8 or len({s["slot"] for s in snapshots}) != len(snapshots):
+            raise InvalidArgument("at most 8 snapshots, one per slot")
+        for snapshot in snapshots:
+            self._check_snapshot(session_id, snapshot)
         _check_text(record["fingerprint"], "fingerprint", 256)
         check_id(record["unit_salt"], "unit_salt")
         if len(record["fingerprint_parts"]) > 8 or any(len(p) > 256 for p in record["fingerprint_parts"]):
@@ -612,9 +635,15 @@ class Daemon:
             session["counters"] = dict(record["counters"])
             session["updated_unix"] = time.time()
             txn.put("sessions", key(session_id), session)
+            for snapshot in snapshots:
+                self._put_snapshot(txn, session_id, snapshot, replaced)
             return len(append)
 
-        return self.store.write(op)[1]
+        replaced: list[str] = []
+        info = self.store.write(op)[1]
+        for old_locator in replaced:
+            self.blobs.delete(old_locator)
+        return info
 
     def read_record(self, session_id: str) -> tuple[Record, list[Record]]:
         with self.store.read() as txn:
@@ -737,6 +766,12 @@ class Daemon:
                 continue
             result["bytes_read"] += snap["byte_size"]
         return result
+
+
+def _recorded_resident(txn: Txn, session_id: str) -> set[int]:
+    """Indexes of the pages in attention at the end of the session's last completed turn."""
+    record = txn.get("records", key(session_id))
+    return set(record["resident_pages"]) if record is not None else set()
 
 
 def _lease_active(lease: Record, turn: int, now: float) -> bool:

@@ -216,8 +216,9 @@ class ContextdService(pb_grpc.ContextdServicer):
         record = _record_fields(request.record)
         append = [{"text": s.text, "token_ids": list(s.token_ids), "generated": s.generated, "opener": s.opener}
                   for s in request.append]
+        snapshots = [_fields(s, SNAPSHOT_FIELDS) for s in request.snapshots]
         return self._call(context, lambda: _ack(self.daemon.write_record(
-            request.session_id, record, request.keep_segments, append), len(append)))
+            request.session_id, record, request.keep_segments, append, snapshots), len(append)))
 
     def ReadRecord(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.RecordReply:
         def run() -> pb.RecordReply:

@@ -72,7 +72,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                capacity=args.budget + 256)
         template = Path(args.chat_template).read_text() if args.chat_template else None
         engine = Engine(backend, ChatFormat(backend.tokenizer, template), client, config, _selector(args))
-        server = Server(engine, args.model, args.host, args.port, str(socket_path), args.api_key or None)
+        server = Server(engine, args.model, args.host, args.port, str(socket_path), args.api_key or None,
+                        client_timeout=args.client_timeout)
         stop = threading.Event()
 
         def on_signal(signum: int, _frame: object) -> None:
@@ -149,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require `Authorization: Bearer KEY` on every route but /health (default: "
                        "$KV_ELISION_API_KEY; unset: no key)")
     serve.add_argument("--port", type=int, default=8088)
+    serve.add_argument("--client-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="a client that stalls this long while sending its request or taking the answer is "
+                       "let go (its connection closed), so stalled clients cannot hold server threads")
     serve.set_defaults(run=cmd_serve)
     models = sub.add_parser("models", help="list local models (Hugging Face cache, LM Studio) and whether each can "
                             "be served exactly")

@@ -223,13 +223,24 @@ class _ContentFilter:
 
 
 def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_tokens: int,
-                 contextd_socket: str, api_key: str | None) -> type[BaseHTTPRequestHandler]:
+                 contextd_socket: str, api_key: str | None, client_timeout: float) -> type[BaseHTTPRequestHandler]:
     expected = f"Bearer {api_key}".encode() if api_key else None
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "kv-elision"
-        timeout = 30  # seconds a client may take to send its request (or to take the answer); then it is let go
+        timeout = client_timeout  # seconds a client may stall sending its request or taking the answer
+
+        def parse_request(self) -> bool:
+            """http.server closes a blank request line without a word; a line of other whitespace
+            (e.g. a lone 0xA0 byte, which str.split() takes as a space) gets a clear 400 instead."""
+            line = bytes(getattr(self, "raw_requestline", b"")).rstrip(b"\r\n")  # set by handle_one_request
+            if line.strip() and not str(line, "iso-8859-1").split():
+                self.command, self.request_version, self.close_connection = "", "HTTP/1.0", True
+                self.requestline = repr(line)[2:-1]
+                self.send_error(HTTPStatus.BAD_REQUEST, "the request line holds no method, path or version")
+                return False
+            return super().parse_request()
 
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("%s " + format, self.address_string(), *args)
@@ -458,15 +469,23 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
     return Handler
 
 
+class _Listener(ThreadingHTTPServer):
+    # socketserver's default backlog of 5 made the 41st of 40 stalled clients wait ~1 s for a
+    # SYN retry (benchmarks.faults, health_ms); an agent with subagents opens several at once.
+    request_queue_size = 128
+
+
 class Server:
     """The HTTP server and its worker, started and stopped together."""
 
     def __init__(self, engine: Engine, model_id: str, host: str, port: int, contextd_socket: str,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, client_timeout: float = 30.0) -> None:
+        if client_timeout <= 0:
+            raise ValueError(f"client_timeout must be positive seconds, not {client_timeout}")
         self.worker = Worker(engine)
         handler = make_handler(self.worker, model_id, engine.config.budget_tokens, engine.config.max_new_tokens,
-                               contextd_socket, api_key)
-        self.http = ThreadingHTTPServer((host, port), handler)
+                               contextd_socket, api_key, client_timeout)
+        self.http = _Listener((host, port), handler)
         self.http.daemon_threads = True
 
     @property

@@ -9,9 +9,10 @@ the session can resume from:
             cache slots, verified and re-anchored (Backend.insert_block_file: copies and
             arithmetic, never a forward pass), and only then is the page HOT in the pager and in
             the manifest, with a lease;
-  persist   at the end of a turn: every resident page not yet stored, the pins, the recurrent
-            snapshot, then the session record (counters, transcript segments) in one
-            transaction, and last the deletion of superseded partial versions;
+  persist   at the end of a turn: every resident page not yet stored, the pins, then the
+            session record (counters, transcript segments) and the recurrent snapshots (at the
+            end of the turn and before its answer) in one transaction, and last the deletion of
+            superseded partial versions;
   recover   a session not in memory is rebuilt from contextd: the record gives the transcript,
             the manifest gives every page's state (it is the truth), pins and leases come from
             their tables; what disagrees is fixed and said (`Session.recovery_notes`).
@@ -37,11 +38,15 @@ from controller.lexical import LexicalIndex
 from controller.pager import PAGE_TOKENS, Decision, Pager, PagerConfig, PageState, PinKind
 from controller.units import UnitIndex
 from serving.session import Session, SessionCounters
-from serving.transcript import Fingerprint, Segment, Transcript
+from serving.transcript import Fingerprint, Segment, Transcript, prefix_hash
 
 log = logging.getLogger("kv_elision.paging")
 
 RECURRENT_SLOT = "recurrent"
+# The recurrent state before the newest turn opener. A client that did not receive an answer
+# (a crash after the record was written) re-sends the turn; a hybrid cannot cut its recurrent
+# state back, so without this second slot the whole session would be prefilled again.
+BEFORE_ANSWER_SLOT = "recurrent-before-answer"
 
 
 class Tally:
@@ -262,6 +267,15 @@ class PageMover:
 
     # ------------------------------------------------------------------ end of turn
 
+    def _store_snapshot(self, session: Session, slot: str, snap: RecurrentSnapshot) -> pb.Snapshot:
+        """Write a recurrent snapshot's payload; return its row for `slot`, labelled with a hash of
+        the tokens it folded in: recovery takes it only for a transcript that starts with them."""
+        stored = self.payloads.write(session.session_id, "snapshot-" + slot, snap.pieces(), suffix="rs",
+                                     sync_folder=False)
+        return pb.Snapshot(slot=slot, token_count=snap.stream_tokens,
+                           fingerprint=prefix_hash(session.transcript.ids, snap.stream_tokens),
+                           locator=stored.locator, byte_size=stored.byte_size, checksum=stored.checksum)
+
     def persist(self, session: Session, make_record: Callable[[], pb.SessionRecord]) -> None:
         """Write-through at the end of a turn: every resident page not yet stored (the open page
         too), new pins, the recurrent state, then the record with the new transcript segments,
@@ -278,16 +292,18 @@ class PageMover:
             session.recorded_pins.update(page_id for page_id, _ in pins)
         crashpoints.reached("serving.persist.pages_stored")
         record = make_record()  # after the stores above: its counters include them
+        snapshots = []
         if self.backend.is_hybrid:
-            snap = session.snapshots[session.transcript.tokens]
-            stored = self.payloads.write(sid, "snapshot-" + RECURRENT_SLOT, snap.pieces(), suffix="rs")
-            self.contextd.put_snapshot(sid, pb.Snapshot(slot=RECURRENT_SLOT, token_count=snap.stream_tokens,
-                                                        fingerprint=record.fingerprint, locator=stored.locator,
-                                                        byte_size=stored.byte_size, checksum=stored.checksum))
+            before = session.transcript.last_opener_start()
+            if before is not None and before in session.snapshots:
+                snapshots.append(self._store_snapshot(session, BEFORE_ANSWER_SLOT, session.snapshots[before]))
+            end = session.snapshots[session.transcript.tokens]
+            snapshots.append(self._store_snapshot(session, RECURRENT_SLOT, end))
+            self.payloads.sync_folder(sid)
         keep = session.stored_segments
         append = [pb.TranscriptSegment(text=s.text, token_ids=s.ids, generated=s.generated, opener=s.opener)
                   for s in session.transcript.segments[keep:]]
-        self.contextd.write_record(sid, record, keep, append)
+        self.contextd.write_record(sid, record, keep, append, snapshots)
         crashpoints.reached("serving.persist.recorded")
         session.stored_segments = len(session.transcript.segments)
         # Only now that the new record no longer names them: a crash before this line still finds
@@ -375,9 +391,9 @@ class PageMover:
         if stale:
             self.contextd.set_leases(session_id, remove=stale)
             leases = {page_id: until for page_id, until in leases.items() if until <= horizon}
-        snapshot = self._recurrent_snapshot(session_id) if self.backend.is_hybrid else None
-
         transcript = Transcript(fingerprint, segments, list(record.message_hashes))
+        snapshots = self._recurrent_snapshots(session_id, transcript) if self.backend.is_hybrid else {}
+        snapshot = snapshots.get(RECURRENT_SLOT)
         pager = Pager(config)
         pager.append(transcript.ids)
         resident = dict(zip(record.resident_pages, record.resident_positions, strict=True))
@@ -390,7 +406,7 @@ class PageMover:
             notes.append(f"{what} could not be brought back; the session starts over from its first message")
             transcript = Transcript(fingerprint, [], list(record.message_hashes))
             pager = Pager(config)
-            resident, snapshot = {}, None
+            resident, snapshots = {}, {}
 
         pager.turn = int(record.turn)
         pager.ledger = [i for i in record.ledger_pages if i < len(pager.pages)]
@@ -422,8 +438,8 @@ class PageMover:
             notes.append(f"{len(moved)} pages moved by a turn that did not complete are back where the last "
                          f"completed turn left them ({names})")
         session.recorded_pins = {page_id for page_id in pins if page_id in session.stored_ids.values()}
-        if snapshot is not None:
-            session.snapshots[snapshot.stream_tokens] = snapshot
+        for snap in snapshots.values():
+            session.snapshots[snap.stream_tokens] = snap
         self._drop_strays(session, manifest, pins, leases, notes)
         summaries = {b.block_id: b.summary for b in self.contextd.query_blocks(session_id)}
         session.units.update(pager, session.message_ends)
@@ -437,16 +453,21 @@ class PageMover:
             log.warning("session %s recovered: %s", session_id, note)
         return session
 
-    def _recurrent_snapshot(self, session_id: str) -> RecurrentSnapshot | None:
-        found = [s for s in self.contextd.query_snapshots(session_id) if s.slot == RECURRENT_SLOT]
-        if not found:
-            return None
-        ref = found[0]
-        try:
-            return RecurrentSnapshot.read(self.payloads.path(ref.locator), ref.checksum, ref.byte_size)
-        except BlockFormatError as exc:
-            log.warning("session %s: the recurrent snapshot cannot be read (%s)", session_id, exc)
-            return None
+    def _recurrent_snapshots(self, session_id: str, transcript: Transcript) -> dict[str, RecurrentSnapshot]:
+        """The stored recurrent snapshots that belong to `transcript` (by the hash of the tokens
+        each folded in), by slot; one that cannot be read or belongs elsewhere is left out."""
+        found: dict[str, RecurrentSnapshot] = {}
+        for ref in self.contextd.query_snapshots(session_id):
+            if ref.slot not in (RECURRENT_SLOT, BEFORE_ANSWER_SLOT):
+                continue
+            if ref.token_count > transcript.tokens or ref.fingerprint != prefix_hash(transcript.ids, ref.token_count):
+                log.info("session %s: snapshot %s covers other tokens than the record; not used", session_id, ref.slot)
+                continue
+            try:
+                found[ref.slot] = RecurrentSnapshot.read(self.payloads.path(ref.locator), ref.checksum, ref.byte_size)
+            except BlockFormatError as exc:
+                log.warning("session %s: the recurrent snapshot %s cannot be read (%s)", session_id, ref.slot, exc)
+        return found
 
     def _drop_strays(self, session: Session, manifest: dict[str, pb.Page], pins: dict[str, PinKind],
                      leases: dict[str, int], notes: list[str]) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -36,6 +37,12 @@ _TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(\{.*?\})\s*" + re.esca
 
 class TranscriptError(ValueError):
     """The request's messages cannot be rendered (a 400 for the client, never a crash)."""
+
+
+def prefix_hash(ids: list[int], tokens: int) -> str:
+    """16 hex digits of xxh64 over the first `tokens` token ids: names the stream a recurrent
+    state folded in, so a state is never resumed on a transcript that differs before it."""
+    return xxhash.xxh64_hexdigest(array("q", ids[:tokens]).tobytes())
 
 
 def digest(value: Any) -> str:
@@ -212,6 +219,15 @@ class Transcript:
     @property
     def tokens(self) -> int:
         return len(self._ids)
+
+    def last_opener_start(self) -> int | None:
+        """Tokens before the newest turn opener: where a re-sent turn resumes to answer again."""
+        end = self.tokens
+        for segment in reversed(self.segments):
+            end -= len(segment.ids)
+            if segment.opener:
+                return end
+        return None
 
 
 @dataclass(frozen=True)

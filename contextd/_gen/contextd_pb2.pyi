@@ -437,16 +437,18 @@ class SessionRecord(_message.Message):
     def __init__(self, turn: _Optional[int] = ..., attention_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fingerprint_parts: _Optional[_Iterable[str]] = ..., message_hashes: _Optional[_Iterable[str]] = ..., unit_salt: _Optional[str] = ..., ledger_pages: _Optional[_Iterable[int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., segments: _Optional[int] = ..., tokens: _Optional[int] = ..., resident_pages: _Optional[_Iterable[int]] = ..., resident_positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WriteRecordRequest(_message.Message):
-    __slots__ = ("session_id", "record", "keep_segments", "append")
+    __slots__ = ("session_id", "record", "keep_segments", "append", "snapshots")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
     KEEP_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     record: SessionRecord
     keep_segments: int
     append: _containers.RepeatedCompositeFieldContainer[TranscriptSegment]
-    def __init__(self, session_id: _Optional[str] = ..., record: _Optional[_Union[SessionRecord, _Mapping]] = ..., keep_segments: _Optional[int] = ..., append: _Optional[_Iterable[_Union[TranscriptSegment, _Mapping]]] = ...) -> None: ...
+    snapshots: _containers.RepeatedCompositeFieldContainer[Snapshot]
+    def __init__(self, session_id: _Optional[str] = ..., record: _Optional[_Union[SessionRecord, _Mapping]] = ..., keep_segments: _Optional[int] = ..., append: _Optional[_Iterable[_Union[TranscriptSegment, _Mapping]]] = ..., snapshots: _Optional[_Iterable[_Union[Snapshot, _Mapping]]] = ...) -> None: ...
 
 class RecordReply(_message.Message):
     __slots__ = ("record", "segments")

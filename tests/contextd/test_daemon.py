@@ -99,6 +99,18 @@ def test_batched_upserts_and_state_changes_round_trip(daemon: ContextdProcess) -
     assert (back.record.segments, back.record.tokens, list(back.record.ledger_pages)) == (3, 8, [3, 7])
     assert list(back.record.message_hashes) == ["h1", "h2"] and back.record.unit_salt == "salt"
     assert client.get_session("s1").counters["restored_pages"] == 2 and client.get_session("s1").turn == 4
+
+    # snapshots committed with the record replace their slots, and the old payload goes after the commit
+    newer = client.payloads().write("s1", "snapshot-recurrent", b"later" * 100, suffix="rs")
+    row = pb.Snapshot(slot="recurrent", token_count=8, fingerprint="g" * 16, locator=newer.locator,
+                      byte_size=newer.byte_size, checksum=newer.checksum)
+    with pytest.raises(InvalidArgument, match="one per slot"):
+        client.write_record("s1", record, 3, [], [row, row])
+    assert client.query_snapshots("s1")[0].locator == blob.locator, "a refused record changed a snapshot"
+    client.write_record("s1", record, 3, [], [row])
+    assert [(s.slot, s.token_count, s.locator) for s in client.query_snapshots("s1")] == [
+        ("recurrent", 8, newer.locator)]
+    assert not (daemon.root / "store" / blob.locator).exists()
     client.close_session("s1")
     assert client.list_sessions() == []
     assert [s.session_id for s in client.list_sessions(include_closed=True)] == ["s1"]
@@ -344,20 +356,24 @@ def test_disk_pressure_drops_only_cold_unpinned_unleased_pages_least_recently_us
     client.set_page_states("d", states([("p000006", pb.PINNED)]))
     client.set_pins("d", add=[("p000006", "system"), ("p000007", "objective")])
     client.set_leases("d", add=[pb.Lease(page_id="p000008", until_turn=5)])
+    # p1 is cold, but the last completed turn's record has it in attention (the turn after it
+    # evicted p1 failed): the session resumes from that record, so p1 must stay
+    client.write_record("d", pb.SessionRecord(turn=4, unit_salt="s", resident_pages=[1], resident_positions=[128]),
+                        0, [])
     # the store is at its quota: each new page must push out the least recently used droppable one
     for n, fill in ((10, b"a"), (11, b"b"), (12, b"c")):
         store_payload(client, "d", records[n], fill * size)
     dropped = [p.page_id for p in client.query_pages("d", [PageState.DROPPED])]
-    assert dropped == ["p000001", "p000003", "p000005"], dropped  # last used in turns 1, 2, 3
-    # three more droppable pages remain (p0, p2, p4); ask for more than that
+    assert dropped == ["p000002", "p000003", "p000005"], dropped  # last used in turns 2, 3, 5
+    # two more droppable pages remain (p0, p4); ask for more than that
     with pytest.raises(StoreFull, match="nothing left to drop"):
         store_payload(client, "d", records[13], b"d" * (4 * size))
     # nothing was dropped by the failed write and every remaining payload still verifies
     assert [p.page_id for p in client.query_pages("d", [PageState.DROPPED])] == dropped
     verified = client.verify("d")
     assert not verified.corrupt and verified.pages_ok == 10
-    for page in client.get_pages("d", ["p000006", "p000007", "p000008", "p000009"]):
-        assert (proc.root / "store" / page.locator).is_file()  # resident, pinned and leased pages survive
+    for page in client.get_pages("d", ["p000001", "p000006", "p000007", "p000008", "p000009"]):
+        assert (proc.root / "store" / page.locator).is_file()  # recorded, resident, pinned, leased pages survive
     assert client.status().store_bytes <= 10 * size
 
 

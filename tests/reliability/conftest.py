@@ -58,7 +58,8 @@ def server(work: Path) -> Iterator[ServerProcess]:
     """A real server on the llama scenario's knobs, with its own contextd."""
     sc = faults.SCENARIOS["llama"]
     s = ServerProcess(root=work / "server", model=sc.model, budget=sc.budget,
-                      extra=["--tail-tokens", str(sc.tail), "--max-new-tokens", str(sc.max_new)])
+                      extra=["--tail-tokens", str(sc.tail), "--max-new-tokens", str(sc.max_new),
+                             "--client-timeout", str(faults.SLOW_CLIENT_TIMEOUT_S)])
     with faults._env(faults.CRASH_ENV, None), faults._env("KV_ELISION_API_KEY", None):
         s.start()
     yield s

@@ -73,9 +73,6 @@ def test_a_crash_after_the_turn_moved_pages_recovers_exactly(twins: faults.Twins
     assert outcome.reached and outcome.exact, explain(outcome)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: only the end-of-turn recurrent snapshot is persisted, so on a hybrid a "
-                   "turn re-sent after its record was written (a crash before the answer went out) cannot drop the "
-                   "answer at a snapshot boundary and re-prefills the whole session")
 def test_a_hybrid_turn_resent_after_its_record_costs_only_the_opener(twins: faults.Twins,
                                                                     crashes: faults.CrashCampaign) -> None:
     n = faults.hit_in(twins.plain(HYBRID), "serving.persist.recorded", 3)
