@@ -34,6 +34,11 @@ and rebinds the list entry; with no other reference alive MLX donates the old bu
 costs the size of the update, not of the buffer. A fork copies its buffers up front so its page
 operations donate too.
 
+Greedy decoding runs one step ahead, as mlx-lm's own loop does: a greedy decode dispatches the next
+step, fed with its argmax on the device, before reading its own logits back, so building one
+step's graph overlaps the previous step's compute; the next decode takes that step when it feeds
+the same token greedily, anything else puts its state back first (see `MlxBackend.decode`).
+
 Hooking into mlx-lm. The model runs its own code: the module that produces the pre-rotary key
 (`k_norm` where the attention has one, else `k_proj`) is wrapped so its output is also written
 into `k_canon` (or the window); each paged / window layer gets a cache object whose
@@ -63,6 +68,7 @@ import math
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -82,7 +88,7 @@ from .protocol import (
     UnsupportedModelError,
 )
 from .runtime import LayerRoles, LoadedModel, SlotBackend, SlotStore, WindowShape
-from .slots import as_run, folder_identity, model_identity
+from .slots import as_run, folder_identity, model_identity, pick_token
 
 __all__ = ["MlxBackend", "load", "make_mlx_folder", "mlx_config", "quantized_copy"]
 
@@ -1075,6 +1081,20 @@ def _copy_arrays_cache(c: ArraysCache) -> ArraysCache:
     return out
 
 
+@dataclasses.dataclass
+class _Ahead:
+    """A greedy decode step dispatched before the token it feeds was read back (see
+    `MlxBackend.decode`). Its slot is written on the device but free in the slot table until the
+    step is taken; the recurrent states and windows it replaced are kept to put back otherwise."""
+
+    ids: mx.array                        # [1, 1]: the token it feeds, as the device picked it
+    logits: mx.array                     # its float32 last logits
+    pick: mx.array                       # [1, 1]: their argmax, the token the step after it feeds
+    slots: np.ndarray
+    recurrent: list[list[Any]]           # per ArraysCache of the session, its entries before the step
+    windows: tuple[list[Any], list[Any], list[Any]]  # the store's win_canon / win_rot / win_v before it
+
+
 # ------------------------------------------------------------------------------------------------
 # The backend
 # ------------------------------------------------------------------------------------------------
@@ -1086,6 +1106,10 @@ class MlxBackend(SlotBackend):
     _rt: _Runtime
     _store: _SlotStore
     _cache: list[Any]
+    _ahead: _Ahead | None = None
+    # Dispatch the next greedy step before a greedy decode returns (see `decode`); a harness that
+    # observes every forward the model runs turns it off.
+    lookahead = True
 
     _load_model = staticmethod(_make_runtime)
 
@@ -1117,44 +1141,160 @@ class MlxBackend(SlotBackend):
         return out
 
     def _forward(self, ids: list[int], positions: np.ndarray, slots: np.ndarray, high_water: int) -> np.ndarray:
+        with self._rt.lock, mx.stream(self._rt.device):
+            logits = self._build(mx.array([ids], dtype=mx.int32), positions, slots, high_water)
+            mx.eval(logits, self._state())
+        return np.array(logits)
+
+    def _build(self, ids: mx.array, positions: np.ndarray, slots: np.ndarray, high_water: int) -> mx.array:
+        """The forward's graph over `ids` [1, n] (placed in `slots` at `positions`): its float32
+        last logits, unevaluated (the caller holds the lock and the device stream)."""
         st, rt = self._store, self._rt
-        n = len(ids)
+        n = int(ids.shape[1])
         # Without a gap below the high-water slot and with this forward in the last slots, the slot
         # mask is plain causal attention: mlx's own (none for one token) runs its fastest kernel.
         dense = bool(st.occupied[:high_water].all()) and as_run(slots) == (high_water - n, high_water)
         st.fwd_slots, st.fwd_high_water, st.fwd_offset = slots, high_water, int(positions[0])
         try:
-            with rt.lock, mx.stream(rt.device):
-                if dense:
-                    st.fwd_mask = None if n == 1 else "causal"
+            if dense:
+                st.fwd_mask = None if n == 1 else "causal"
+            else:
+                mask = st.occupied[None, :high_water] & (st.pos[None, :high_water] <= positions[:, None])
+                st.fwd_mask = mx.array(mask)[None, None]
+            if rt.roles.window:
+                if st.win_len + n <= rt.roles.window_size:
+                    st.fwd_win_mask = None if n == 1 else "causal"
                 else:
-                    mask = st.occupied[None, :high_water] & (st.pos[None, :high_water] <= positions[:, None])
-                    st.fwd_mask = mx.array(mask)[None, None]
-                if rt.roles.window:
-                    if st.win_len + n <= rt.roles.window_size:
-                        st.fwd_win_mask = None if n == 1 else "causal"
-                    else:
-                        st.fwd_win_mask = _window_mask(st.win_len, n, rt.roles.window_size)[None, None]
-                rt.active = st
-                try:
-                    out = rt.model(mx.array([ids], dtype=mx.int32), cache=self._cache)
-                finally:
-                    rt.active = None
-                logits = out[0, -1].astype(mx.float32)
-                mx.eval(logits, st.buffers(), [c.cache for c in self._recurrent_caches()])
+                    st.fwd_win_mask = _window_mask(st.win_len, n, rt.roles.window_size)[None, None]
+            rt.active = st
+            try:
+                out = rt.model(ids, cache=self._cache)
+            finally:
+                rt.active = None
+            logits: mx.array = out[0, -1].astype(mx.float32)
         finally:
             st.fwd_slots, st.fwd_mask, st.fwd_win_mask = None, None, None
-        return np.array(logits)
+        return logits
+
+    def _state(self) -> list[Any]:
+        """Every array a forward updates besides its logits: slot buffers, windows, recurrent states."""
+        return [self._store.buffers(), [c.cache for c in self._recurrent_caches()]]
 
     @contextlib.contextmanager
     def _page_op(self) -> Iterator[None]:
         """Page operations are synchronous: their buffer updates are evaluated before they return."""
+        self._settle()
         with self._rt.lock, mx.stream(self._rt.device), self._marked_page_op():
             yield
             mx.eval(self._store.buffers())
 
     def synchronize(self) -> None:
         mx.synchronize()
+
+    # -- greedy decoding, one step ahead ---------------------------------------------------------
+    # mlx-lm's own loop dispatches step n + 1 (fed with step n's argmax, still on the device) before
+    # it reads step n's token back, so building one step's graph overlaps the previous step's
+    # compute. A greedy decode here does the same: it leaves the next step dispatched. The next
+    # call takes it when it feeds that token greedily; anything else (sampling, another token, a
+    # page operation, a prefill, a snapshot, a fork) puts the step's state back first. Nothing the
+    # model computes changes: the step ahead runs the graph the plain step would.
+    def decode(self, token: int | None = None, *, greedy: bool = True, temperature: float = 1.0,
+               top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> int:
+        ahead, self._ahead = self._ahead, None
+        feed = token if token is not None else self._pending
+        greedy = greedy or temperature <= 0.0
+        if ahead is not None and not (greedy and feed == ahead.ids.item()):
+            self._drop(ahead)
+            ahead = None
+        if ahead is None:
+            nxt = super().decode(token, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+            if greedy and self.lookahead:
+                with self._rt.lock, mx.stream(self._rt.device):
+                    self._ahead = self._dispatch(mx.array([[nxt]], dtype=mx.int32))
+            return nxt
+        assert feed is not None
+        started = time.perf_counter_ns()
+        slots, positions = self._place([feed], None)
+        assert np.array_equal(slots, ahead.slots), (slots, ahead.slots)  # nothing moved since it was dispatched
+        self._counters.model_forward_tokens += 1
+        self._counters.decoded_tokens += 1
+        self._advance(positions)
+        if seed is not None:
+            self._rng = np.random.default_rng(seed)
+        if self.lookahead:
+            with self._rt.lock, mx.stream(self._rt.device):
+                self._ahead = self._dispatch(ahead.pick)
+        try:
+            logits = np.array(ahead.logits)
+        except BaseException as e:
+            self._ahead = None
+            self._forward_failed(e)
+            raise
+        self._counters.forward_ns += time.perf_counter_ns() - started
+        self._last_logits = logits
+        self._pending = pick_token(logits, True, temperature, top_k, top_p, self._rng)
+        return self._pending
+
+    def _dispatch(self, ids: mx.array) -> _Ahead | None:
+        """The next greedy step over `ids` [1, 1], dispatched (under the lock, on the device stream);
+        None where it would need a page operation first (a compaction, more slots, a window moved)."""
+        st = self._store
+        last = int(st.pos[st.order[-1]]) if st.order.shape[0] else -1
+        first = max(last + 1, st.win_len)  # as `_next_positions` places it
+        if (self._broken is not None or first >= self.position_limit or bool(st.occupied.all())
+                or (st.win_len and st.win_last_pos != first - 1)
+                or not all(isinstance(c, (_SlotLayer, ArraysCache)) for c in self._cache)):
+            return None
+        recurrent = [list(c.cache) for c in self._recurrent_caches()]
+        windows = (list(st.win_canon), list(st.win_rot), list(st.win_v))
+        slots, positions = self._place([0], None)  # the token is entered when the step is taken
+        st.owner_counters = None  # counted when taken
+        try:
+            logits = self._build(ids, positions, slots, st.high_water())
+        except BaseException:
+            self._restore(recurrent, windows)
+            raise
+        finally:
+            st.owner_counters = self._counters
+            st.occupied[slots] = False
+            st.order = st.order[:-1]
+        pick = mx.argmax(logits).astype(mx.int32).reshape(1, 1)
+        mx.async_eval(logits, pick, self._state())  # type: ignore[no-untyped-call]
+        return _Ahead(ids=ids, logits=logits, pick=pick, slots=slots, recurrent=recurrent, windows=windows)
+
+    def _drop(self, ahead: _Ahead) -> None:
+        """Undo a step dispatched ahead: its slot is free already (its stale contents hidden by the
+        mask, as after an eviction); the recurrent states and windows go back to before it."""
+        with self._rt.lock:
+            self._restore(ahead.recurrent, ahead.windows)
+
+    def _restore(self, recurrent: list[list[Any]], windows: tuple[list[Any], list[Any], list[Any]]) -> None:
+        for c, entries in zip(self._recurrent_caches(), recurrent, strict=True):
+            c.cache = entries
+        st = self._store
+        st.win_canon, st.win_rot, st.win_v = windows
+
+    def _settle(self) -> None:
+        """Before anything but a decode reads or changes the session: drop a step dispatched ahead."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self._drop(ahead)
+
+    def _run_model(self, ids: list[int], positions: np.ndarray | None = None) -> None:
+        self._settle()
+        super()._run_model(ids, positions)
+
+    def fork(self) -> MlxBackend:
+        self._settle()
+        return super().fork()
+
+    def reset(self) -> None:
+        self._settle()
+        super().reset()
+
+    def window_state(self) -> tuple[np.ndarray | None, list[np.ndarray], list[tuple[np.ndarray, np.ndarray]]]:
+        self._settle()
+        return super().window_state()
 
     # -- recurrent state -----------------------------------------------------------------------
     # Snapshots use the Hugging Face layout, so they mean the same in both runtimes: conv state

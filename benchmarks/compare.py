@@ -15,6 +15,8 @@ after another, never side by side:
   kv-elision / recency        the same with `--selector recency` (nothing comes back by relevance)
   llama.cpp + Pi compaction   `llama-server -c B`; Pi's own auto-compaction against a window of B,
                               with Pi's default reserve and keep-recent scaled to B
+  llama.cpp + Pi compaction,  the same with `llama-server -c 2B`: Pi still compacts against a window
+    room to summarise         of B, and its summary request (history + instructions) now fits
   llama.cpp, full context     `llama-server -c 8192` (SmolLM2's trained context), compaction off;
                               "does not fit" when the session outgrows it
   llama.cpp + truncation      context shift, where the build supports it (this one refuses a
@@ -104,11 +106,13 @@ ATTENTION = "kv-elision / attention"
 RECENCY = "kv-elision / recency"
 KV_SELECTORS = {HYBRID: "hybrid", ATTENTION: "attention", RECENCY: "recency"}
 COMPACTION = "llama.cpp + Pi compaction"
+COMPACTION_ROOM = "llama.cpp + Pi compaction, room to summarise"
+COMPACTION_ARMS = (COMPACTION, COMPACTION_ROOM)
 FULL = "llama.cpp, full context"
 TRUNCATION = "llama.cpp + truncation"
-ARMS = (HYBRID, ATTENTION, RECENCY, COMPACTION, FULL, TRUNCATION)
-ARM_KEYS = {"hybrid": HYBRID, "attention": ATTENTION, "recency": RECENCY, "compaction": COMPACTION, "full": FULL,
-            "truncation": TRUNCATION}
+ARMS = (HYBRID, ATTENTION, RECENCY, COMPACTION, COMPACTION_ROOM, FULL, TRUNCATION)
+ARM_KEYS = {"hybrid": HYBRID, "attention": ATTENTION, "recency": RECENCY, "compaction": COMPACTION,
+            "compaction-room": COMPACTION_ROOM, "full": FULL, "truncation": TRUNCATION}
 
 
 # ------------------------------------------------------------------------------------------ script
@@ -515,7 +519,11 @@ class LlamaArm(Arm):
         self.name = name
         self.binary = binary
         self.model = model
-        self.ctx = settings.budget if name == COMPACTION else settings.full_ctx
+        # Pi's window: the budget for the compaction arms. The server's -c: the same, except that
+        # "room to summarise" gives llama-server twice the budget, so Pi's summary request (the
+        # history to summarise plus its instructions) fits where a budget-sized -c refuses it.
+        self.window = settings.budget if name in COMPACTION_ARMS else settings.full_ctx
+        self.ctx = 2 * settings.budget if name == COMPACTION_ROOM else self.window
         self.server: llamacpp.LlamaServer | None = None
         self.seen_prompts: set[Path] = set()
         self.last_question_prompt: str | None = None
@@ -541,7 +549,7 @@ class LlamaArm(Arm):
         # <= 4,096 is asked for 1-token answers. The window is registered 4,096 larger and the
         # reserve 4,096 larger, so max_tokens is what llama-server really has left and Pi compacts
         # exactly where a B-token window with the scaled reserve would.
-        model = {"id": MODEL, "name": MODEL, "contextWindow": self.ctx + PI_OUTPUT_MARGIN,
+        model = {"id": MODEL, "name": MODEL, "contextWindow": self.window + PI_OUTPUT_MARGIN,
                  "maxTokens": self.s.max_tokens, "input": ["text"], "reasoning": False,
                  "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0}}
         models = {"providers": {"llamacpp": {
@@ -549,7 +557,7 @@ class LlamaArm(Arm):
             "compat": {"supportsStore": False, "supportsDeveloperRole": False, "supportsReasoningEffort": False,
                        "supportsUsageInStreaming": True, "maxTokensField": "max_tokens"},
             "models": [model]}}}
-        if self.name == COMPACTION:
+        if self.name in COMPACTION_ARMS:
             compaction = {"enabled": True, "reserveTokens": self.s.reserve + PI_OUTPUT_MARGIN,
                           "keepRecentTokens": self.s.keep}
         else:
@@ -948,7 +956,8 @@ def plot(by_seed: dict[int, list[ArmResult]], path: Path) -> None:
 
     seeds = sorted(by_seed)
     fig, axes = plt.subplots(len(seeds), 2, figsize=(12, 4.2 * len(seeds)), dpi=110, squeeze=False)
-    colours = {HYBRID: "#ff7f0e", ATTENTION: "#1f77b4", RECENCY: "#9467bd", COMPACTION: "#d62728", FULL: "#7f7f7f",
+    colours = {HYBRID: "#ff7f0e", ATTENTION: "#1f77b4", RECENCY: "#9467bd", COMPACTION: "#d62728",
+               COMPACTION_ROOM: "#8c564b", FULL: "#7f7f7f",
                TRUNCATION: "#2ca02c"}
     for row, seed in enumerate(seeds):
         tokens_ax, ttft_ax = axes[row]

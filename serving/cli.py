@@ -60,6 +60,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from serving.http import Server
     from serving.transcript import ChatFormat
 
+    if args.backend == "mlx" and (args.selector != "controller" or args.controller_url):
+        from backends.runtime import keep_torch_out  # a local controller model would run on torch
+
+        keep_torch_out(args.model)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     root = Path(args.root)
     socket_path = Path(args.socket) if args.socket else default_socket(root / "contextd")

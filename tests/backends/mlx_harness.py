@@ -84,9 +84,14 @@ class MlxHarness:
             original = getattr(attn, name)
             setattr(attn, name, Capture(original, slot, heads))
             swapped.append((attn, name, original))
+        # A step dispatched ahead (see MlxBackend.decode) may be dropped: capture only steps taken.
+        lookahead = be.lookahead  # type: ignore[attr-defined]
+        be.lookahead = False  # type: ignore[attr-defined]
+        be._settle()  # type: ignore[attr-defined]
         try:
             yield captured
         finally:
+            be.lookahead = lookahead  # type: ignore[attr-defined]
             for owner, name, original in swapped:
                 setattr(owner, name, original)
             for slot, arrays in enumerate(pending):
