@@ -199,12 +199,14 @@ def pi_env(**extra: str) -> dict[str, str]:
 
 class Pi:
     """Pi in --mode rpc: one JSON command per stdin line, one JSON record per stdout line (LF
-    framing only). Every record but command responses lands in `events` with its arrival time."""
+    framing only). Every record but command responses lands in `events`, its arrival time in
+    `arrived` (the same index). tests/e2e/test_pi.py drives Pi through a subclass of this."""
 
-    def __init__(self, args: list[str], cwd: Path, env: dict[str, str]) -> None:
+    def __init__(self, args: list[str], cwd: Path, env: dict[str, str], startup_timeout: float = 180.0) -> None:
         self.proc = subprocess.Popen([str(PI_BIN), *args], cwd=cwd, env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        self.events: list[tuple[float, dict[str, Any]]] = []
+        self.events: list[dict[str, Any]] = []
+        self.arrived: list[float] = []
         self.responses: dict[str, dict[str, Any]] = {}
         self.stderr = b""
         self.changed = threading.Condition()
@@ -212,7 +214,7 @@ class Pi:
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
         threading.Thread(target=self._read_stderr, daemon=True).start()
-        self.send({"type": "get_state"}, timeout=180)
+        self.send({"type": "get_state"}, timeout=startup_timeout)  # answers once startup, extensions included, is done
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -229,7 +231,8 @@ class Pi:
                 if record.get("type") == "response" and str(record.get("id", "")).startswith("c"):
                     self.responses[record["id"]] = record
                 else:
-                    self.events.append((now, record))
+                    self.events.append(record)
+                    self.arrived.append(now)
                 self.changed.notify_all()
         with self.changed:
             self.changed.notify_all()
@@ -251,8 +254,20 @@ class Pi:
                                        f"{self.stderr.decode(errors='replace')[-3000:]}")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise RuntimeError(f"pi: timed out after {timeout:.0f} s waiting for {what}")
+                    raise RuntimeError(f"pi: timed out after {timeout:.0f} s waiting for {what}\n"
+                                       f"stderr: {self.stderr.decode(errors='replace')[-3000:]}")
                 self.changed.wait(min(left, 1.0))
+
+    def until(self, condition: Callable[[], bool], timeout: float = 60.0, what: str = "a condition") -> None:
+        self._wait(lambda: True if condition() else None, timeout, what)
+
+    def wait_for(self, predicate: Callable[[dict[str, Any]], bool], start: int = 0, timeout: float = 60.0,
+                 what: str = "an event") -> int:
+        """The index of the first event from `start` on that satisfies `predicate`, once there is one."""
+        def find() -> int | None:
+            return next((i for i in range(start, len(self.events)) if predicate(self.events[i])), None)
+        index: int = self._wait(find, timeout, what)
+        return index
 
     def send(self, command: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
         ident = f"c{self.next_id}"
@@ -266,21 +281,20 @@ class Pi:
 
     def prompt(self, message: str, timeout: float) -> tuple[float, list[tuple[float, dict[str, Any]]]]:
         """Prompt and wait until Pi has settled (any compaction or retry it started included);
-        returns when the prompt was sent and this prompt's events."""
+        returns when the prompt was sent and this prompt's events with their arrival times."""
         start = len(self.events)
         sent = time.perf_counter()
         response = self.send({"type": "prompt", "message": message}, timeout=timeout)
         if not response.get("success"):
             raise RuntimeError(f"pi refused the prompt: {response}")
         if (response.get("data") or {}).get("disposition") != "handled":
-            self._wait(lambda: True if any(e[1].get("type") == "agent_settled" for e in self.events[start:]) else None,
-                       timeout, "agent_settled")
-        return sent, self.events[start:]
+            self.wait_for(lambda e: e.get("type") == "agent_settled", start, timeout, "agent_settled")
+        return sent, list(zip(self.arrived[start:], self.events[start:], strict=True))
 
     def close(self) -> None:
         if self.proc.poll() is None:
             assert self.proc.stdin is not None
-            self.proc.stdin.close()
+            self.proc.stdin.close()  # Pi shuts down (session_shutdown) at the end of its input
             try:
                 self.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:

