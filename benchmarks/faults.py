@@ -60,6 +60,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.procfs import status_field
+
 REPO = Path(__file__).resolve().parent.parent
 SYSTEM = "You are a coding agent. Be brief."
 CRASH_ENV = "KV_ELISION_CRASH_AT"
@@ -1548,8 +1550,8 @@ def run_fuzz_part(args: argparse.Namespace, work: Path, zygote: Any, log: Callab
     pids = {"server": server.proc.pid, "contextd": server.contextd.proc.pid}
     try:
         warm = server.chat([{"role": "user", "content": "hello"}], session="warm", max_tokens=2)
-        rss0 = {k: _rss_kb(v) for k, v in pids.items()}
-        threads0 = _threads(pids["server"])
+        rss0 = {k: status_field(v, "VmRSS", gone=0) for k, v in pids.items()}
+        threads0 = status_field(pids["server"], "Threads", gone=0)
 
         def alive() -> bool:
             return server.get("/health").status == 200
@@ -1560,7 +1562,7 @@ def run_fuzz_part(args: argparse.Namespace, work: Path, zygote: Any, log: Callab
         log(f"fuzz: {args.fuzz_grpc} gRPC calls and raw writes (contextd pid {pids['contextd']})")
         grpc_tally = fuzz_grpc(server.socket, args.fuzz_grpc)
         after = server.chat([{"role": "user", "content": "hello"}], session="warm-2", max_tokens=2)
-        rss1 = {k: _rss_kb(v) for k, v in pids.items()}
+        rss1 = {k: status_field(v, "VmRSS", gone=0) for k, v in pids.items()}
         crashes = sum(server.proc.poll() is not None or server.contextd.proc.poll() is not None for _ in [0])
         figures = {"fuzz_http": http.sent, "fuzz_grpc": grpc_tally.sent,
                    "fuzz_unclear": http.unclear_count + grpc_tally.unclear_count,
@@ -1569,7 +1571,7 @@ def run_fuzz_part(args: argparse.Namespace, work: Path, zygote: Any, log: Callab
                    "fuzz_rss_growth_mib": round(max(rss1[k] - rss0[k] for k in pids) / 1024, 1),
                    "fuzz_server_rss_mib": [round(rss0["server"] / 1024), round(rss1["server"] / 1024)],
                    "fuzz_contextd_rss_mib": [round(rss0["contextd"] / 1024), round(rss1["contextd"] / 1024)],
-                   "fuzz_server_threads": [threads0, _threads(pids["server"])], **slow,
+                   "fuzz_server_threads": [threads0, status_field(pids["server"], "Threads", gone=0)], **slow,
                    "fuzz_http_answers": dict(sorted(http.answered.items())),
                    "fuzz_grpc_answers": dict(sorted(grpc_tally.answered.items()))}
         for tally in (http, grpc_tally):
@@ -1979,26 +1981,6 @@ def percentile(values: Sequence[float], q: float) -> float:
         return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def _rss_kb(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def _threads(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Threads:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 HTTP_CRASHES = (("serving.prefill.chunk", 9), ("serving.decode.token", 27), ("serving.evict.removed", 2),

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.agent import AgentRun, TurnRecord
+from benchmarks.procfs import status_field
 from benchmarks.workload import evidence_files
 from serving.launcher import ServerProcess
 from serving.session import PHASES
@@ -67,13 +68,6 @@ class Grown:
     session_tokens: int = 0
 
 
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
@@ -94,7 +88,8 @@ def grow(model: str, tokens: int, budget: int, work: Path, seed: int) -> Grown:
             assert server.proc is not None
             grown.samples.append(Sample(record.session_tokens, last["overhead_ms"], last["select_ms"],
                                         stats["key_index_bytes"] + stats["lexical_index_bytes"],
-                                        rss_bytes(server.proc.pid), {p: last[f"{p}_ms"] for p in PHASES}))
+                                        status_field(server.proc.pid, "VmRSS") * 1024,
+                                        {p: last[f"{p}_ms"] for p in PHASES}))
             print(f"  {model}: {record.session_tokens:>9,} tokens  overhead {last['overhead_ms']:8.1f} ms  "
                   + "  ".join(f"{p} {last[f'{p}_ms']:6.1f}" for p in PHASES)
                   + f"  forward {last['forward_ms']:8.1f} ms", flush=True)
