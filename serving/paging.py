@@ -38,7 +38,7 @@ from controller.lexical import LexicalIndex
 from controller.pager import PAGE_TOKENS, Decision, Pager, PagerConfig, PageState, PinKind
 from controller.units import UnitIndex
 from serving.session import Session, SessionCounters
-from serving.transcript import Fingerprint, Segment, Transcript, prefix_hash
+from serving.transcript import Fingerprint, Segment, Transcript
 
 log = logging.getLogger("kv_elision.paging")
 
@@ -270,10 +270,11 @@ class PageMover:
     def _store_snapshot(self, session: Session, slot: str, snap: RecurrentSnapshot) -> pb.Snapshot:
         """Write a recurrent snapshot's payload; return its row for `slot`, labelled with a hash of
         the tokens it folded in: recovery takes it only for a transcript that starts with them."""
+        label = session.transcript.prefix_hash(snap.stream_tokens)
+        assert label is not None, "recurrent snapshots are taken at segment boundaries"
         stored = self.payloads.write(session.session_id, "snapshot-" + slot, snap.pieces(), suffix="rs",
                                      sync_folder=False)
-        return pb.Snapshot(slot=slot, token_count=snap.stream_tokens,
-                           fingerprint=prefix_hash(session.transcript.ids, snap.stream_tokens),
+        return pb.Snapshot(slot=slot, token_count=snap.stream_tokens, fingerprint=label,
                            locator=stored.locator, byte_size=stored.byte_size, checksum=stored.checksum)
 
     def persist(self, session: Session, make_record: Callable[[], pb.SessionRecord]) -> None:
@@ -460,7 +461,7 @@ class PageMover:
         for ref in self.contextd.query_snapshots(session_id):
             if ref.slot not in (RECURRENT_SLOT, BEFORE_ANSWER_SLOT):
                 continue
-            if ref.token_count > transcript.tokens or ref.fingerprint != prefix_hash(transcript.ids, ref.token_count):
+            if ref.fingerprint != transcript.prefix_hash(ref.token_count):
                 log.info("session %s: snapshot %s covers other tokens than the record; not used", session_id, ref.slot)
                 continue
             try:

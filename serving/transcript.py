@@ -39,12 +39,6 @@ class TranscriptError(ValueError):
     """The request's messages cannot be rendered (a 400 for the client, never a crash)."""
 
 
-def prefix_hash(ids: list[int], tokens: int) -> str:
-    """16 hex digits of xxh64 over the first `tokens` token ids: names the stream a recurrent
-    state folded in, so a state is never resumed on a transcript that differs before it."""
-    return xxhash.xxh64_hexdigest(array("q", ids[:tokens]).tobytes())
-
-
 def digest(value: Any) -> str:
     """16 hex digits of xxh64 over a canonical JSON form."""
     return xxhash.xxh64_hexdigest(json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode())
@@ -174,6 +168,9 @@ class Transcript:
         self.message_hashes = list(message_hashes or [])  # the client's per-message hashes, if sent
         self.segments: list[Segment] = []
         self._ids: list[int] = []
+        # xxh64 of the token ids up to each segment's end, kept as the segments come: names the
+        # stream a recurrent snapshot folded in without hashing the whole transcript each turn.
+        self._prefix_hashers: list[xxhash.xxh64] = []
         self._text_length = 0
         # assistant_key -> the raw texts generated under it, oldest first. A list because two
         # answers can share a key (the key ignores whitespace) yet differ in their raw text: the
@@ -185,6 +182,9 @@ class Transcript:
     def append(self, segment: Segment) -> None:
         self.segments.append(segment)
         self._ids.extend(segment.ids)
+        hasher = self._prefix_hashers[-1].copy() if self._prefix_hashers else xxhash.xxh64()
+        hasher.update(array("q", segment.ids).tobytes())
+        self._prefix_hashers.append(hasher)
         self._text_length += len(segment.text)
         if segment.generated:
             content, calls = parse_tool_calls(segment.text)
@@ -200,6 +200,7 @@ class Transcript:
                 if not raws:
                     del self.generated[assistant_key(content, calls)]
         del self.segments[keep:]
+        del self._prefix_hashers[keep:]
         self._ids = self._ids[:sum(len(s.ids) for s in self.segments)]
         self._text_length = sum(len(s.text) for s in self.segments)
 
@@ -219,6 +220,19 @@ class Transcript:
     @property
     def tokens(self) -> int:
         return len(self._ids)
+
+    def prefix_hash(self, tokens: int) -> str | None:
+        """16 hex digits of xxh64 over the first `tokens` token ids when a segment ends there, else
+        None: names the stream a recurrent state folded in, so a state is never resumed on a
+        transcript that differs before it."""
+        end = self.tokens  # snapshots sit near the end: walk back from it
+        for segment, hasher in zip(reversed(self.segments), reversed(self._prefix_hashers), strict=True):
+            if end == tokens:
+                return hasher.hexdigest()
+            if end < tokens:
+                return None
+            end -= len(segment.ids)
+        return xxhash.xxh64().hexdigest() if tokens == 0 else None
 
     def last_opener_start(self) -> int | None:
         """Tokens before the newest turn opener: where a re-sent turn resumes to answer again."""
