@@ -15,26 +15,27 @@ from typing import Any
 import pytest
 
 from benchmarks import faults
+from benchmarks.procfs import status_field
 from serving.launcher import ServerProcess
 
 
 def test_malformed_http_gets_clear_answers_and_the_server_keeps_serving(server: ServerProcess) -> None:
     assert server.proc is not None
-    rss = faults._rss_kb(server.proc.pid)
+    rss = status_field(server.proc.pid, "VmRSS", gone=0)
     tally = faults.fuzz_http(server.port, 300, seed=7, alive=lambda: server.get("/health").status == 200)
     assert not tally.unclear, tally.unclear
     assert server.get("/health").status == 200 and server.proc.poll() is None
-    assert faults._rss_kb(server.proc.pid) - rss < 200 << 10, "the server grew by more than 200 MiB"
+    assert status_field(server.proc.pid, "VmRSS", gone=0) - rss < 200 << 10, "the server grew by more than 200 MiB"
     assert tally.answered.get("400", 0) > 100
 
 
 def test_malformed_grpc_and_raw_bytes_get_a_status_and_contextd_keeps_serving(server: ServerProcess) -> None:
     assert server.contextd is not None and server.contextd.proc is not None and server.contextd.client is not None
-    rss = faults._rss_kb(server.contextd.proc.pid)
+    rss = status_field(server.contextd.proc.pid, "VmRSS", gone=0)
     tally = faults.fuzz_grpc(server.socket, 600, seed=3)
     assert not tally.unclear, tally.unclear
     assert server.contextd.proc.poll() is None and server.contextd.client.status().pid == server.contextd.proc.pid
-    assert faults._rss_kb(server.contextd.proc.pid) - rss < 100 << 10
+    assert status_field(server.contextd.proc.pid, "VmRSS", gone=0) - rss < 100 << 10
     assert tally.answered.get("INVALID_ARGUMENT", 0) > 100
 
 
