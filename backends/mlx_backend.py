@@ -1140,15 +1140,18 @@ class MlxBackend(SlotBackend):
                 out.append(template[j])
         return out
 
-    def _forward(self, ids: list[int], positions: np.ndarray, slots: np.ndarray, high_water: int) -> np.ndarray:
+    def _forward(self, ids: list[int], positions: np.ndarray, slots: np.ndarray, high_water: int,
+                 every: bool = False) -> np.ndarray:
         with self._rt.lock, mx.stream(self._rt.device):
-            logits = self._build(mx.array([ids], dtype=mx.int32), positions, slots, high_water)
+            logits = self._build(mx.array([ids], dtype=mx.int32), positions, slots, high_water, every)
             mx.eval(logits, self._state())
         return np.array(logits)
 
-    def _build(self, ids: mx.array, positions: np.ndarray, slots: np.ndarray, high_water: int) -> mx.array:
+    def _build(self, ids: mx.array, positions: np.ndarray, slots: np.ndarray, high_water: int,
+               every: bool = False) -> mx.array:
         """The forward's graph over `ids` [1, n] (placed in `slots` at `positions`): its float32
-        last logits, unevaluated (the caller holds the lock and the device stream)."""
+        last logits (every position's with `every`), unevaluated (the caller holds the lock and
+        the device stream)."""
         st, rt = self._store, self._rt
         n = int(ids.shape[1])
         # Without a gap below the high-water slot and with this forward in the last slots, the slot
@@ -1171,7 +1174,7 @@ class MlxBackend(SlotBackend):
                 out = rt.model(ids, cache=self._cache)
             finally:
                 rt.active = None
-            logits: mx.array = out[0, -1].astype(mx.float32)
+            logits: mx.array = (out[0] if every else out[0, -1]).astype(mx.float32)
         finally:
             st.fwd_slots, st.fwd_mask, st.fwd_win_mask = None, None, None
         return logits
@@ -1280,9 +1283,9 @@ class MlxBackend(SlotBackend):
         if ahead is not None:
             self._drop(ahead)
 
-    def _run_model(self, ids: list[int], positions: np.ndarray | None = None) -> None:
+    def _run_model(self, ids: list[int], positions: np.ndarray | None = None, every: bool = False) -> np.ndarray:
         self._settle()
-        super()._run_model(ids, positions)
+        return super()._run_model(ids, positions, every)
 
     def fork(self) -> MlxBackend:
         self._settle()

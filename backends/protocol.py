@@ -507,6 +507,12 @@ class Backend(Protocol):
         """
         ...
 
+    def prefill_logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """`prefill`, returning the float32 logits after every token, [len(token_ids), vocab]: what
+        teacher-forced scoring reads (serving.likelihood), one forward per chunk instead of one per
+        token. Counted as prefill."""
+        ...
+
     def decode(self, token: int | None = None, *, greedy: bool = True, temperature: float = 1.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> int:
         """One step: feed `token` (default: the pending token, if any), then pick the next token.
@@ -546,6 +552,13 @@ class Backend(Protocol):
     def compact_positions(self) -> int:
         """Renumber held tokens densely from 0; re-anchor only keys whose position changed.
         Returns the number of token keys re-anchored."""
+        ...
+
+    def reposition(self, positions: np.ndarray) -> int:
+        """Give the held tokens (in logical order) these RoPE positions: distinct, non-negative,
+        below the position limit, the last held token keeping the highest (new tokens follow it).
+        Only keys whose position changes are re-anchored (arithmetic, no forward pass). Returns
+        how many were. The logical order, and so every page's place, stays as it is."""
         ...
 
     def positions(self) -> np.ndarray:

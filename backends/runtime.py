@@ -477,8 +477,10 @@ class SlotBackend:
         """The cache object the model code sees, over this session's store (recurrent layers empty)."""
         raise NotImplementedError
 
-    def _forward(self, ids: list[int], positions: np.ndarray, slots: np.ndarray, high_water: int) -> np.ndarray:
-        """Run the model over `ids` (already placed in `slots` at `positions`); float32 last logits."""
+    def _forward(self, ids: list[int], positions: np.ndarray, slots: np.ndarray, high_water: int,
+                 every: bool = False) -> np.ndarray:
+        """Run the model over `ids` (already placed in `slots` at `positions`); float32 last logits,
+        or with `every` the logits after each token, [len(ids), vocab]."""
         raise NotImplementedError
 
     def _page_op(self) -> contextlib.AbstractContextManager[None]:
@@ -595,6 +597,18 @@ class SlotBackend:
             self._counters.new_prefill_tokens += len(chunk)
         return self.last_logits()
 
+    def prefill_logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        ids = checked_token_ids(token_ids, self._rt.vocab_size)
+        if not ids:
+            raise ValueError("prefill needs at least one token")
+        self._pending = None
+        out = []
+        for i in range(0, len(ids), self.prefill_chunk):
+            chunk = ids[i:i + self.prefill_chunk]
+            out.append(self._run_model(chunk, every=True))
+            self._counters.new_prefill_tokens += len(chunk)
+        return np.concatenate(out)
+
     def decode(self, token: int | None = None, *, greedy: bool = True, temperature: float = 1.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> int:
         feed = token if token is not None else self._pending
@@ -610,19 +624,21 @@ class SlotBackend:
         self._pending = nxt
         return nxt
 
-    def _run_model(self, ids: list[int], positions: np.ndarray | None = None) -> None:
-        """The one place that runs the model: allocate slots, place the tokens, forward. `positions`
-        (consecutive, past every held one) only for the load-time rotation check."""
+    def _run_model(self, ids: list[int], positions: np.ndarray | None = None, every: bool = False) -> np.ndarray:
+        """The one place that runs the model: allocate slots, place the tokens, forward; returns the
+        logits (`_forward`'s). `positions` (consecutive, past every held one) only for the load-time
+        rotation check."""
         slots, positions = self._place(ids, positions)
         started = time.perf_counter_ns()
         try:
-            logits = self._forward(ids, positions, slots, self._store.high_water())
+            logits = self._forward(ids, positions, slots, self._store.high_water(), every)
         except BaseException as e:
             self._forward_failed(e)
             raise
         self._counters.forward_ns += time.perf_counter_ns() - started
         self._advance(positions)
-        self._last_logits = logits
+        self._last_logits = logits[-1] if every else logits
+        return logits
 
     def _place(self, ids: list[int], positions: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """Slots and positions for `ids` about to enter the model, entered in the slot table."""
@@ -732,6 +748,23 @@ class SlotBackend:
     def compact_positions(self) -> int:
         with self._page_op():
             return self._compact()
+
+    def reposition(self, positions: np.ndarray) -> int:
+        st = self._store
+        wanted = np.asarray(positions, dtype=np.int64)
+        if wanted.shape != st.order.shape:
+            raise ValueError(f"{wanted.shape[0]} positions for {st.order.shape[0]} held tokens")
+        if wanted.size and (int(wanted.min()) < 0 or int(wanted.max()) >= self.position_limit
+                            or np.unique(wanted).shape[0] != wanted.shape[0] or int(wanted[-1]) != int(wanted.max())):
+            raise ValueError(f"positions must be distinct, in 0..{self.position_limit - 1}, and highest for the last "
+                             "held token")
+        with self._page_op():
+            changed = st.pos[st.order] != wanted
+            count = int(changed.sum())
+            if count:
+                st.reanchor(st.order[changed], wanted[changed])
+                self._counters.reanchored_keys += count
+            return count
 
     def _next_positions(self, n: int) -> np.ndarray:
         st = self._store

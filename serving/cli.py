@@ -21,6 +21,7 @@ from contextd.errors import DaemonUnavailable
 from contextd.paths import default_root, default_socket
 from controller.selectors import SELECTORS, ControllerModel, Selector, make_selector
 from serving.controller_models import LocalControllerModel, RemoteControllerModel
+from serving.engine import PLACEMENTS, Engine, EngineConfig
 from serving.launcher import ContextdProcess, start_tied_contextd
 
 log = logging.getLogger("kv_elision")
@@ -56,7 +57,6 @@ def _selector(args: argparse.Namespace) -> Selector:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from backends import load_backend
-    from serving.engine import Engine, EngineConfig
     from serving.http import Server
     from serving.transcript import ChatFormat
 
@@ -69,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     socket_path = Path(args.socket) if args.socket else default_socket(root / "contextd")
     config = EngineConfig(budget_tokens=args.budget, max_new_tokens=args.max_new_tokens,
                           tail_tokens=args.tail_tokens, lease_turns=args.lease_turns,
-                          compress_pages=args.compress == "zstd")
+                          compress_pages=args.compress == "zstd", placement=args.placement)
     client, daemon = _connect_or_start_contextd(root, socket_path)
     try:
         backend = load_backend(args.backend, args.model, device=args.device, dtype=args.dtype,
@@ -114,7 +114,8 @@ def cmd_models(args: argparse.Namespace) -> int:
             print(f"    {runtime:<6} {'exact' if reason is None else 'no: ' + reason}")
     roots = [*hf_cache_roots(), *lmstudio_model_roots()]
     print(f"searched: {', '.join(str(r) for r in roots)}")
-    print(f"built in: smollm2-135m, {', '.join(TINY_MODELS)} (each also as -q4 / -q8: MLX-quantized, --backend mlx)")
+    print(f"built in: smollm2-135m, gemma3-270m (with the controller extra), {', '.join(TINY_MODELS)} "
+          "(smollm2-135m and the tiny ones also as -q4 / -q8: MLX-quantized, --backend mlx)")
     return 0
 
 
@@ -132,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--compress", default="none", choices=["none", "zstd"],
                        help="store pages losslessly compressed (byte planes + zstd: ~1.2x for float32 K/V, "
                        "~1.5x for bfloat16; see docs/contextd.md for what a restore pays)")
+    serve.add_argument("--placement", default=EngineConfig.placement, choices=list(PLACEMENTS),
+                       help="where a turn's restored pages sit while its answer is read: at their place in the "
+                       "timeline, or right before the new message (docs/proof.md measures both)")
     serve.add_argument("--max-new-tokens", type=int, default=1024, help="cap on tokens generated per turn")
     serve.add_argument("--selector", default="hybrid", choices=list(SELECTORS),
                        help="who advises which pages come back (default: hybrid: rare token ids and byte "

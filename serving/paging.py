@@ -186,6 +186,37 @@ class PageMover:
         self.backend.compact_positions()
         session.timed("restore", restoring)
 
+    def place_near_question(self, session: Session, restored: list[int], new_tokens: int) -> bool:
+        """Give this turn's restored pages the positions right before the new message (after the
+        tail's earlier messages), instead of their place in the timeline; return whether any key
+        moved. Only positions change (re-anchoring, no forward pass): the pages keep their place
+        in the cache's logical order, so the pager's bookkeeping is untouched, and `close_gaps` at
+        the end of the turn puts every position back in timeline order before anything is stored.
+
+        Why: a restored fact otherwise sits behind the model's own recent answers, which SmolLM2
+        copies (docs/proof.md: most wrong answers repeated a value from the hot tail)."""
+        if not restored or new_tokens <= 0:
+            return False
+        pager = session.pager
+        held = self.backend.attention_tokens
+        new_start = held - min(new_tokens, held)
+        moved = np.zeros(held, dtype=bool)
+        for index in restored:
+            start = pager.logical_start(index)
+            moved[start:min(start + pager.pages[index].tokens, new_start)] = True
+        if not moved.any():
+            return False
+        rest = ~moved
+        rest[new_start:] = False
+        ranked = np.concatenate([np.flatnonzero(rest), np.flatnonzero(moved), np.arange(new_start, held)])
+        base = int(self.backend.positions().min()) if held else 0
+        positions = np.empty(held, dtype=np.int64)
+        positions[ranked] = base + np.arange(held, dtype=np.int64)
+        placing = time.perf_counter()
+        self.backend.reposition(positions)
+        session.timed("restore", placing)
+        return True
+
     def store(self, session: Session, indices: list[int]) -> None:
         """Write pages to the canonical store (payload first), then record them in one batch."""
         if not indices:

@@ -255,6 +255,10 @@ class Rendering:
     thinking: str
 
 
+# Tokens that end a model's turn in the chat formats served here (whichever the vocabulary has).
+TURN_ENDS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>")
+
+
 class ChatFormat:
     """Renders OpenAI chat messages with the model's own chat template."""
 
@@ -395,6 +399,16 @@ class ChatFormat:
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    @cached_property
+    def stop_ids(self) -> frozenset[int]:
+        """The ids that end an answer: the tokenizer's end of sequence and the turn ends of the
+        chat formats served here (ChatML's `<|im_end|>`, `<|endoftext|>`, Gemma's
+        `<end_of_turn>`), those this vocabulary has."""
+        tokenizer = self.tokenizer
+        unknown = getattr(tokenizer, "unk_token_id", -1)
+        found = (tokenizer.eos_token_id, *(tokenizer.convert_tokens_to_ids(t) for t in TURN_ENDS))
+        return frozenset(int(t) for t in found if t is not None and int(t) >= 0 and int(t) != unknown)
 
     @cached_property
     def template_ids(self) -> list[int]:

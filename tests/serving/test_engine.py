@@ -8,10 +8,6 @@ is reported and never served.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,19 +21,10 @@ from controller.selectors import AttentionSelector, HybridSelector
 from serving.engine import ChatRequest, Engine, EngineConfig, Prepared, TurnResult
 from serving.launcher import ContextdProcess
 from serving.transcript import ChatFormat
+from tests.serving.engines import restarted_copy, turn
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. Be brief."}
 CONFIG = EngineConfig(budget_tokens=1024, tail_tokens=256, max_new_tokens=6)
-
-
-@pytest.fixture
-def contextd() -> Iterator[ContextdProcess]:
-    base = Path(tempfile.mkdtemp(prefix="kve-", dir="/tmp"))
-    daemon = ContextdProcess(base / "root", base / "c.sock", extra=["--reserve-bytes", "0"])
-    daemon.start()
-    yield daemon
-    daemon.stop()
-    shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +38,6 @@ def engine_on(backend: Backend, contextd: ContextdProcess) -> Engine:
     fresh.reset()
     return Engine(fresh, ChatFormat(fresh.tokenizer), Client(contextd.socket, timeout=60.0), CONFIG,
                   HybridSelector())
-
-
-def turn(engine: Engine, session: str, messages: list[dict[str, Any]]) -> TurnResult:
-    final = None
-    for event in engine.chat(ChatRequest(session, list(messages))):
-        final = event.final or final
-    assert final is not None
-    return final
 
 
 def grow(engine: Engine, session: str, turns: int) -> list[dict[str, Any]]:
@@ -107,13 +86,7 @@ def test_a_new_engine_recovers_the_session_exactly(backend: Backend, contextd: C
     assert before["hybrid"].restore and before["attention"].restore, \
         "a selector restored nothing: the comparison would say nothing"
     # The store as a restarted server finds it: a copy of the daemon's root, served by a second daemon.
-    contextd.stop()
-    copy = ContextdProcess(contextd.root.parent / "copy", contextd.root.parent / "copy.sock",
-                           extra=["--reserve-bytes", "0"])
-    shutil.copytree(contextd.root, copy.root)
-    contextd.start()
-    copy.start()
-    try:
+    with restarted_copy(contextd) as copy:
         second = engine_on(backend, copy)
         after = second.probe(ChatRequest("r", question), [HybridSelector(), AttentionSelector()])
         for name in ("hybrid", "attention"):
@@ -131,8 +104,6 @@ def test_a_new_engine_recovers_the_session_exactly(backend: Backend, contextd: C
         one, two = turn(first, "r", question), turn(second, "r", question)
         assert one.content == two.content and one.prefilled_tokens == two.prefilled_tokens
         assert two.counters.historical_forward_during_restore == 0
-    finally:
-        copy.stop()
 
 
 def test_recovery_reconciles_what_a_dead_turn_left_and_says_so(backend: Backend, contextd: ContextdProcess) -> None:

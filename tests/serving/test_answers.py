@@ -1,0 +1,184 @@
+"""Reading answers: the likelihood scorer and where restored pages sit.
+
+The scorer must give the same log-probabilities as prefilling each candidate after the view
+and summing, must leave the scored backend exactly as it was (cache, positions, logits,
+counters), and must do so on a hybrid too. A watched turn answers exactly as an unwatched one.
+Placement "question" gives a turn's restored pages the positions right before the new message
+while the answer is read, and the turn still ends in timeline positions, so recovery and the
+next turn are as without it. Real tiny models and a real contextd process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from backends import Backend, load_backend
+from contextd.client import Client
+from controller.selectors import HybridSelector
+from serving.engine import Engine, EngineConfig
+from serving.launcher import ContextdProcess
+from serving.likelihood import continuation_logprobs, log_softmax
+from serving.transcript import ChatFormat
+from tests.serving.engines import restarted_copy, turn
+
+CONFIG = EngineConfig(budget_tokens=1024, tail_tokens=128, max_new_tokens=4)
+CANDIDATES = [[5, 6, 7], [5, 6, 9], [5, 11], [40], [41, 42, 43, 44]]
+
+
+def direct_logprobs(backend: Backend, candidate: list[int]) -> float:
+    """Prefill the candidate token by token on a fork and add up the log-probabilities."""
+    fork = backend.fork()
+    logp = log_softmax(fork.last_logits())
+    total = 0.0
+    for token in candidate:
+        total += float(logp[token])
+        fork.prefill([token])
+        logp = log_softmax(fork.last_logits())
+    return total
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3-next", "tiny-gemma3"])
+def test_scores_equal_prefilling_each_candidate_and_leave_the_backend_as_it_was(model: str) -> None:
+    backend = load_backend("torch", model, capacity=512)
+    backend.prefill(list(range(3, 200)))
+    logits, positions, held = backend.last_logits(), backend.positions(), backend.held_token_ids()
+    counters = backend.counters
+    snap = backend.snapshot_recurrent()
+    scores, forwarded = continuation_logprobs(backend, CANDIDATES)
+    expected = [direct_logprobs(backend, c) for c in CANDIDATES]
+    assert scores == pytest.approx(expected, abs=1e-4)
+    # The common lead-in [5] runs once, then each remainder but its last token in one forward.
+    assert forwarded == sum(len(c) - 1 for c in CANDIDATES)
+    assert np.array_equal(backend.last_logits(), logits)
+    assert np.array_equal(backend.positions(), positions) and np.array_equal(backend.held_token_ids(), held)
+    assert backend.counters == counters
+    if snap is not None:
+        after = backend.snapshot_recurrent()
+        assert after is not None and after.equals(snap)
+    # The next token is the one it would have been without scoring.
+    twin = backend.fork()
+    assert backend.decode() == twin.decode()
+
+
+def test_a_candidate_must_have_tokens() -> None:
+    backend = load_backend("torch", "tiny-llama", capacity=64)
+    backend.prefill([3, 4, 5])
+    with pytest.raises(ValueError):
+        continuation_logprobs(backend, [[5], []])
+
+
+def test_reposition_refuses_positions_that_break_the_order_of_new_tokens() -> None:
+    backend = load_backend("torch", "tiny-llama", capacity=64)
+    backend.prefill(list(range(3, 13)))
+    with pytest.raises(ValueError, match="distinct"):
+        backend.reposition(np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 8]))
+    with pytest.raises(ValueError, match="highest"):
+        backend.reposition(np.array([0, 1, 2, 3, 4, 5, 6, 7, 9, 8]))
+    with pytest.raises(ValueError, match="held tokens"):
+        backend.reposition(np.arange(3))
+    assert backend.reposition(np.array([0, 1, 2, 6, 7, 3, 4, 5, 8, 9])) == 5
+    assert backend.positions().tolist() == [0, 1, 2, 6, 7, 3, 4, 5, 8, 9]
+
+
+# ------------------------------------------------------------------------------- through the engine
+
+
+@pytest.fixture(scope="module")
+def backend() -> Backend:
+    return load_backend("torch", "tiny-llama", capacity=CONFIG.budget_tokens + 256)
+
+
+def engine_on(backend: Backend, contextd: ContextdProcess, placement: str = "timeline") -> Engine:
+    fresh = backend.fork()
+    fresh.reset()
+    config = EngineConfig(budget_tokens=CONFIG.budget_tokens, tail_tokens=CONFIG.tail_tokens,
+                          max_new_tokens=CONFIG.max_new_tokens, placement=placement)
+    return Engine(fresh, ChatFormat(fresh.tokenizer), Client(contextd.socket, timeout=60.0), config, HybridSelector())
+
+
+FACTS = ["zebra", "quasar", "walnut", "copper", "meadow", "lantern", "saffron", "glacier"]
+
+
+def session_messages(engine: Engine, session: str, watch: list[str] | None = None) -> list[dict[str, Any]]:
+    """Files each stating one fact, far past the budget, then a question about the first."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "Remember every code."},
+                                      {"role": "user", "content": "Read the files."}]
+    for n, word in enumerate(FACTS):
+        result = turn(engine, session, messages)
+        messages += [{"role": "assistant", "content": result.content},
+                     {"role": "user", "content": f"File {n}. The {word} code is {1000 + 111 * n}. "
+                      + f"Filler line {n} about nothing in particular. " * 24}]
+    result = turn(engine, session, messages)
+    messages += [{"role": "assistant", "content": result.content},
+                 {"role": "user", "content": "What is the zebra code?"}]
+    if watch is not None:
+        engine.watch_answer(session, watch)
+    return messages
+
+
+def test_a_watched_turn_answers_as_an_unwatched_one_and_its_reading_describes_the_view(
+        backend: Backend, contextd: ContextdProcess) -> None:
+    codes = [str(1000 + 111 * n) for n in range(len(FACTS))]
+    watched, plain = engine_on(backend, contextd), engine_on(backend, contextd)
+    asked = session_messages(watched, "w", watch=codes)
+    assert session_messages(plain, "p") == asked
+    a, b = turn(watched, "w", asked), turn(plain, "p", asked)
+    assert a.content == b.content
+    assert a.counters.model_forward_tokens == b.counters.model_forward_tokens
+    assert a.counters.model_forward_tokens == a.counters.new_prefill_tokens + a.counters.decoded_tokens
+    assert a.counters.historical_forward_during_restore == 0
+    reading = watched.readings["w"]
+    assert "p" not in plain.readings and "w" not in watched.watched
+    assert reading.candidates == codes and len(reading.logprobs) == len(codes)
+    assert reading.scoring_forward_tokens > 0
+    ids = reading.transcript_ids
+    assert reading.view_ids == [t for start, end in reading.view_spans for t in ids[start:end]]
+    assert ids == watched.sessions["w"].transcript.ids[:len(ids)]
+    assert reading.view_spans[-1][1] == len(ids), "the view ends with the answer's opener"
+    assert len(reading.view_ids) <= CONFIG.budget_tokens
+    with pytest.raises(ValueError):
+        watched.watch_answer("w", [])
+
+
+def test_placement_puts_restored_pages_before_the_question_and_ends_the_turn_in_timeline_order(
+        backend: Backend, contextd: ContextdProcess) -> None:
+    codes = [str(1000 + 111 * n) for n in range(len(FACTS))]
+    engine = engine_on(backend, contextd, placement="question")
+    asked = session_messages(engine, "q", watch=codes)
+    turn(engine, "q", asked)
+    reading = engine.readings["q"]
+    assert reading.restored_pages, "the question must bring a page back for this test to mean anything"
+    pages = engine.sessions["q"].pager.pages
+    restored = {t for i in reading.restored_pages for t in range(pages[i].token_start, pages[i].token_end)}
+    # Position order: everything else, then the restored pages, then the new message.
+    spans = reading.view_spans
+    assert spans[-1][1] == len(reading.transcript_ids)
+    before_question = [t for start, end in spans[:-1] for t in range(start, end)]
+    k = len(before_question) - len(restored)
+    assert set(before_question[k:]) == restored
+    assert max(before_question[:k]) > min(restored), "the tail's earlier messages come before the restored pages"
+    assert reading.view_positions == sorted(reading.view_positions)
+    # The turn ended in timeline positions: the recorded state is as without placement.
+    held = engine.backend.positions()
+    assert np.array_equal(held, np.arange(held.shape[0]))
+    # A restarted server (a copy of the store, a second daemon) answers the next question alike.
+    follow = [*asked, {"role": "assistant", "content": engine.sessions["q"].transcript.segments[-1].text},
+              {"role": "user", "content": "And the quasar code?"}]
+    with restarted_copy(contextd) as copy:
+        again = engine_on(backend, copy, placement="question")
+        assert turn(again, "q", follow).content == turn(engine, "q", follow).content
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3-next"])
+def test_prefill_logits_are_the_logits_of_prefilling_one_token_at_a_time(model: str) -> None:
+    one, chunked = load_backend("torch", model, capacity=128), load_backend("torch", model, capacity=128)
+    one.prefill([3, 4, 5])
+    chunked.prefill([3, 4, 5])
+    steps = chunked.prefill_logits([6, 7, 8])
+    for i, token in enumerate([6, 7, 8]):
+        np.testing.assert_allclose(steps[i], one.prefill([token]), atol=1e-4)
+    assert np.array_equal(chunked.last_logits(), steps[-1])
+    assert chunked.counters["new_prefill_tokens"] == one.counters["new_prefill_tokens"] == 6
