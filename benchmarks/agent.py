@@ -40,11 +40,12 @@ class AgentRun:
     max_tokens: int = 16
     turns: list[TurnRecord] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=opening_messages)
+    tools: list[dict[str, Any]] | None = field(default_factory=lambda: TOOLS)  # None: a session without tools
 
     def ask(self, new_messages: list[dict[str, Any]], max_tokens: int | None = None) -> TurnRecord:
         self.messages.extend(new_messages)
         started = time.perf_counter()
-        answer = self.server.chat(self.messages, session=self.session_id, tools=TOOLS,
+        answer = self.server.chat(self.messages, session=self.session_id, tools=self.tools,
                                   max_tokens=max_tokens or self.max_tokens)
         elapsed = time.perf_counter() - started
         if answer.status != 200:

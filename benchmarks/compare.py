@@ -108,19 +108,20 @@ ATTENTION = "kv-elision / attention"
 RECENCY = "kv-elision / recency"
 TIMELINE = "kv-elision / hybrid, placement timeline"
 QUESTION = "kv-elision / hybrid, placement question"
+REFRESH = "kv-elision / hybrid, refresh"
 # Each kv-elision arm: the server's flags on top of the shared ones. HYBRID is the server as shipped.
 KV_ARMS: dict[str, tuple[str, ...]] = {
     HYBRID: (), ATTENTION: ("--selector", "attention"), RECENCY: ("--selector", "recency"),
-    TIMELINE: ("--placement", "timeline"), QUESTION: ("--placement", "question")}
+    TIMELINE: ("--placement", "timeline"), QUESTION: ("--placement", "question"), REFRESH: ("--refresh",)}
 COMPACTION = "llama.cpp + Pi compaction"
 COMPACTION_ROOM = "llama.cpp + Pi compaction, room to summarise"
 COMPACTION_ARMS = (COMPACTION, COMPACTION_ROOM)
 FULL = "llama.cpp, full context"
 TRUNCATION = "llama.cpp + truncation"
-ARMS = (HYBRID, ATTENTION, RECENCY, TIMELINE, QUESTION, COMPACTION, COMPACTION_ROOM, FULL, TRUNCATION)
+ARMS = (HYBRID, ATTENTION, RECENCY, TIMELINE, QUESTION, REFRESH, COMPACTION, COMPACTION_ROOM, FULL, TRUNCATION)
 ARM_KEYS = {"hybrid": HYBRID, "attention": ATTENTION, "recency": RECENCY, "timeline": TIMELINE,
-            "question": QUESTION, "compaction": COMPACTION, "compaction-room": COMPACTION_ROOM, "full": FULL,
-            "truncation": TRUNCATION}
+            "question": QUESTION, "refresh": REFRESH, "compaction": COMPACTION, "compaction-room": COMPACTION_ROOM,
+            "full": FULL, "truncation": TRUNCATION}
 DEFAULT_ARMS = "hybrid,compaction,full,truncation"
 # The role each arm plays in the answer figures (benchmarks.answers): the shipped server is the
 # default; the reference views (full, fresh, recency, removed) are derived from its sessions.
@@ -441,7 +442,8 @@ class KvArm(Arm):
         c = self.server.stats()["counters"]
         return {"prompt": c["new_prefill_tokens"], "decoded": c["decoded_tokens"], "restored": c["restored_pages"],
                 "evicted": c["evicted_pages"], "rebuilds": c["rebuilds"], "reprefilled": c["reprefilled_tokens"],
-                "forward": c["model_forward_tokens"], "historical": c["historical_forward_during_restore"]}
+                "forward": c["model_forward_tokens"], "historical": c["historical_forward_during_restore"],
+                "refresh": c["refresh_forward_tokens"]}
 
     def residency(self, session_id: str) -> str:
         """The pages in attention after the turn, in timeline order: index, state (H hot, P pinned),

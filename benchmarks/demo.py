@@ -1,11 +1,14 @@
 """`make demo`: the main job on the embedded model, end to end, with restores on and off.
 
-Plays one scripted agent session twice through `kv-elision serve` (which starts contextd): the
-server as shipped (restores on), then the same server with `--selector recency` (restores off:
-pages leave attention and never come back by relevance). The session reads evidence files in
-five languages and code through `read` tool calls, far past the attention budget, then asks
-about a value planted in each of the first files, long cold by then (an English sentence about
-a distinct setting, as in benchmarks.compare).
+Plays one scripted session twice through `kv-elision serve` (which starts contextd): the server
+as shipped (restores on), then the same server with `--selector recency` (restores off: pages
+leave attention and never come back by relevance). It is the session benchmarks.compare has Pi
+play (its seed 7), sent over HTTP as Pi would: an objective, evidence files in five languages
+and code, one per message, far past the attention budget, then a question about the value
+planted in each of the first files, long cold by then (an English sentence about a distinct
+setting). No tools: with a tool schema pinned and every tool-call page in the ledger, a
+1,024-token budget left room for one restored page a question (a first run of this demo: the
+page came back for 3 of 8 questions).
 
 The budget is 1,024 tokens: the view SmolLM2-135M still copies a value out of (docs/proof.md).
 Per turn it prints pages hot / cold / pinned, session and attention tokens, tokens prefilled,
@@ -15,7 +18,8 @@ the session (the server scores them over the exact cache the answer is read from
 /v1/kv/score`), and whether the greedy answer held it. The last line is one JSON object, and
 the line before it says how many questions each run answered.
 
-    python -m benchmarks.demo [--files 12] [--budget 1024] [--questions 8] [--model smollm2-135m] [--out demo-out]
+    python -m benchmarks.demo [--files 12] [--budget 1024] [--questions 8] [--model smollm2-135m] [--seed 7]
+                              [--out demo-out]
 
 Writes a plot of attention tokens against session tokens (restores on) and a JSON record of
 every turn into --out.
@@ -34,8 +38,15 @@ from typing import Any
 from backends.models import load_tokenizer, resolve
 from benchmarks.agent import AgentRun, TurnRecord
 from benchmarks.answers import rank_of
-from benchmarks.compare import Fact, answer_candidates, answers_with, fact_needle, fact_residency, plant_fact
-from benchmarks.workload import EvidenceFile, evidence_files
+from benchmarks.compare import (
+    SYSTEM_PROMPT,
+    Script,
+    answer_candidates,
+    answers_with,
+    fact_needle,
+    fact_residency,
+    make_script,
+)
 from serving.launcher import ServerProcess
 
 RUNS = {"restores on": (), "restores off": ("--selector", "recency")}
@@ -72,27 +83,33 @@ def show(t: TurnRecord) -> None:
           f"{t.seconds:>6.1f}", flush=True)
 
 
-def play(name: str, flags: tuple[str, ...], args: argparse.Namespace, files: list[EvidenceFile], facts: list[Fact],
-         tokenizer: Any) -> tuple[AgentRun, list[dict[str, Any]]]:
+def play(name: str, flags: tuple[str, ...], args: argparse.Namespace, script: Script, tokenizer: Any
+         ) -> tuple[AgentRun, list[dict[str, Any]]]:
     """One run of the session against a fresh server and store; per question what the answer read."""
     root = Path(tempfile.mkdtemp(prefix="kvd-demo-", dir="/tmp"))
     server = ServerProcess(root=root, model=args.model, budget=args.budget,
-                           extra=("--max-new-tokens", "48", "--tail-tokens", "256", *flags)).start()
+                           extra=("--max-new-tokens", "32", "--tail-tokens", "256", *flags)).start()
+    facts = list(script.facts)
     values = [f.code for f in facts]
     asked: list[dict[str, Any]] = []
     try:
         print(f"\n== {name} ({' '.join(flags) or 'the server as shipped'}), server on port {server.port}")
         print(f"{'turn':>4} {'session':>8} {'attn':>6} {'hot':>4} {'cold':>5} {'pin':>4} {'prefill':>7} "
               f"{'restored':>8} {'evicted':>7} {'fwd==new+dec':>12} {'secs':>6}")
-        run = AgentRun(server, "demo", max_tokens=16)
-        run.run(files, on_turn=show)
-        for fact in facts[:args.questions]:
+        run = AgentRun(server, "demo", max_tokens=32, messages=[{"role": "system", "content": SYSTEM_PROMPT}],
+                       tools=None)
+        for step in script.steps:
+            if step.kind != "question":
+                show(run.ask([{"role": "user", "content": step.message}]))
+                continue
+            fact = step.fact
+            assert fact is not None
             reply = server.request("POST", "/v1/kv/score", {"session": "demo",
                                                              "candidates": answer_candidates(facts, fact.code)},
                                    timeout=60.0)
             if reply.status != 202:
                 raise RuntimeError(f"the server would not score the answer: {reply.status} {reply.body}")
-            record = run.ask([{"role": "user", "content": fact.question}], max_tokens=24)
+            record = run.ask([{"role": "user", "content": step.message}])
             show(record)
             reading = server.request("GET", "/v1/kv/score?session=demo", timeout=60.0).body
             turn = server.stats("demo")["turn"]
@@ -117,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-per-file", type=int, default=300)
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--questions", type=int, default=8, help="facts asked about, from the first files")
+    parser.add_argument("--seed", type=int, default=7, help="the script's seed (benchmarks.compare's)")
     parser.add_argument("--out", default="demo-out")
     args = parser.parse_args(argv)
     if not 1 <= args.questions <= args.files:
@@ -124,18 +142,15 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    planted = [plant_fact(f, i, seed=7) for i, f in enumerate(evidence_files(args.files,
-                                                                             tokens_per_file=args.tokens_per_file))]
-    files = [f for f, _ in planted]
-    facts = [fact for _, fact in planted]
+    script = make_script(args.seed, args.files, args.tokens_per_file, args.questions)
     tokenizer = load_tokenizer(resolve(args.model))
     print(f"kv-elision demo: {args.model}, budget {args.budget} tokens, {args.files} evidence files "
-          f"({', '.join(sorted({f.language for f in files}))}), then {args.questions} questions about the first "
-          "files; played twice, with restores on and off")
+          f"({', '.join(sorted({f.language for f in script.facts}))}), then {args.questions} questions about the "
+          "first files; played twice, with restores on and off")
     results: dict[str, list[dict[str, Any]]] = {}
     runs: dict[str, AgentRun] = {}
     for name, flags in RUNS.items():
-        runs[name], results[name] = play(name, flags, args, files, facts, tokenizer)
+        runs[name], results[name] = play(name, flags, args, script, tokenizer)
 
     on, off = results["restores on"], results["restores off"]
     print(f"\n{'question':<52} | {'restores on: page / rank / answer':<34} | restores off: page / rank / answer")

@@ -69,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     socket_path = Path(args.socket) if args.socket else default_socket(root / "contextd")
     config = EngineConfig(budget_tokens=args.budget, max_new_tokens=args.max_new_tokens,
                           tail_tokens=args.tail_tokens, lease_turns=args.lease_turns,
-                          compress_pages=args.compress == "zstd", placement=args.placement)
+                          compress_pages=args.compress == "zstd", placement=args.placement, refresh=args.refresh)
     client, daemon = _connect_or_start_contextd(root, socket_path)
     try:
         backend = load_backend(args.backend, args.model, device=args.device, dtype=args.dtype,
@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--placement", default=EngineConfig.placement, choices=list(PLACEMENTS),
                        help="where a turn's restored pages sit while its answer is read: at their place in the "
                        "timeline, or right before the new message (docs/proof.md measures both)")
+    serve.add_argument("--refresh", action="store_true",
+                       help="prefill a turn's restored pages again in the current view (a forward pass over "
+                       "history, counted as refresh_forward_tokens; off by default, docs/proof.md measures it)")
     serve.add_argument("--max-new-tokens", type=int, default=1024, help="cap on tokens generated per turn")
     serve.add_argument("--selector", default="hybrid", choices=list(SELECTORS),
                        help="who advises which pages come back (default: hybrid: rare token ids and byte "

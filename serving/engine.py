@@ -76,6 +76,7 @@ class EngineConfig:
     fixed_point_seed: int = 1234
     compress_pages: bool = False   # store K/V shuffle-zstd compressed (benchmarks.restore measures what it pays)
     placement: str = "question"    # where restored pages sit while the answer is read: "timeline" or "question"
+    refresh: bool = False          # prefill restored pages' tokens again in the current view (PageMover.refresh)
     key_index: KeyIndexConfig = field(default_factory=KeyIndexConfig)
     lexical_index: LexicalConfig = DEFAULT_LEXICAL
 
@@ -238,6 +239,7 @@ class Engine:
         fingerprint = self.format.fingerprint(request.tools, request.thinking)
         self.format.normalize(request.messages, request.tools, {})  # a malformed request fails before any work
         session = self._activate(request.session_id, fingerprint)
+        refreshed_before = session.counters.refresh_forward_tokens
         session.phase_ms = {}
         preparing = time.perf_counter()
         rendering = self.format.render(request.messages, request.tools, request.thinking, session.transcript.generated)
@@ -289,7 +291,7 @@ class Engine:
         picked, finish, sampled = yield from self._generate(session, request, prompt_ids)
         if placed:
             self.mover.close_gaps(session)   # timeline positions again before anything is stored
-        result = self._finish_turn(session, picked, finish, before, started)
+        result = self._finish_turn(session, picked, finish, before, started, refreshed_before)
         result.prefilled_tokens = len(prompt_ids)
         result.prompt_tokens = session.transcript.tokens - len(picked)
         result.rebuilt = rebuilt
@@ -363,6 +365,8 @@ class Engine:
             if decision.plan_rejected:
                 session.last_selection += f"; rejected: {decision.plan_rejected}"
             restored = self.mover.execute(session, decision, scores)
+        if self.config.refresh:
+            self.tally.count(session, refresh_forward_tokens=self.mover.refresh(session, restored))
         self.mover.close_gaps(session)
         placed = self.config.placement == "question" and self.mover.place_near_question(session, restored, new_tokens)
         return restored, placed
@@ -507,7 +511,7 @@ class Engine:
     # ------------------------------------------------------------------ end of turn
 
     def _finish_turn(self, session: Session, picked: list[int], finish: str, before: dict[str, int],
-                     started: float) -> TurnResult:
+                     started: float, refreshed_before: int) -> TurnResult:
         pager = session.pager
         content, calls = parse_tool_calls(session.transcript.segments[-1].text)
         if calls and pager.pages:
@@ -516,9 +520,13 @@ class Engine:
             session.message_ends.add(len(pager.pages) - 1)
         self.mover.snapshot_recurrent(session)
         after = self.backend.counters
+        refreshed = session.counters.refresh_forward_tokens - refreshed_before
         self.tally.count(session, **{name: after[name] - before[name] for name in (
-            "model_forward_tokens", "new_prefill_tokens", "decoded_tokens", "historical_forward_during_restore",
+            "model_forward_tokens", "decoded_tokens", "historical_forward_during_restore",
             "reanchored_keys", "compactions")})
+        # The backend counts a refresh as prefill; the session counts it apart.
+        self.tally.count(session, new_prefill_tokens=after["new_prefill_tokens"] - before["new_prefill_tokens"]
+                         - refreshed)
         persisting = time.perf_counter()
         self.mover.persist(session, lambda: self._record(session))
         self._index_units(session)

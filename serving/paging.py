@@ -186,6 +186,38 @@ class PageMover:
         self.backend.compact_positions()
         session.timed("restore", restoring)
 
+    def refresh(self, session: Session, restored: list[int]) -> int:
+        """Prefill the restored pages' tokens again in the current view (after everything held,
+        the new message included) and put those K/V in the pages' places; return the tokens
+        prefilled. Opt-in (`kv-elision serve --refresh`): it is a forward pass over history,
+        counted as `refresh_forward_tokens`, never as a restore.
+
+        Why: a restored page's K/V were computed in the context the page was first read in; the
+        same tokens prefilled afresh in the current view read differently (benchmarks.compare's
+        fresh reference view answered greedily where the served view did not, docs/proof.md).
+        This measures how much of that gap is the restored pages' staleness. The stored payload
+        stays the original: a page evicted again, or a recovered session, holds the stored K/V."""
+        if not restored:
+            return 0
+        backend, pager = self.backend, session.pager
+        ids = session.transcript.ids
+        snap = backend.snapshot_recurrent()   # hybrids: the refresh must not fold into the stream state
+        refreshed = 0
+        for index in sorted(restored):
+            page = pager.pages[index]
+            tokens = ids[page.token_start:page.token_start + page.tokens]
+            end = backend.attention_tokens
+            backend.prefill(tokens)
+            block = backend.save_block(end, end + len(tokens))
+            backend.remove_attention_range(end, backend.attention_tokens)
+            start = pager.logical_start(index)
+            backend.remove_attention_range(start, start + len(tokens))
+            backend.insert_block(block, start)
+            refreshed += len(tokens)
+        if snap is not None:
+            backend.restore_recurrent(snap)
+        return refreshed
+
     def place_near_question(self, session: Session, restored: list[int], new_tokens: int) -> bool:
         """Give this turn's restored pages the positions right before the new message (after the
         tail's earlier messages), instead of their place in the timeline; return whether any key

@@ -91,11 +91,12 @@ def backend() -> Backend:
     return load_backend("torch", "tiny-llama", capacity=CONFIG.budget_tokens + 256)
 
 
-def engine_on(backend: Backend, contextd: ContextdProcess, placement: str = "timeline") -> Engine:
+def engine_on(backend: Backend, contextd: ContextdProcess, placement: str = "timeline", refresh: bool = False
+              ) -> Engine:
     fresh = backend.fork()
     fresh.reset()
     config = EngineConfig(budget_tokens=CONFIG.budget_tokens, tail_tokens=CONFIG.tail_tokens,
-                          max_new_tokens=CONFIG.max_new_tokens, placement=placement)
+                          max_new_tokens=CONFIG.max_new_tokens, placement=placement, refresh=refresh)
     return Engine(fresh, ChatFormat(fresh.tokenizer), Client(contextd.socket, timeout=60.0), config, HybridSelector())
 
 
@@ -170,6 +171,28 @@ def test_placement_puts_restored_pages_before_the_question_and_ends_the_turn_in_
     with restarted_copy(contextd) as copy:
         again = engine_on(backend, copy, placement="question")
         assert turn(again, "q", follow).content == turn(engine, "q", follow).content
+
+
+def test_refresh_prefills_the_restored_pages_again_and_counts_it_apart(backend: Backend,
+                                                                       contextd: ContextdProcess) -> None:
+    codes = [str(1000 + 111 * n) for n in range(len(FACTS))]
+    engine = engine_on(backend, contextd, placement="question", refresh=True)
+    asked = session_messages(engine, "r", watch=codes)
+    before = engine.sessions["r"].counters.refresh_forward_tokens
+    result = turn(engine, "r", asked)
+    reading = engine.readings["r"]
+    assert reading.restored_pages
+    pages = engine.sessions["r"].pager.pages
+    refreshed = result.counters.refresh_forward_tokens - before
+    assert refreshed == sum(pages[i].tokens for i in reading.restored_pages)
+    c = result.counters
+    assert c.model_forward_tokens == c.new_prefill_tokens + c.decoded_tokens + c.refresh_forward_tokens
+    assert c.historical_forward_during_restore == 0
+    # The cache holds the transcript's tokens in timeline order, as without a refresh.
+    session = engine.sessions["r"]
+    held = engine.backend.held_token_ids().tolist()
+    assert held == [t for i in session.pager.resident
+                    for t in session.transcript.ids[pages[i].token_start:pages[i].token_start + pages[i].tokens]]
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3-next"])
