@@ -587,17 +587,14 @@ class SlotBackend:
 
     # -- running the model ---------------------------------------------------------------------
     def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
-        ids = checked_token_ids(token_ids, self._rt.vocab_size)
-        if not ids:
-            raise ValueError("prefill needs at least one token")
-        self._pending = None
-        for i in range(0, len(ids), self.prefill_chunk):
-            chunk = ids[i:i + self.prefill_chunk]
-            self._run_model(chunk)
-            self._counters.new_prefill_tokens += len(chunk)
+        self._prefill_chunks(token_ids, every=False)
         return self.last_logits()
 
     def prefill_logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        return np.concatenate(self._prefill_chunks(token_ids, every=True))
+
+    def _prefill_chunks(self, token_ids: Sequence[int], every: bool) -> list[np.ndarray]:
+        """Append `token_ids` chunk by chunk; each chunk's logits (`_forward`'s, with `every`)."""
         ids = checked_token_ids(token_ids, self._rt.vocab_size)
         if not ids:
             raise ValueError("prefill needs at least one token")
@@ -605,9 +602,9 @@ class SlotBackend:
         out = []
         for i in range(0, len(ids), self.prefill_chunk):
             chunk = ids[i:i + self.prefill_chunk]
-            out.append(self._run_model(chunk, every=True))
+            out.append(self._run_model(chunk, every=every))
             self._counters.new_prefill_tokens += len(chunk)
-        return np.concatenate(out)
+        return out
 
     def decode(self, token: int | None = None, *, greedy: bool = True, temperature: float = 1.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> int:
