@@ -37,8 +37,6 @@ from serving.likelihood import continuation_logprobs
 from serving.transcript import ChatFormat
 
 PAGE_TOKENS = 128
-ROLES = ("default", "full", "fresh", "recency", "removed", "compaction", "other")
-REFERENCE_ROLES = ("full", "fresh", "recency", "removed")
 BOOTSTRAP_DRAWS = 2000
 
 

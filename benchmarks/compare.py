@@ -541,19 +541,10 @@ def token_span(segments: Any, code: str, tokenizer: Any) -> tuple[int, int] | No
     offset = 0
     for segment in segments:
         ids = list(segment.token_ids)
-        if not segment.generated and code in segment.text:
-            lo, hi = 1, len(ids)
-            while lo < hi:                        # the shortest prefix whose text holds the code
-                mid = (lo + hi) // 2
-                if code in tokenizer.decode(ids[:mid]):
-                    hi = mid
-                else:
-                    lo = mid + 1
-            end = lo
-            start = end - 1
-            while start > 0 and code not in tokenizer.decode(ids[start:end]):
-                start -= 1
-            return offset + start, offset + end
+        span = answers.find_span(ids, code, tokenizer.decode) if not segment.generated and code in segment.text \
+            else None
+        if span is not None:
+            return offset + span[0], offset + span[1]
         offset += len(ids)
     return None
 
