@@ -1,6 +1,8 @@
 # kv-elision: every target bootstraps what it needs on a fresh machine.
 #   make demo   set up, then run the main job on the embedded default model
-#   make test   set up, then run every test (the slow end-to-end ones too)
+#   make test   set up, then run every test (the slow end-to-end ones too), one worker per core
+#   make check  lint, types, unit and contextd tests, a fast slice of the backend cases (the inner loop)
+#   make gpu-check  on a GPU machine: the CUDA backend cases, restore and runtime on CUDA (one JSON line)
 #   make bench  set up, then run the benchmarks (each prints one JSON line last)
 #   make proto  regenerate the gRPC code from proto/contextd.proto
 
@@ -14,7 +16,7 @@ NPM       ?= npm
 EXT       := extension
 EXT_STAMP := $(EXT)/node_modules/.installed
 
-.PHONY: all demo test test-fast test-extension bench proto lint typecheck clean mlx-blas
+.PHONY: all demo test check gpu-check test-extension bench proto lint typecheck clean mlx-blas
 
 all: test
 
@@ -56,21 +58,21 @@ mlx-blas:
 # ~/.cache/kv-elision/mlx: what `kv-elision serve --backend mlx --model smollm2-135m-q4` serves.
 .PHONY: mlx-smollm2
 mlx-smollm2: $(STAMP)
-	$(PY) -c 'from backends.mlx_backend import quantized_copy; from backends.models import resolve; print(quantized_copy(resolve("smollm2-135m-q4")))'
+	$(PY) -c 'from backends.mlx import quantized_copy; from backends.models import resolve; print(quantized_copy(resolve("smollm2-135m-q4")))'
 
 proto: $(STAMP)
 	$(PY) -m contextd.protogen
 
 typecheck: $(STAMP)
-	$(PY) -m mypy contextd controller serving backends
+	$(PY) -m mypy contextd controller serving backends harness
 
 lint: $(STAMP)
-	$(PY) -m ruff check contextd backends controller serving benchmarks tests
+	$(PY) -m ruff check contextd backends controller serving harness benchmarks tests
 
 test: $(STAMP) $(EXT_STAMP)
-	$(PY) -m ruff check contextd backends controller serving benchmarks tests
-	$(PY) -m mypy contextd controller serving backends
-	$(PY) -m pytest -q
+	$(PY) -m ruff check contextd backends controller serving harness benchmarks tests
+	$(PY) -m mypy contextd controller serving backends harness
+	$(PY) -m pytest -q -n auto
 	$(MAKE) --no-print-directory test-extension
 
 test-extension: $(STAMP) $(EXT_STAMP)
@@ -78,8 +80,19 @@ test-extension: $(STAMP) $(EXT_STAMP)
 	  $$sudo apt-get update -q && $$sudo apt-get install -y -q tmux; }  # the status-line test drives Pi's TUI in tmux
 	cd $(EXT) && KV_ELISION_PYTHON=$(abspath $(PY)) $(NPM) test
 
-test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+# The inner loop (<= 5 minutes on 2 cores): no end-to-end tests, and of the backend matrix one
+# attention-only and one hybrid family per runtime plus the protocol cases (make test runs all).
+FAST_BACKEND_CASES := not cuda and not q4 and (tiny-llama or tiny-qwen3-next or test_backend_protocol)
+check: $(STAMP)
+	$(PY) -m ruff check contextd backends controller serving harness benchmarks tests
+	$(PY) -m mypy contextd controller serving backends harness
+	$(PY) -m pytest -q -n auto -m "not slow" tests/unit tests/contextd tests/serving
+	$(PY) -m pytest -q -n auto -m "not slow" tests/backends -k "$(FAST_BACKEND_CASES)"
+
+# On a machine with an NVIDIA GPU and the CUDA build of torch in the venv (docs/backends.md, "On a
+# GPU machine"): <= 8 minutes; the result is also written to bench-out/gpu-check.json.
+gpu-check: $(STAMP)
+	$(PY) -m benchmarks.gpu_check --json-out bench-out/gpu-check.json
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.contextd_commit

@@ -20,6 +20,7 @@ from .protocol import (
     BlockFormatError,
     BlockMismatchError,
     BlockStream,
+    CorruptPayloadError,
     Counters,
     LayerView,
     RecurrentSnapshot,
@@ -36,6 +37,7 @@ __all__ = [
     "BlockMismatchError",
     "BlockStream",
     "Counters",
+    "CorruptPayloadError",
     "LayerView",
     "RecurrentSnapshot",
     "Tokenizer",
@@ -47,7 +49,7 @@ __all__ = [
 # Runtime name -> (module, the pip distribution that module needs).
 RUNTIMES: dict[str, tuple[str, str]] = {
     "torch": ("backends.torch_backend", "torch"),
-    "mlx": ("backends.mlx_backend", "mlx"),
+    "mlx": ("backends.mlx", "mlx"),
 }
 
 

@@ -13,7 +13,7 @@ folders.
 Support is decided from the model itself: `config_refusals` reads a config for what no runtime can
 page exactly (multi-head latent attention, ALiBi, chunked or bidirectional attention, sequence-
 length-dependent rotary, a model whose attention layers are all sliding windows); each runtime
-then checks the modules it built (`classify` in torch_backend / mlx_backend). There is no list of
+then checks the modules it built (`classify` in torch_backend and backends/mlx/structure.py). There is no list of
 family names.
 
 Runtime-neutral: sources, configs and searches are plain data and files; loading weights is each
@@ -24,6 +24,7 @@ Dependency rules: backends know nothing about contextd or policy.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib.util
 import json
 import os
@@ -43,6 +44,7 @@ __all__ = [
     "LocalModel",
     "build_once",
     "ModelSource",
+    "SourceKind",
     "TINY_MODELS",
     "QUANTIZED_SUFFIXES",
     "cache_dir",
@@ -74,19 +76,26 @@ QUANTIZED_SUFFIXES: dict[str, tuple[int, int]] = {"-q4": (4, 64), "-q8": (8, 64)
 _TINY_FORMAT = 2  # bump to rebuild every cached tiny folder
 
 
+class SourceKind(enum.Enum):
+    """What a model source is on disk."""
+
+    GGUF = "gguf"            # a .gguf file
+    HF_DIR = "hf_dir"        # a folder with config.json and safetensors: Hugging Face or mlx-lm, quantized or not
+    MLX_QUANT = "mlx_quant"  # an MLX-quantized copy of a built-in model, made on demand by the MLX runtime
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
     """Where a model comes from.
 
-    kind: "gguf" (a .gguf file), "hf_dir" (a folder with config.json and safetensors: Hugging Face or
-    mlx-lm, quantized or not) or "mlx_quant" (an MLX-quantized copy of the built-in model at `path` /
-    `gguf_file`, made on demand by the MLX runtime with `quant_bits` / `quant_group`). origin:
+    kind: see `SourceKind`; for MLX_QUANT, `path` / `gguf_file` name the built-in model the copy is
+    made from, with `quant_bits` / `quant_group`. origin:
     "package", "tiny", "path", "hf-cache" or "lmstudio". chat_template: used only where the
     tokenizer has none of its own.
     """
 
     name: str
-    kind: str
+    kind: SourceKind
     path: Path | None = None
     gguf_file: str | None = None
     origin: str = "path"
@@ -420,10 +429,10 @@ def _hf_snapshot(root: Path, repo: str) -> Path | None:
 def _source_from_folder(name: str, folder: Path, origin: str) -> ModelSource | None:
     """A folder as a model source: config.json + safetensors, or exactly one .gguf."""
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
-        return ModelSource(name=name, kind="hf_dir", path=folder, origin=origin)
+        return ModelSource(name=name, kind=SourceKind.HF_DIR, path=folder, origin=origin)
     ggufs = sorted(folder.glob("*.gguf"))
     if len(ggufs) == 1:
-        return ModelSource(name=name, kind="gguf", path=folder, gguf_file=ggufs[0].name, origin=origin)
+        return ModelSource(name=name, kind=SourceKind.GGUF, path=folder, gguf_file=ggufs[0].name, origin=origin)
     if len(ggufs) > 1:
         raise UnsupportedModelError(f"{name!r} ({folder}) holds several GGUF files; pass one of them as the model: "
                                     + ", ".join(str(g) for g in ggufs))
@@ -434,29 +443,29 @@ def resolve(model: str) -> ModelSource:
     """Map a model name or path to its source, without network access. Unknown names raise
     UnsupportedModelError naming every place that was searched."""
     if model == "smollm2-135m":
-        return ModelSource(name=model, kind="gguf", path=smollm2_gguf_path().parent, gguf_file=SMOLLM2_GGUF,
+        return ModelSource(name=model, kind=SourceKind.GGUF, path=smollm2_gguf_path().parent, gguf_file=SMOLLM2_GGUF,
                            origin="package")
     if model == "gemma3-270m":
         path = gemma3_gguf_path()
-        return ModelSource(name=model, kind="gguf", path=path.parent, gguf_file=path.name, origin="package",
+        return ModelSource(name=model, kind=SourceKind.GGUF, path=path.parent, gguf_file=path.name, origin="package",
                            chat_template=GEMMA3_CHAT_TEMPLATE)
     if model in TINY_MODELS:
-        return ModelSource(name=model, kind="hf_dir", path=tiny_folder(model), origin="tiny")
+        return ModelSource(name=model, kind=SourceKind.HF_DIR, path=tiny_folder(model), origin="tiny")
     for suffix, (bits, group) in QUANTIZED_SUFFIXES.items():
         base = model.removesuffix(suffix)
         if model.endswith(suffix) and (base in TINY_MODELS or base == "smollm2-135m"):
             plain = resolve(base)
-            return dataclasses.replace(plain, name=model, kind="mlx_quant", quant_bits=bits, quant_group=group)
+            return dataclasses.replace(plain, name=model, kind=SourceKind.MLX_QUANT, quant_bits=bits, quant_group=group)
     looked: list[str] = []
     path = Path(os.path.expanduser(model))
     if path.is_file() and path.suffix == ".gguf":
-        return ModelSource(name=path.name, kind="gguf", path=path.parent, gguf_file=path.name)
+        return ModelSource(name=path.name, kind=SourceKind.GGUF, path=path.parent, gguf_file=path.name)
     if path.is_dir():
         found = _source_from_folder(path.name, path, "path")
         if found is not None:
             return found
         if (path / "config.json").is_file():  # named explicitly: its loader says what is missing
-            return ModelSource(name=path.name, kind="hf_dir", path=path)
+            return ModelSource(name=path.name, kind=SourceKind.HF_DIR, path=path)
         looked.append(f"the folder {path} (no config.json with *.safetensors, no .gguf)")
     else:
         looked.append(f"the path {path} (does not exist)")
@@ -608,7 +617,7 @@ def _mlx_family_available(family: str) -> str | None:
 def describe_source(source: ModelSource) -> LocalModel:
     """Format, family and per-runtime verdict of a source, from its files alone (no weights read)."""
     assert source.path is not None
-    if source.kind == "gguf":
+    if source.kind is SourceKind.GGUF:
         gguf = source.path / (source.gguf_file or "")
         family = _gguf_architecture(gguf)
         torch_ok: str | None = None
@@ -701,7 +710,8 @@ def _candidates() -> Iterator[ModelSource]:
             ggufs = sorted(folder.glob("*.gguf"))
             if len(ggufs) > 1:
                 for g in ggufs:
-                    yield ModelSource(name=str(g), kind="gguf", path=folder, gguf_file=g.name, origin="lmstudio")
+                    yield ModelSource(name=str(g), kind=SourceKind.GGUF, path=folder, gguf_file=g.name,
+                                      origin="lmstudio")
                 continue
             found = _source_from_folder(name, folder, "lmstudio")
             if found is not None:
@@ -719,7 +729,7 @@ def list_local_models() -> list[LocalModel]:
         pass
     gemma = _assembled_gemma3()
     if gemma is not None:
-        found.append(describe_source(ModelSource(name="gemma3-270m", kind="gguf", path=gemma.parent,
+        found.append(describe_source(ModelSource(name="gemma3-270m", kind=SourceKind.GGUF, path=gemma.parent,
                                                  gguf_file=gemma.name, origin="package")))
     seen: set[Path] = set()
     for source in _candidates():

@@ -34,6 +34,7 @@ __all__ = [
     "BlockMismatchError",
     "BlockStream",
     "Counters",
+    "CorruptPayloadError",
     "LayerView",
     "ROPE_LAYOUT_NEOX",
     "ROPE_LAYOUT_NONE",
@@ -65,6 +66,12 @@ class BlockFormatError(BackendError):
     """Bytes that do not decode as a block or snapshot of a known format version."""
 
 
+class CorruptPayloadError(BlockFormatError):
+    """A stored payload that is not what its manifest record says: its size or checksum differs,
+    its container does not read, or it holds other tokens than the caller expected. The page is
+    corrupt; a block of another model, layer view or dtype is a `BlockMismatchError` instead."""
+
+
 # Storage dtypes. bfloat16 has no numpy dtype, so its raw 16-bit patterns travel as uint16 and the
 # metadata carries the real name; a backend reinterprets the bits, it never converts values.
 STORAGE_DTYPES: dict[str, str] = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}
@@ -79,6 +86,16 @@ def storage_dtype(dtype: str) -> np.dtype[Any]:
         return np.dtype(STORAGE_DTYPES[dtype])
     except KeyError:
         raise BlockFormatError(f"unsupported tensor dtype {dtype!r}; known: {sorted(STORAGE_DTYPES)}") from None
+
+
+def _read_stored(path: str | os.PathLike[str], checksum: str, size: int) -> memoryview:
+    """A stored file's bytes, verified against the manifest's checksum and size."""
+    try:
+        return blockfile.read_verified(path, checksum, size)
+    except blockfile.ContainerError as e:
+        raise CorruptPayloadError(str(e)) from None
+    except FileNotFoundError:
+        raise BlockFormatError(f"{os.fspath(path)} is missing") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,13 +234,7 @@ class Block:
     def read(cls, path: str | os.PathLike[str], checksum: str, size: int, *,
              expect: LayerView | None = None) -> Block:
         """Read a stored block file whole, verifying the manifest's checksum and size."""
-        try:
-            data = blockfile.read_verified(path, checksum, size)
-        except blockfile.ContainerError as e:
-            raise BlockFormatError(str(e)) from None
-        except FileNotFoundError:
-            raise BlockFormatError(f"{os.fspath(path)} is missing") from None
-        return cls.from_bytes(data, expect=expect)
+        return cls.from_bytes(_read_stored(path, checksum, size), expect=expect)
 
     @classmethod
     def read_layer_keys(cls, path: str | os.PathLike[str], layer: int) -> np.ndarray:
@@ -262,7 +273,7 @@ class BlockStream:
         try:
             self._reader = blockfile.SectionReader(path, Block.MAGIC, checksum, size)
         except blockfile.ContainerError as e:
-            raise BlockFormatError(str(e)) from None
+            raise CorruptPayloadError(str(e)) from None
         except FileNotFoundError:
             raise BlockFormatError(f"{os.fspath(path)} is missing") from None
         try:
@@ -297,7 +308,7 @@ class BlockStream:
         try:
             rows = self._reader.rows(section, start, stop)
         except blockfile.ContainerError as e:
-            raise BlockFormatError(str(e)) from None
+            raise CorruptPayloadError(str(e)) from None
         self._decoded[section].append(rows)
         return rows
 
@@ -305,14 +316,14 @@ class BlockStream:
         try:
             self._reader.wait(section, rows)
         except blockfile.ContainerError as e:
-            raise BlockFormatError(str(e)) from None
+            raise CorruptPayloadError(str(e)) from None
 
     def finish(self) -> Block:
         """Wait for the whole file, verify its checksum and return the block."""
         try:
             self._reader.finish()
         except blockfile.ContainerError as e:
-            raise BlockFormatError(str(e)) from None
+            raise CorruptPayloadError(str(e)) from None
         arrays = {name: self._reader.array(name) for name in ("positions", "token_ids")}
         for name, parts in self._decoded.items():
             section = self._reader.sections[name]
@@ -382,13 +393,7 @@ class RecurrentSnapshot:
     @classmethod
     def read(cls, path: str | os.PathLike[str], checksum: str, size: int) -> RecurrentSnapshot:
         """Read a stored snapshot file, verifying the manifest's checksum and size."""
-        try:
-            data = blockfile.read_verified(path, checksum, size)
-        except blockfile.ContainerError as e:
-            raise BlockFormatError(str(e)) from None
-        except FileNotFoundError:
-            raise BlockFormatError(f"{os.fspath(path)} is missing") from None
-        return cls.from_bytes(data)
+        return cls.from_bytes(_read_stored(path, checksum, size))
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> RecurrentSnapshot:
@@ -497,7 +502,9 @@ class Backend(Protocol):
         ...
 
     @property
-    def counters(self) -> dict[str, int]: ...
+    def counters(self) -> Counters:
+        """A copy of the session's forward-token accounting."""
+        ...
 
     def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
         """Append exactly `token_ids` to the cache; return float32 logits of the last position.
@@ -545,7 +552,8 @@ class Backend(Protocol):
                           token_ids: np.ndarray | None = None, position: int | None = None) -> Block:
         """`insert_block(Block.read(path, checksum, size), at)` with the disk read overlapped: layers
         are copied and re-anchored as they arrive. With `token_ids`, a block holding other tokens is
-        refused before anything is copied. Nothing becomes visible unless the whole file verifies.
+        refused (CorruptPayloadError, as is a file failing its size or checksum) before anything is
+        copied. Nothing becomes visible unless the whole file verifies.
         Returns the verified block (its arrays view the read buffer)."""
         ...
 

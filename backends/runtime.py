@@ -1,13 +1,14 @@
 """What the torch and MLX runtimes share: everything of a backend session that is not tensor work.
 
-A runtime supplies a loaded model (`LoadedModel` plus its own fields, with the `LayerRoles` it
-found in its model), a slot store (`SlotStore`: buffers, gathers, writes and re-anchoring in its
-tensor library, and the window caches of sliding-window layers) and a handful of hooks (one
-forward pass, the cache object its model code sees, the recurrent states). This base turns them
-into the `Backend` protocol: identity, the prefill / decode loop, sampling, slot bookkeeping for
-evict / insert / compaction, the streaming, verified insert of a stored block, the window caches'
-positions, recurrent snapshots (windows included), fork and reset. The two runtimes therefore
-count, position and check the same way by construction, not by copying.
+A runtime supplies a loaded model (`backends.loaded_model.LoadedModel` plus its own fields, with
+the `LayerRoles` it found in its model), a slot store (`backends.slot_store.SlotStore`: buffers,
+gathers, writes and re-anchoring in its tensor library, and the window caches of sliding-window
+layers) and the hooks `SlotBackend` declares abstract (one forward pass, the cache object its
+model code sees, the recurrent states, ...): a runtime missing one cannot be instantiated. This
+base turns them into the `Backend` protocol: identity, the prefill / decode loop, sampling, slot
+bookkeeping for evict / insert / compaction, the streaming, verified insert of a stored block, the
+window caches' positions, recurrent snapshots (windows included), fork and reset. The two runtimes
+therefore count, position and check the same way by construction, not by copying.
 
 Sliding-window layers are never paged. Each keeps the newest W - 1 tokens the model consumed (W
 the window), as canonical keys, rotated keys and values; a forward appends its tokens and attends
@@ -17,43 +18,41 @@ sit at the positions just before the next forward's first position (the stream d
 model was trained on); a compaction or an insert that moves that position re-rotates them from
 their canonical form before the next forward.
 
-Dependency rules: numpy and backends.protocol / slots / models; never a tensor library.
+Dependency rules: numpy and backends.protocol / slots / models / loaded_model / slot_store; never a
+tensor library.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
-import copy
-import dataclasses
-import functools
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
-from .models import ModelSource, load_tokenizer, resolve
+from .loaded_model import LayerRoles, LoadedModel
+from .models import ModelSource, SourceKind, load_tokenizer, resolve
 from .protocol import (
-    ROPE_LAYOUT_NEOX,
-    ROPE_LAYOUT_NONE,
     STORAGE_DTYPES,
     BackendError,
     Block,
     BlockMismatchError,
     BlockStream,
+    CorruptPayloadError,
     Counters,
     LayerView,
     RecurrentSnapshot,
     Tokenizer,
     UnsupportedModelError,
-    storage_dtype,
 )
+from .slot_store import SlotStore
 from .slots import InsertPlan, checked_token_ids, pick_token, plan_insert
 
-__all__ = ["LayerRoles", "LoadedModel", "SlotBackend", "SlotStore", "WindowShape", "keep_torch_out"]
+__all__ = ["SlotBackend", "keep_torch_out"]
 
 
 def keep_torch_out(model: str) -> bool:
@@ -65,319 +64,13 @@ def keep_torch_out(model: str) -> bool:
     instead of 830 MB (of which ~300 MB is the float32 slot cache of the default 4,096-token
     budget). Not for GGUF files or MLX copies of the built-in models: reading a GGUF and making an
     MLX copy need torch. Returns whether torch was kept out."""
-    if resolve(model).kind != "hf_dir" or "torch" in sys.modules or "transformers" in sys.modules:
+    if resolve(model).kind is not SourceKind.HF_DIR or "torch" in sys.modules or "transformers" in sys.modules:
         return False
     sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError; find_spec is None
     return True
 
 
-@dataclasses.dataclass(frozen=True)
-class LayerRoles:
-    """What each decoder layer is to paging, found by a runtime in its model's modules and cache kinds."""
-
-    n_layers: int
-    paged: tuple[int, ...]           # global attention with its own K/V: the layers a block holds
-    window: tuple[int, ...] = ()     # sliding-window attention with its own K/V: a window cache, never paged
-    recurrent: tuple[int, ...] = ()  # linear attention / Mamba: conv + recurrent state, snapshotted
-    shared: tuple[int, ...] = ()     # attention on another layer's K/V (Gemma 4 kv sharing): nothing of its own
-    stateless: tuple[int, ...] = ()  # MLP / MoE blocks: no cache at all
-    window_size: int = 0             # W: a query sees the keys of the W newest tokens, itself included
-
-    def check(self, family: str) -> None:
-        """Every layer has exactly one role, and there is something to page."""
-        roles = [self.paged, self.window, self.recurrent, self.shared, self.stateless]
-        seen = sorted(i for r in roles for i in r)
-        if seen != list(range(self.n_layers)):
-            missing = sorted(set(range(self.n_layers)) - set(seen))
-            raise UnsupportedModelError(f"{family}: layers {missing or 'some'} are neither global attention, "
-                                        "sliding-window attention, kv-shared attention, recurrent nor cache-free")
-        if not self.paged:
-            raise UnsupportedModelError(f"{family}: no global-attention layer to page"
-                                        + (" (every attention layer is a sliding window)" if self.window else ""))
-        if self.window and self.window_size < 2:
-            raise UnsupportedModelError(f"{family}: sliding-window layers without a window size")
-
-
-@dataclasses.dataclass(frozen=True)
-class WindowShape:
-    """The K/V shape of the sliding-window layers (all alike) and their rotary dims."""
-
-    num_kv_heads: int
-    head_dim: int
-    value_head_dim: int
-    rotary_dim: int
-
-
-@dataclasses.dataclass(kw_only=True)
-class LoadedModel:
-    """One loaded model, shared by a backend session and its forks; runtimes add their own fields."""
-
-    source: ModelSource
-    family: str
-    roles: LayerRoles
-    num_kv_heads: int      # of the paged layers, as are the dims below
-    head_dim: int
-    value_head_dim: int
-    rotary_dim: int        # 0: no rotary embedding (NoPE)
-    max_position_embeddings: int
-    vocab_size: int
-    model_id: str      # content hash of config and weights (slots.model_identity / folder_identity)
-    dtype_name: str    # "float32", "float16" or "bfloat16"
-    window: WindowShape | None = None
-    key_layouts: dict[int, str] = dataclasses.field(default_factory=dict)
-    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
-    # The store of the session whose forward is running (the model's hooks write there) and the
-    # session running a page operation (a token entering the model meanwhile is counted as a
-    # historical forward: there must be none).
-    active: Any = None
-    page_op: Any = None
-    tokenizer: Tokenizer | None = None
-
-    @property
-    def attention_layers(self) -> tuple[int, ...]:
-        """The paged layers (global attention); blocks hold exactly these."""
-        return self.roles.paged
-
-    @functools.cached_property
-    def paged_index(self) -> dict[int, int]:
-        """Layer -> its index among the paged layers."""
-        return {layer: a for a, layer in enumerate(self.roles.paged)}
-
-    @functools.cached_property
-    def window_index(self) -> dict[int, int]:
-        """Layer -> its index among the window layers."""
-        return {layer: w for w, layer in enumerate(self.roles.window)}
-
-    def key_heads(self, layer: int) -> tuple[int, int]:
-        """(kv heads, head dim) of a paged or window layer."""
-        if layer in self.paged_index:
-            return self.num_kv_heads, self.head_dim
-        assert self.window is not None
-        return self.window.num_kv_heads, self.window.head_dim
-
-    def key_layout(self, layer: int, shape: tuple[int, ...], n: int) -> str:
-        """How `layer`'s key module lays out a forward of `n` tokens: "proj" ([B, S, H * D]), "bshd"
-        or "bhsd" (Gemma 3's k_norm). Read off the first forward whose length is not the head count
-        (the load-time check is one) and kept."""
-        layout = self.key_layouts.get(layer)
-        if layout is None:
-            heads = self.key_heads(layer)[0]
-            if len(shape) == 3:
-                layout = "proj"
-            elif n != heads and tuple(shape[1:3]) == (n, heads):
-                layout = "bshd"
-            elif n != heads and tuple(shape[1:3]) == (heads, n):
-                layout = "bhsd"
-            else:
-                raise BackendError(f"layer {layer}: cannot tell the key layout of {shape} yet")
-            self.key_layouts[layer] = layout
-        return layout
-
-    @property
-    def linear_layers(self) -> tuple[int, ...]:
-        return self.roles.recurrent
-
-    @property
-    def view(self) -> LayerView:
-        """What a block of this model means; both runtimes lay keys out in the "neox" half-split
-        form (each checks its model's rotary module against that at load), or "none" without rotary."""
-        return LayerView(model_id=self.model_id, family=self.family, attention_layers=self.attention_layers,
-                         num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, value_head_dim=self.value_head_dim,
-                         rotary_dim=self.rotary_dim,
-                         rope_layout=ROPE_LAYOUT_NEOX if self.rotary_dim else ROPE_LAYOUT_NONE, dtype=self.dtype_name)
-
-
-class SlotStore:
-    """A session's slot buffers, with the host-side table both runtimes keep the same way: the RoPE
-    position, the token and an occupied flag per slot, and the logical order of the held tokens
-    as slot numbers. A runtime's store adds its tensors and implements the methods that touch them.
-
-    `keys` and `values` cross this interface as numpy arrays in storage dtype (bf16 bits as
-    uint16), laid out like a Block's: [layers, kv_heads, tokens, dim]."""
-
-    # Key elements per step of page work (see layer_groups); a runtime's measured sweet spot.
-    group_elements: ClassVar[int]
-
-    def __init__(self, rt: LoadedModel, capacity: int) -> None:
-        self.rt = rt
-        self.capacity = 0
-        self.pos = np.zeros(0, dtype=np.int64)       # the RoPE position each slot's key holds
-        self.occupied = np.zeros(0, dtype=bool)
-        self.tokens = np.zeros(0, dtype=np.int32)    # the token in each slot
-        self.order = np.zeros(0, dtype=np.int64)     # the held tokens, in attention order
-        # Set for the duration of one forward: where this forward's tokens go, how far attention reads.
-        self.fwd_slots: np.ndarray | None = None
-        self.fwd_high_water = 0
-        # The counters of the session owning this store; the embedding hook adds forward tokens here.
-        self.owner_counters: Counters | None = None
-        # Sliding-window layers: how many of the newest stream tokens each window cache holds, and
-        # the position its newest key is rotated at (None: not rotated yet, after a snapshot restore).
-        self.win_len = 0
-        self.win_last_pos: int | None = None
-        # Per window layer, in the runtime's tensors [1, heads, win_len, dim]: canonical keys, keys as
-        # the layer reads them, values; and the canonical keys of the running forward's tokens.
-        self.win_canon: list[Any] = []
-        self.win_rot: list[Any] = []
-        self.win_v: list[Any] = []
-        self.fwd_win_canon: list[Any] = []
-        self.grow(capacity)
-
-    def grow(self, capacity: int) -> None:
-        if capacity <= self.capacity:
-            return
-        extra = capacity - self.capacity
-        self._grow_buffers(capacity)
-        self.pos = np.concatenate([self.pos, np.zeros(extra, dtype=np.int64)])
-        self.occupied = np.concatenate([self.occupied, np.zeros(extra, dtype=bool)])
-        self.tokens = np.concatenate([self.tokens, np.zeros(extra, dtype=np.int32)])
-        self.capacity = capacity
-
-    def allocate(self, n: int) -> np.ndarray:
-        """The `n` lowest free slots (growing the buffers if needed); keeps the high-water mark low."""
-        free = np.flatnonzero(~self.occupied)
-        if free.shape[0] < n:
-            self.grow(max(2 * self.capacity, self.capacity + n - free.shape[0]))
-            free = np.flatnonzero(~self.occupied)
-        return free[:n].astype(np.int64)
-
-    def high_water(self) -> int:
-        occ = np.flatnonzero(self.occupied)
-        return int(occ[-1]) + 1 if occ.shape[0] else 0
-
-    def clone(self: S) -> S:
-        """An independent copy, buffers included, owned by no session yet."""
-        other = copy.copy(self)
-        other.pos, other.occupied = self.pos.copy(), self.occupied.copy()
-        other.tokens, other.order = self.tokens.copy(), self.order.copy()
-        other.fwd_slots, other.fwd_high_water = None, 0
-        other.owner_counters = None
-        other._copy_buffers()
-        return other
-
-    # -- called from inside the model's forward ------------------------------------------------
-    def observe_key(self, layer: int, out: Any) -> None:
-        """What the key module of a paged or window layer returned in this forward (a torch tensor or
-        an mlx array, in the module's own layout): its pre-rotary key, kept as [1, heads, n, head_dim]."""
-        assert self.fwd_slots is not None
-        n = int(self.fwd_slots.shape[0])
-        layout = self.rt.key_layout(layer, tuple(out.shape), n)
-        if layout == "proj":
-            out = out.reshape(1, n, *self.rt.key_heads(layer))
-        key = out if layout == "bhsd" else out.swapaxes(1, 2)
-        paged, window = self.rt.paged_index, self.rt.window_index
-        if layer in paged:
-            self.write_canon(paged[layer], key)
-        else:
-            self.fwd_win_canon[window[layer]] = key
-
-    def append_window(self, w: int, k_rot: Any, v: Any) -> tuple[Any, Any]:
-        """Window layer `w`: attention reads its window plus this forward's tokens (rotated keys and
-        values); afterwards the window keeps the newest W - 1 of them, canonical keys included."""
-        canon = self.fwd_win_canon[w]
-        assert canon is not None
-        keys, values = self._cat(self.win_rot[w], k_rot), self._cat(self.win_v[w], v)
-        keep = self.rt.roles.window_size - 1
-        self.win_rot[w] = keys[:, :, -keep:]
-        self.win_v[w] = values[:, :, -keep:]
-        self.win_canon[w] = self._cat(self.win_canon[w], canon)[:, :, -keep:]
-        self.fwd_win_canon[w] = None
-        return keys, values
-
-    def window_positions(self, first: int) -> np.ndarray:
-        """Where the window keys go for a forward starting at position `first`: right before it."""
-        return np.arange(first - self.win_len, first, dtype=np.int64)
-
-    # -- the runtime's tensors ---------------------------------------------------------------
-    def write_canon(self, a: int, key: Any) -> None:
-        """Store the exact pre-rotary keys [1, heads, n, head_dim] of paged layer `a` in this forward's slots."""
-        raise NotImplementedError
-
-    @staticmethod
-    def _cat(a: Any, b: Any) -> Any:
-        """a and b joined along the token axis (2)."""
-        raise NotImplementedError
-
-    def _grow_buffers(self, capacity: int) -> None:
-        """Grow every buffer to `capacity` slots; new slots are zeros (masked slots still take part
-        in the weights @ values product, where 0 times uninitialised NaN bits would be NaN)."""
-        raise NotImplementedError
-
-    def _copy_buffers(self) -> None:
-        """Replace this (shallow) copy's buffers with copies of their own."""
-        raise NotImplementedError
-
-    def layer_groups(self, n_tokens: int) -> Iterator[tuple[int, int]]:
-        """Ranges of attention layers whose slice of `n_tokens` keys is about `group_elements`:
-        whole-cache temporaries made compaction several times slower, and one step per layer made
-        a page restore pay per-op overhead thirty times over."""
-        rt = self.rt
-        n_layers = len(rt.attention_layers)
-        group = max(1, self.group_elements // max(1, rt.num_kv_heads * n_tokens * rt.head_dim))
-        for a0 in range(0, n_layers, group):
-            yield a0, min(n_layers, a0 + group)
-
-    def reanchor(self, slots: np.ndarray, positions: np.ndarray) -> None:
-        raise NotImplementedError
-
-    def gather(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Canonical keys (pass-through dims included) and values of `slots`."""
-        raise NotImplementedError
-
-    def rotated(self, slots: np.ndarray) -> np.ndarray:
-        """float32 keys as attention reads them."""
-        raise NotImplementedError
-
-    def write_keys(self, slots: np.ndarray, a0: int, a1: int, keys: np.ndarray, positions: np.ndarray | None) -> None:
-        """Canonical keys of attention layers [a0, a1) into `slots`, rotated to `positions` (None:
-        left for a compaction to rotate). The slots' metadata is the caller's to set."""
-        raise NotImplementedError
-
-    def write_values(self, slots: np.ndarray, a0: int, a1: int, values: np.ndarray) -> None:
-        raise NotImplementedError
-
-    def clear(self, slots: np.ndarray) -> None:
-        """Zero `slots` after an aborted write: free slots must hold finite numbers."""
-        raise NotImplementedError
-
-    # -- the window caches of sliding-window layers (runtimes with window layers implement these) --
-    def reanchor_window(self, positions: np.ndarray) -> None:
-        """Rotate every window layer's canonical keys to `positions` [win_len]."""
-        raise NotImplementedError
-
-    def read_window(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per window layer: canonical keys [1, heads, win_len, head_dim] and values, in storage dtype."""
-        return [(self._to_host(k), self._to_host(v)) for k, v in zip(self.win_canon, self.win_v, strict=True)]
-
-    def write_window(self, layers: list[tuple[np.ndarray, np.ndarray]] | None) -> None:
-        """Replace every window layer's contents (None: empty them); keys are rotated before the next forward."""
-        shape = self.rt.window
-        if shape is None:
-            return
-        if layers is None:
-            st = storage_dtype(self.rt.dtype_name)
-            empty = (np.zeros((1, shape.num_kv_heads, 0, shape.head_dim), dtype=st),
-                     np.zeros((1, shape.num_kv_heads, 0, shape.value_head_dim), dtype=st))
-            layers = [empty] * len(self.rt.roles.window)
-        self.win_canon = [self._from_host(k) for k, _ in layers]
-        self.win_rot = [self._from_host(k) for k, _ in layers]  # rotated before the next forward
-        self.win_v = [self._from_host(v) for _, v in layers]
-        self.fwd_win_canon = [None] * len(layers)
-
-    def _to_host(self, t: Any) -> np.ndarray:
-        """A copy of runtime tensor `t` as a numpy array in storage dtype (bf16 bits as uint16)."""
-        raise NotImplementedError
-
-    def _from_host(self, a: np.ndarray) -> Any:
-        """A new runtime tensor of the model dtype from a storage-dtype array."""
-        raise NotImplementedError
-
-    def rotated_window(self) -> list[np.ndarray]:
-        """Per window layer: float32 keys as the window layers read them [1, heads, win_len, head_dim]."""
-        raise NotImplementedError
-
-
 B = TypeVar("B", bound="SlotBackend")
-S = TypeVar("S", bound="SlotStore")
 
 
 def _wanted_positions(saved: np.ndarray, position: int | None) -> np.ndarray:
@@ -387,8 +80,8 @@ def _wanted_positions(saved: np.ndarray, position: int | None) -> np.ndarray:
     return np.arange(position, position + int(saved.shape[0]), dtype=np.int64)
 
 
-class SlotBackend:
-    """The `Backend` protocol over a runtime's slot store. Subclasses implement the hooks below."""
+class SlotBackend(abc.ABC):
+    """The `Backend` protocol over a runtime's slot store. Subclasses implement the abstract hooks below."""
 
     name: str
     _rt: LoadedModel
@@ -407,7 +100,6 @@ class SlotBackend:
         self._counters = Counters()
         self._rng = np.random.default_rng(seed)
         self._store = self._new_store(max(1, int(capacity)))
-        self._store.owner_counters = self._counters
         self._cache = self._new_cache()
         self._stream_tokens = 0
         self._pending: int | None = None
@@ -463,44 +155,54 @@ class SlotBackend:
 
     # -- hooks a runtime implements ------------------------------------------------------------
     @staticmethod
+    @abc.abstractmethod
     def _load_model(source: ModelSource, device: str, dtype: str, model_id: str | None) -> LoadedModel:
-        """The loaded model for `source` (the runtime's `_make_runtime`)."""
-        raise NotImplementedError
+        """The loaded model for `source`."""
 
+    @abc.abstractmethod
     def _device_name(self) -> str:
-        raise NotImplementedError
+        """The device string the protocol reports."""
 
+    @abc.abstractmethod
     def _new_store(self, capacity: int) -> SlotStore:
-        raise NotImplementedError
+        """A fresh slot store of the runtime's tensors with `capacity` slots."""
 
+    @abc.abstractmethod
     def _new_cache(self) -> Any:
         """The cache object the model code sees, over this session's store (recurrent layers empty)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _forward(self, ids: list[int], positions: np.ndarray, slots: np.ndarray, high_water: int,
                  every: bool = False) -> np.ndarray:
         """Run the model over `ids` (already placed in `slots` at `positions`); float32 last logits,
         or with `every` the logits after each token, [len(ids), vocab]."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _page_op(self) -> contextlib.AbstractContextManager[None]:
-        """How the runtime runs a page operation (locks, device streams; synchronous on return)."""
-        raise NotImplementedError
+        """How the runtime runs a page operation (locks, device streams; synchronous on return),
+        around `_marked_page_op`."""
 
+    @abc.abstractmethod
     def _read_recurrent(self) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         """Host copies of the recurrent states in the Hugging Face layout, and their dtype names."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _write_recurrent(self, snap: RecurrentSnapshot) -> None:
         """Overwrite the recurrent states from `snap` (validated first: nothing half-written)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _copy_recurrent_to(self, other: SlotBackend) -> None:
         """Give a fork's fresh cache copies of this session's recurrent states."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def synchronize(self) -> None:
-        raise NotImplementedError
+        """Wait until queued device work is done."""
+
+    @abc.abstractmethod
+    def _settle(self) -> None:
+        """Called before anything but a decode reads or changes the session (a prefill, a page
+        operation, a fork, a reset, diagnostics): a runtime that keeps work in flight between
+        decodes finishes or undoes it here (MLX: the greedy step dispatched ahead)."""
 
     # -- identity ------------------------------------------------------------------------------
     @property
@@ -547,8 +249,9 @@ class SlotBackend:
         return self._pending
 
     @property
-    def counters(self) -> dict[str, int]:
-        return self._counters.as_dict()
+    def counters(self) -> Counters:
+        """A copy of the session's forward-token accounting."""
+        return self._counters.copy()
 
     @property
     def capacity(self) -> int:
@@ -577,6 +280,7 @@ class SlotBackend:
         """Diagnostics (not part of the protocol): the positions the window keys are rotated at now
         (None before the first forward after a snapshot restore), per window layer the rotated keys
         (float32 [1, heads, n, head_dim]) and the canonical keys and values (storage dtype)."""
+        self._settle()
         st = self._store
         with self._rt.lock:
             if not st.win_len:
@@ -598,6 +302,7 @@ class SlotBackend:
         ids = checked_token_ids(token_ids, self._rt.vocab_size)
         if not ids:
             raise ValueError("prefill needs at least one token")
+        self._settle()
         self._pending = None
         out = []
         for i in range(0, len(ids), self.prefill_chunk):
@@ -610,21 +315,31 @@ class SlotBackend:
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> int:
         feed = token if token is not None else self._pending
         if feed is not None:
-            self._run_model(checked_token_ids([feed], self._rt.vocab_size))
-            self._counters.decoded_tokens += 1
+            feed = checked_token_ids([feed], self._rt.vocab_size)[0]
         elif self._last_logits is None:
             raise BackendError("decode needs a prefill (or an explicit token) first")
+        greedy = greedy or temperature <= 0.0
+        logits = self._decode_step(feed, greedy)
+        if feed is not None:
+            self._counters.decoded_tokens += 1
         if seed is not None:
             self._rng = np.random.default_rng(seed)
-        assert self._last_logits is not None
-        nxt = pick_token(self._last_logits, greedy, temperature, top_k, top_p, self._rng)
+        nxt = pick_token(logits, greedy, temperature, top_k, top_p, self._rng)
         self._pending = nxt
         return nxt
 
+    def _decode_step(self, feed: int | None, greedy: bool) -> np.ndarray:
+        """One decode step: feed `feed` (None: nothing, right after a prefill) and return the logits
+        the next token is picked from. A runtime may pipeline greedy steps (MlxBackend)."""
+        if feed is not None:
+            self._run_model([feed])
+        assert self._last_logits is not None
+        return self._last_logits
+
     def _run_model(self, ids: list[int], positions: np.ndarray | None = None, every: bool = False) -> np.ndarray:
-        """The one place that runs the model: allocate slots, place the tokens, forward; returns the
-        logits (`_forward`'s). `positions` (consecutive, past every held one) only for the load-time
-        rotation check."""
+        """The one place that runs the model synchronously: allocate slots, place the tokens,
+        forward; returns the logits (`_forward`'s). `positions` (consecutive, past every held one)
+        only for the load-time rotation check."""
         slots, positions = self._place(ids, positions)
         started = time.perf_counter_ns()
         try:
@@ -632,9 +347,8 @@ class SlotBackend:
         except BaseException as e:
             self._forward_failed(e)
             raise
-        self._counters.forward_ns += time.perf_counter_ns() - started
         self._advance(positions)
-        self._last_logits = logits[-1] if every else logits
+        self._landed(logits[-1] if every else logits, started, self._store.take_entered())
         return logits
 
     def _place(self, ids: list[int], positions: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -645,7 +359,7 @@ class SlotBackend:
         if positions is None:
             positions = self._next_positions(n)
         first = int(positions[0])
-        if st.win_len and st.win_last_pos != first - 1:
+        if self._window_moved(first):
             # A compaction, an insert or a restored snapshot moved the stream's head: the window keys
             # go right before the new tokens again, rotated from their canonical form.
             with self._page_op():
@@ -658,9 +372,19 @@ class SlotBackend:
         st.order = np.concatenate([st.order, slots])
         return slots, positions
 
+    def _placing_pages(self, n: int) -> bool:
+        """Whether placing `n` new tokens runs a page operation first (a compaction, or the window
+        keys moving to the new head): what a step dispatched ahead of its token must not do."""
+        return self._compaction_due(n) or self._window_moved(int(self._next_positions(n)[0]))
+
+    def _window_moved(self, first: int) -> bool:
+        st = self._store
+        return bool(st.win_len) and st.win_last_pos != first - 1
+
     def _forward_failed(self, e: BaseException) -> None:
         # Linear-attention layers before the failure may already have advanced their state, so
-        # the session no longer describes any prefix of the stream.
+        # the session no longer describes any prefix of the stream. Tokens that entered count.
+        self._counters.model_forward_tokens += self._store.take_entered()
         self._broken = f"a forward pass failed ({type(e).__name__}: {e})"
 
     def _advance(self, positions: np.ndarray) -> None:
@@ -671,6 +395,13 @@ class SlotBackend:
             st = self._store
             st.win_len = min(self._rt.roles.window_size - 1, st.win_len + n)
             st.win_last_pos = int(positions[-1])
+
+    def _landed(self, last_logits: np.ndarray, started: int, entered: int) -> None:
+        """A forward started at `started` (perf_counter_ns) has its logits: the `entered` tokens its
+        embedding saw are counted, its time too, and its last logits are what the next pick reads."""
+        self._counters.model_forward_tokens += entered
+        self._counters.forward_ns += time.perf_counter_ns() - started
+        self._last_logits = last_logits
 
     # -- page operations -----------------------------------------------------------------------
     def save_block(self, start: int, end: int) -> Block:
@@ -705,7 +436,7 @@ class SlotBackend:
         with BlockStream(path, checksum, size, expect=self._rt.view) as rd, self._page_op():
             held = rd.small("token_ids")
             if token_ids is not None and not np.array_equal(held, token_ids):
-                raise BlockMismatchError(f"{os.fspath(path)} holds other tokens than the transcript at that place")
+                raise CorruptPayloadError(f"{os.fspath(path)} holds other tokens than the transcript at that place")
             verified: list[Block] = []
             self._insert(at, _wanted_positions(rd.small("positions"), position), position is not None, held,
                          lambda a0, a1: rd.rows("keys", a0, a1), lambda a0, a1: rd.rows("values", a0, a1),
@@ -764,14 +495,19 @@ class SlotBackend:
             return count
 
     def _next_positions(self, n: int) -> np.ndarray:
+        if self._compaction_due(n):
+            self.compact_positions()
         st = self._store
         last = int(st.pos[st.order[-1]]) if st.order.shape[0] else -1
-        if last + n >= self.position_limit and last + 1 > st.order.shape[0]:
-            self.compact_positions()
-            last = int(st.order.shape[0]) - 1
         # Window keys sit right before the new tokens: leave them room at non-negative positions.
         first = max(last + 1, st.win_len)
         return np.arange(first, first + n, dtype=np.int64)
+
+    def _compaction_due(self, n: int) -> bool:
+        """`n` new tokens would pass the position limit, and compacting leaves them room."""
+        st = self._store
+        last = int(st.pos[st.order[-1]]) if st.order.shape[0] else -1
+        return last + n >= self.position_limit and last + 1 > st.order.shape[0]
 
     def _plan_insert(self, at: int, saved_positions: np.ndarray) -> InsertPlan:
         return plan_insert(self._store.pos, self._store.order, at, saved_positions, self.position_limit)
@@ -880,6 +616,7 @@ class SlotBackend:
 
     # -- session -------------------------------------------------------------------------------
     def fork(self: B) -> B:
+        self._settle()
         other = type(self).__new__(type(self))
         other._rt = self._rt
         other.model_name = self.model_name
@@ -891,7 +628,6 @@ class SlotBackend:
         other._rng.bit_generator.state = self._rng.bit_generator.state
         with self._rt.lock:
             other._store = self._store.clone()
-        other._store.owner_counters = other._counters
         other._cache = other._new_cache()
         self._copy_recurrent_to(other)
         other._stream_tokens = self._stream_tokens
@@ -901,6 +637,7 @@ class SlotBackend:
         return other
 
     def reset(self) -> None:
+        self._settle()
         st = self._store
         st.occupied[:] = False
         st.order = np.zeros(0, dtype=np.int64)
@@ -918,6 +655,7 @@ class SlotBackend:
     def _marked_page_op(self) -> Iterator[None]:
         """For runtimes' `_page_op`: refuse a broken session and mark the operation, so a token
         entering the model meanwhile is counted as a historical forward."""
+        self._settle()
         self._check_usable()
         self._rt.page_op = self
         try:

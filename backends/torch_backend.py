@@ -20,7 +20,7 @@ tokens (an array of slot numbers). Because a key carries its position in its rot
 is built from positions (`occupied & slot_pos <= query_pos`), attention does not depend on slot
 order: new tokens take the lowest free slots, eviction only clears flags, and a restored page
 lands in whatever slots are free. Re-anchoring always recomputes `rope(k_canon, new_pos)`. A window
-layer holds its newest W - 1 tokens as canonical keys, rotated keys and values (see runtime.py).
+layer holds its newest W - 1 tokens as canonical keys, rotated keys and values (see backends/runtime.py).
 
 Hooking into transformers. The model runs its own code; small attachments make it slot-aware: a
 forward hook on the module that produces the pre-rotary key (k_norm where the attention module has
@@ -61,7 +61,8 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.modeling_utils import AttentionInterface
 
 from . import rope
-from .models import ModelSource, check_supported, read_config
+from .loaded_model import LayerRoles, LoadedModel, WindowShape
+from .models import ModelSource, SourceKind, check_supported, read_config
 from .protocol import (
     Backend,
     BackendError,
@@ -69,7 +70,8 @@ from .protocol import (
     RecurrentSnapshot,
     UnsupportedModelError,
 )
-from .runtime import LayerRoles, LoadedModel, SlotBackend, SlotStore, WindowShape
+from .runtime import SlotBackend
+from .slot_store import SlotStore
 from .slots import as_run, folder_identity, model_identity
 
 __all__ = ["TorchBackend", "ATTENTION_IMPLEMENTATION", "classify", "load"]
@@ -581,10 +583,10 @@ def _clone_linear_layer(layer: LinearAttentionLayer) -> LinearAttentionLayer:
 def _config(source: ModelSource) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """(transformers config, from_pretrained kwargs, the config dict the identity hashes)."""
     assert source.path is not None
-    if source.kind == "mlx_quant":
+    if source.kind is SourceKind.MLX_QUANT:
         raise UnsupportedModelError(f"{source.name} is an MLX-quantized copy (mlx_lm.convert): serve it with the mlx "
                                     "backend")
-    if source.kind == "gguf":
+    if source.kind is SourceKind.GGUF:
         kw: dict[str, Any] = {"gguf_file": source.gguf_file}
         config = AutoConfig.from_pretrained(str(source.path), **kw)
         raw = config.to_dict()
@@ -628,7 +630,7 @@ def _make_runtime(source: ModelSource, device: str, dtype: str, model_id: str | 
         window = WindowShape(w_heads, w_dim, w_value, 2 * int(win_inv_freq.shape[0]))
     if model_id:
         identity = model_id
-    elif source.kind == "gguf":
+    elif source.kind is SourceKind.GGUF:
         identity = model_identity(raw, ((name, _np_from_tensor(p, copy=False), str(p.dtype))
                                         for name, p in model.named_parameters()))
     else:
@@ -660,11 +662,7 @@ def _install_hooks(rt: _Runtime) -> None:
         getattr(attn, shape.key_modules[layer]).register_forward_hook(key_hook(layer))
 
     def count_tokens(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        n = int(args[0].numel()) if args and isinstance(args[0], torch.Tensor) else 0
-        if rt.page_op is not None:
-            rt.page_op._counters.historical_forward_during_restore += n
-        if rt.active is not None and rt.active.owner_counters is not None:
-            rt.active.owner_counters.model_forward_tokens += n
+        rt.tokens_entered(int(args[0].numel()) if args and isinstance(args[0], torch.Tensor) else 0)
 
     rt.model.get_input_embeddings().register_forward_pre_hook(count_tokens)
 
@@ -754,6 +752,9 @@ class TorchBackend(SlotBackend):
     def _page_op(self) -> Iterator[None]:
         with self._rt.lock, torch.no_grad(), _single_threaded(self._rt.device), self._marked_page_op():
             yield
+
+    def _settle(self) -> None:
+        """Nothing is in flight between decodes: every torch forward here returns its logits."""
 
     def synchronize(self) -> None:
         if self._rt.device.type == "cuda":

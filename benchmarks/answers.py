@@ -34,6 +34,7 @@ import torch
 
 from backends import Backend, load_backend
 from serving.likelihood import continuation_logprobs
+from serving.paging import rewind
 from serving.transcript import ChatFormat
 
 PAGE_TOKENS = 128
@@ -117,7 +118,7 @@ class ViewScorer:
         each keeps the prefix its next view extends (a full context of 6,000 tokens re-prefilled
         for every question took most of a first run's time)."""
         backend = self.backend.fork()
-        backend.reset()
+        rewind(backend, 0)
         return ViewScorer("", self.format, backend=backend)
 
     def _view(self, ids: list[int]) -> None:
@@ -128,10 +129,8 @@ class ViewScorer:
             limit = min(len(self.held), len(ids) - 1)
             while keep < limit and self.held[keep] == ids[keep]:
                 keep += 1
-        if keep == 0:
-            b.reset()
-        elif keep < b.attention_tokens:
-            b.remove_attention_range(keep, b.attention_tokens)
+        if keep < b.attention_tokens:
+            rewind(b, keep)
         b.prefill(ids[keep:])
         self.prefilled_tokens += len(ids) - keep
         self.held = list(ids)
@@ -154,7 +153,7 @@ class ViewScorer:
         if b.is_hybrid:
             self.held = []
         else:
-            b.remove_attention_range(len(ids) - 1, b.attention_tokens)
+            rewind(b, len(ids) - 1)
             self.held = ids[:-1]
         return self.format.decode(out)
 

@@ -22,9 +22,11 @@ from pathlib import Path
 
 import lmdb
 
+from benchmarks.stats import percentile
 from contextd.client import pb
-from contextd.ids import key
+from contextd.keys import PageKey, StateKey
 from contextd.store import encode
+from contextd.wire import PageState
 from serving.launcher import ContextdProcess
 
 PAGES = 128
@@ -32,8 +34,9 @@ PAGES = 128
 
 def batch(b: int) -> list[pb.Page]:
     return [pb.Page(page_id=f"b{b:06d}p{i:03d}", index=b * PAGES + i, token_start=(b * PAGES + i) * 128,
-                    token_end=(b * PAGES + i + 1) * 128, original_position=(b * PAGES + i) * 128, state=pb.HOT,
-                    dtype="float32", layer_view="smollm2-135m/30x3x64") for i in range(PAGES)]
+                    token_end=(b * PAGES + i + 1) * 128, original_position=(b * PAGES + i) * 128,
+                    state=PageState.HOT.value, dtype="float32", layer_view="smollm2-135m/30x3x64")
+            for i in range(PAGES)]
 
 
 def raw_records(b: int) -> list[dict[str, object]]:
@@ -41,11 +44,6 @@ def raw_records(b: int) -> list[dict[str, object]]:
              "original_position": p.original_position, "state": p.state, "locator": "", "byte_size": 0,
              "checksum": "", "dtype": p.dtype, "layer_view": p.layer_view, "block_id": "",
              "updated_unix": time.time(), "last_used_turn": 0} for p in batch(b)]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,9 +72,9 @@ def main(argv: list[str] | None = None) -> int:
             records = raw_records(b)
             start = time.perf_counter()
             with env.begin(write=True) as txn:
-                for record in records:
-                    txn.put(key("bench", str(record["page_id"])), encode(record), db=manifest)
-                    txn.put(key("bench", str(record["state"]), str(record["page_id"])), b"", db=state_index)
+                for page, record in zip(pages, records, strict=True):
+                    txn.put(PageKey("bench", page.page_id).encode(), encode(record), db=manifest)
+                    txn.put(StateKey("bench", PageState(page.state), page.page_id).encode(), b"", db=state_index)
             raw_elapsed = (time.perf_counter() - start) * 1000
             if b >= warmup:
                 daemon_ms.append(elapsed)
@@ -90,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     d, r = statistics.median(daemon_ms), statistics.median(raw_ms)
     print(f"{'path':<10} {'median ms':>10} {'p10':>8} {'p90':>8}   ({args.batches} durable batches of {PAGES} pages, "
           f"sync {args.sync})")
-    print(f"{'daemon':<10} {d:>10.3f} {percentile(daemon_ms, .1):>8.3f} {percentile(daemon_ms, .9):>8.3f}")
-    print(f"{'raw lmdb':<10} {r:>10.3f} {percentile(raw_ms, .1):>8.3f} {percentile(raw_ms, .9):>8.3f}")
+    print(f"{'daemon':<10} {d:>10.3f} {percentile(daemon_ms, 10):>8.3f} {percentile(daemon_ms, 90):>8.3f}")
+    print(f"{'raw lmdb':<10} {r:>10.3f} {percentile(raw_ms, 10):>8.3f} {percentile(raw_ms, 90):>8.3f}")
     result = {"daemon_ms": round(d, 3), "raw_lmdb_ms": round(r, 3), "ratio": round(d / r, 3),
-              "daemon_p90_ms": round(percentile(daemon_ms, .9), 3), "raw_lmdb_p90_ms": round(percentile(raw_ms, .9), 3),
+              "daemon_p90_ms": round(percentile(daemon_ms, 90), 3), "raw_lmdb_p90_ms": round(percentile(raw_ms, 90), 3),
               "batches": args.batches, "pages_per_batch": PAGES, "sync": args.sync, "pages_stored": pages_stored}
     print(json.dumps(result))
     return 0

@@ -36,17 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from backends.models import load_tokenizer, resolve
-from benchmarks.agent import AgentRun, TurnRecord
 from benchmarks.answers import rank_of
-from benchmarks.compare import (
-    SYSTEM_PROMPT,
-    Script,
-    answer_candidates,
-    answers_with,
-    fact_needle,
-    fact_residency,
-    make_script,
-)
+from benchmarks.compare.arms import fact_residency
+from harness.agent import AgentRun, TurnRecord
+from harness.fact_script import SYSTEM_PROMPT, Script, answer_candidates, answers_with, fact_needle, make_script
 from serving.launcher import ServerProcess
 
 RUNS = {"restores on": (), "restores off": ("--selector", "recency")}

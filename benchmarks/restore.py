@@ -18,9 +18,10 @@ in the canonical store. Then, interleaved so both see the same machine state:
   (byte planes + zstd, one frame per layer; `compression_ratio`, `bytes_per_token` with and
   without), restored the same way from a cold file.
 - recompute (`recompute_ms`): the page's 128 tokens through the model with the session's
-  attention held (appended through `prefill`, then removed again, untimed).
-- store write (`store_write_mbps`): save_block + the canonical store's durable write (writev of
-  the block's buffers, checksum while writing, fsync, rename, fsync of the folder).
+  attention held (prefilled on a scratch fork of the session's cache, then rewound, untimed).
+- store write (`store_write_mbps`): the server's store of one resident page, `PageMover.store`:
+  save_block, the canonical store's durable write (writev of the block's buffers, checksum while
+  writing, fsync, rename, fsync of the folder) and the page's manifest record.
 - dd, same file size and 64 KiB requests, in the store's folder: `dd conv=fsync` for the write,
   `iflag=nocache` then a read for the read, timed by dd itself.
 
@@ -45,11 +46,14 @@ from typing import Any
 
 from backends import Block, load_backend
 from backends.blockfile import IO_CHUNK_BYTES
-from benchmarks.corpus import SAMPLE_TEXT
 from contextd.client import Client, pb
-from controller.pager import Decision, PageState
+from contextd.wire import PageState
+from controller.pager import Decision
+from harness.corpus import SAMPLE_TEXT
+from harness.procfs import machine_cpu_seconds
 from serving.engine import ChatRequest, Engine, EngineConfig
 from serving.launcher import ContextdProcess
+from serving.paging import rewind
 from serving.session import Session
 from serving.transcript import ChatFormat
 
@@ -78,19 +82,9 @@ def dd_seconds(args: list[str]) -> float | None:
     return float(m.group(1))
 
 
-def cpu_seconds() -> tuple[float, float] | None:
-    """(busy CPU seconds of the whole machine, CPU seconds of this process) on Linux, else None.
-    Their difference over the run is what other processes took: a contended run is reported as
-    such instead of passing for a measurement."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return None
-    tick = os.sysconf("SC_CLK_TCK")
-    busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)
+def own_cpu_seconds() -> float:
     t = os.times()
-    return busy / tick, t.user + t.system
+    return t.user + t.system
 
 
 def median_ms(samples: list[float]) -> float:
@@ -151,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="folder for the store (default: system temp)")
     args = parser.parse_args(argv)
 
-    cpu0 = cpu_seconds()
-    wall0 = time.perf_counter()
+    machine0, own0 = machine_cpu_seconds(), own_cpu_seconds()
     work = Path(tempfile.mkdtemp(prefix="kve-restore-", dir=args.dir))
     daemon = ContextdProcess(work / "root", work / "c.sock", extra=["--reserve-bytes", "0"])
     daemon.start()
@@ -173,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         page = restorer.cold[len(restorer.cold) // 2]
         page_tokens = session.transcript.ids[session.pager.pages[page].token_start:session.pager.pages[page].token_end]
 
+        scratch = backend.fork()   # the session's attention, for recompute: the session itself is untouched
         restore_cold: list[float] = []
         restore_warm: list[float] = []
         recompute: list[float] = []
@@ -184,13 +178,13 @@ def main(argv: list[str] | None = None) -> int:
                 step = max(1, len(restorer.cold) // k)
                 by_k[k].append(restorer.timed(restorer.cold[::step][:k], cold=True))
             if i < args.recompute_repeats:
-                held = backend.attention_tokens
-                backend.synchronize()
+                held = scratch.attention_tokens
+                scratch.synchronize()
                 started = time.perf_counter()
-                backend.prefill(page_tokens)
-                backend.synchronize()
+                scratch.prefill(page_tokens)
+                scratch.synchronize()
                 recompute.append(time.perf_counter() - started)
-                backend.remove_attention_range(held, held + len(page_tokens))
+                rewind(scratch, held)
 
         payloads = engine.mover.payloads
         block_path = restorer.files([page])[0]
@@ -208,11 +202,11 @@ def main(argv: list[str] | None = None) -> int:
         engine.contextd.upsert_pages("bench", [compressed_record])
         restore_compressed = [restorer.timed([page], cold=True) for _ in range(args.repeats)]
         write_s: list[float] = []
-        start = sum(p.tokens for p in session.pager.pages if p.resident) - 256
-        for n in range(args.repeats):
+        written = next(p.index for p in reversed(session.pager.pages) if p.resident and p.tokens == 128)
+        for _ in range(args.repeats):
             backend.synchronize()
             started = time.perf_counter()
-            payloads.write("bench", f"write-{n}", backend.save_block(start, start + 128).pieces())
+            engine.mover.store(session, [written])
             write_s.append(time.perf_counter() - started)
 
         dd_path = block_path.parent / "dd.bin"
@@ -232,11 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         daemon.stop()
         shutil.rmtree(work, ignore_errors=True)
 
-    cpu1 = cpu_seconds()
-    wall = time.perf_counter() - wall0
+    machine1, own1 = machine_cpu_seconds(), own_cpu_seconds()
+    # Busy time of the whole machine that was not this process's, as a share of all cores' time:
+    # on a shared machine, a run above a few percent measured contention, not the code.
     other_cpu = None
-    if cpu0 is not None and cpu1 is not None:
-        other_cpu = max(0.0, (cpu1[0] - cpu0[0]) - (cpu1[1] - cpu0[1])) / wall / (os.cpu_count() or 1)
+    if machine0 is not None and machine1 is not None and machine1[1] > machine0[1]:
+        other_cpu = max(0.0, machine1[0] - machine0[0] - (own1 - own0)) / (machine1[1] - machine0[1])
     restore_ms = median_ms(restore_cold)
     recompute_ms = median_ms(recompute)
 
@@ -258,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         "dd_write_mbps": mbps(dd_write),
         "dd_read_mbps": mbps(dd_read),
         "block_bytes": block_bytes,
-        "historical_forward_during_restore": backend_counters["historical_forward_during_restore"],
+        "historical_forward_during_restore": backend_counters.historical_forward_during_restore,
         "accounting_exact": counters.model_forward_tokens == counters.new_prefill_tokens + counters.decoded_tokens,
         "backend": args.backend,
         "device": backend.device,

@@ -1,6 +1,6 @@
 """Our backends next to the runtimes they wrap, on the same weights: speed and memory.
 
-    python -m benchmarks.runtime [--runtimes torch,mlx] [--prompt 2048] [--decode 256] [--repeats 1]
+    python -m benchmarks.runtime [--runtimes torch,mlx] [--prompt 2048] [--decode 256] [--repeats 1] [--device cpu]
     python -m benchmarks.runtime --make-mlx-folder DIR [--model smollm2-135m] [--bits 4]
 
 Arms, each in its own subprocess (so peak RSS is per arm), alternating ours / theirs:
@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.procfs import machine_cpu_seconds
+
 MODELS = {
     "torch": {"smollm2-135m": "smollm2-135m", "tiny-qwen3-next": "tiny-qwen3-next"},
     "mlx": {"smollm2-135m": "smollm2-135m-q4", "tiny-qwen3-next": "tiny-qwen3-next-q4"},
@@ -46,7 +48,7 @@ WARMUP = 16  # prompt tokens of the untimed warm-up run every arm does first
 
 def _prompt(model: str, n: int) -> list[int]:
     from backends.models import load_tokenizer, resolve
-    from benchmarks.corpus import sample_tokens
+    from harness.corpus import sample_tokens
 
     return sample_tokens(load_tokenizer(resolve(model)), n)
 
@@ -55,17 +57,19 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _ours(runtime: str, model: str, prompt: list[int], decode: int) -> dict[str, Any]:
+def _ours(runtime: str, model: str, prompt: list[int], decode: int, device: str) -> dict[str, Any]:
     from backends import load_backend
 
     t0 = time.perf_counter()
-    be = load_backend(runtime, model, dtype="float32" if runtime == "torch" else "auto",
+    be = load_backend(runtime, model, device=device, dtype="float32" if runtime == "torch" else "auto",
                       capacity=len(prompt) + decode + 8, prefill_chunk=len(prompt))
     load_s = time.perf_counter() - t0
-    be.prefill(prompt[:WARMUP])  # both arms warm up the same way before anything is timed
+    warm = be.fork()  # both arms warm up the same way before anything is timed; the timed cache stays empty
+    warm.prefill(prompt[:WARMUP])
     for _ in range(3):
-        be.decode()
-    be.reset()
+        warm.decode()
+    warm.synchronize()
+    del warm
     be.synchronize()
     t0 = time.perf_counter()
     be.prefill(prompt)
@@ -79,7 +83,7 @@ def _ours(runtime: str, model: str, prompt: list[int], decode: int) -> dict[str,
     return {"prefill_tps": len(prompt) / (t1 - t0), "decode_tps": decode / (t2 - t1), "load_s": load_s}
 
 
-def _torch_theirs(model: str, prompt: list[int], decode: int) -> dict[str, Any]:
+def _torch_theirs(model: str, prompt: list[int], decode: int, device: str) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
@@ -89,7 +93,7 @@ def _torch_theirs(model: str, prompt: list[int], decode: int) -> dict[str, Any]:
     source = resolve(model)
     t0 = time.perf_counter()
     kw: dict[str, Any] = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    hf = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32, **kw).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32, **kw).eval().to(device)
     load_s = time.perf_counter() - t0
     hf.generation_config.eos_token_id = None
     stamps: list[float] = []
@@ -101,7 +105,7 @@ def _torch_theirs(model: str, prompt: list[int], decode: int) -> dict[str, Any]:
         def end(self) -> None:
             pass
 
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=device)
     with torch.no_grad():
         warm = ids[:, :WARMUP]
         hf.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -119,11 +123,11 @@ def _mlx_theirs(model: str, prompt: list[int], decode: int) -> dict[str, Any]:
     import mlx.core as mx
     from mlx_lm import load, stream_generate
 
-    from backends.mlx_backend import quantized_copy
-    from backends.models import resolve
+    from backends.mlx import quantized_copy
+    from backends.models import SourceKind, resolve
 
     source = resolve(model)
-    folder = quantized_copy(source) if source.kind == "mlx_quant" else source.path
+    folder = quantized_copy(source) if source.kind is SourceKind.MLX_QUANT else source.path
     t0 = time.perf_counter()
     hf_model, tokenizer = load(str(folder))
     load_s = time.perf_counter() - t0
@@ -143,17 +147,17 @@ def _mlx_theirs(model: str, prompt: list[int], decode: int) -> dict[str, Any]:
 def prepare(runtime: str, name: str) -> None:
     """Build what the arms read (tiny folders, MLX-quantized copies, the tokenizer folder) before
     any arm runs, so no arm's time or peak memory includes a one-time build."""
-    from backends.models import load_tokenizer, resolve
+    from backends.models import SourceKind, load_tokenizer, resolve
 
     source = resolve(MODELS[runtime][name])
     load_tokenizer(source)
-    if source.kind == "mlx_quant":
-        from backends.mlx_backend import quantized_copy
+    if source.kind is SourceKind.MLX_QUANT:
+        from backends.mlx import quantized_copy
 
         quantized_copy(source)
 
 
-def run_arm(arm: str, prompt_tokens: int, decode: int) -> dict[str, Any]:
+def run_arm(arm: str, prompt_tokens: int, decode: int, device: str) -> dict[str, Any]:
     runtime, who, name = arm.split(":", 2)
     if who == "prepare":
         prepare(runtime, name)
@@ -161,21 +165,13 @@ def run_arm(arm: str, prompt_tokens: int, decode: int) -> dict[str, Any]:
     model = MODELS[runtime][name]
     prompt = _prompt(model, prompt_tokens)
     if who == "ours":
-        out = _ours(runtime, model, prompt, decode)
+        out = _ours(runtime, model, prompt, decode, device)
     elif runtime == "torch":
-        out = _torch_theirs(model, prompt, decode)
+        out = _torch_theirs(model, prompt, decode, device)
     else:
         out = _mlx_theirs(model, prompt, decode)
     out["peak_rss_mb"] = _peak_rss_mb()
     return {k: round(v, 2) for k, v in out.items()}
-
-
-def _busy_jiffies() -> tuple[int, int]:
-    """(busy, total) jiffies of the whole machine from /proc/stat."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]
-    return sum(fields) - idle, sum(fields)
 
 
 def _ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
@@ -190,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(MODELS["torch"]))
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--decode", type=int, default=256)
+    parser.add_argument("--device", default="cpu", help="torch arms: cpu or cuda (MLX picks its own)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per arm; the fastest counts")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads in every arm (0: torch's "
                         "default); on a busy shared machine 1 avoids measuring waits for descheduled threads")
@@ -200,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.make_mlx_folder:
-        from backends.mlx_backend import make_mlx_folder
+        from backends.mlx import make_mlx_folder
 
         out = make_mlx_folder(args.model, args.make_mlx_folder.resolve(), bits=args.bits)
         size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
@@ -211,12 +208,12 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(args.threads)
-        print(json.dumps(run_arm(args.arm, args.prompt, args.decode)))
+        print(json.dumps(run_arm(args.arm, args.prompt, args.decode, args.device)))
         return 0
 
-    busy0, total0 = _busy_jiffies()
+    machine0 = machine_cpu_seconds()
     children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    result: dict[str, Any] = {"prompt_tokens": args.prompt, "decode_tokens": args.decode,
+    result: dict[str, Any] = {"prompt_tokens": args.prompt, "decode_tokens": args.decode, "device": args.device,
                               "torch_threads": args.threads or "default"}
     for runtime in args.runtimes.split(","):
         per_model: dict[str, Any] = {}
@@ -227,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeats):
                 for who in ("ours", "theirs"):
                     cmd = [sys.executable, "-m", "benchmarks.runtime", "--arm", f"{runtime}:{who}:{name}",
-                           "--prompt", str(args.prompt), "--decode", str(args.decode), "--threads", str(args.threads)]
+                           "--prompt", str(args.prompt), "--decode", str(args.decode), "--threads", str(args.threads),
+                           "--device", args.device]
                     done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
                     if done.returncode != 0:
                         raise SystemExit(f"arm {runtime}:{who}:{name} failed:\n{done.stderr[-3000:]}")
@@ -241,12 +239,12 @@ def main(argv: list[str] | None = None) -> int:
         headline = per_model.get(HEADLINE) or next(iter(per_model.values()))
         result[runtime] = {k: headline[k] for k in ("prefill_ratio", "decode_ratio", "rss_ratio")}
         result[runtime]["models"] = per_model
-    busy1, total1 = _busy_jiffies()
+    machine1 = machine_cpu_seconds()
     children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    ticks = os.sysconf("SC_CLK_TCK")
-    ours_jiffies = ((children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)) * ticks
-    if total1 > total0:
-        result["other_processes_cpu_share"] = round(max(0.0, (busy1 - busy0 - ours_jiffies) / (total1 - total0)), 3)
+    ours = (children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)
+    if machine0 is not None and machine1 is not None and machine1[1] > machine0[1]:
+        (busy0, total0), (busy1, total1) = machine0, machine1
+        result["other_processes_cpu_share"] = round(max(0.0, (busy1 - busy0 - ours) / (total1 - total0)), 3)
     print(json.dumps(result))
     return 0
 

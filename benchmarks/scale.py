@@ -4,7 +4,7 @@
 
 Two sessions, each driven turn by turn through a real `kv-elision serve` process and its real
 contextd, the way an agent drives it (the whole transcript in every request; one `read` tool
-result of ~2,000 tokens per turn, from benchmarks.workload):
+result of ~2,000 tokens per turn, from harness.workload):
 
 - a tiny random-weight model (tiny-llama) to `--tiny-tokens` (1M by default), so the model's
   forward pass is cheap and what is measured is kv-elision's own work;
@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.agent import AgentRun, TurnRecord
-from benchmarks.procfs import status_field
-from benchmarks.workload import evidence_files
+from harness.agent import AgentRun, TurnRecord
+from harness.procfs import status_field
+from harness.workload import evidence_files
 from serving.launcher import ServerProcess
 from serving.session import PHASES
 

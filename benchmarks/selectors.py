@@ -1,13 +1,13 @@
 """Selectors on agent sessions of several shapes: does the page a question needs come back?
 
-For each workload shape and seed (benchmarks.shapes) and each budget, one session is built through
+For each workload shape and seed (harness.shapes) and each budget, one session is built through
 the real engine (real contextd process, real SmolLM2 weights): the whole session is sent as one
 request, so it is prefilled in chunks with evictions between them exactly as serving does. Then
 every question whose answer sits in a cold page is prefilled and each selector says what it would
 restore (`Engine.probe`: the question is taken back out after, so every selector sees the same
 state). A question is a hit when every page holding a part of its answer (both parts for `split`)
 is in attention after the selector's validated plan; precision is the share of restored pages
-that hold evidence text. Tuning seeds are benchmarks.shapes.TUNING_SEEDS; nothing was tuned on
+that hold evidence text. Tuning seeds are harness.shapes.TUNING_SEEDS; nothing was tuned on
 HELD_OUT_SEEDS.
 
     python -m benchmarks.selectors [--shapes all] [--seeds held-out|tuning|101,102]
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Sequence
@@ -34,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from backends import Backend, load_backend
-from benchmarks.shapes import DEFAULT_TOKENS, HELD_OUT_SEEDS, SHAPES, TUNING_SEEDS, Workload, make
+from benchmarks.stats import percentile
+from contextd.wire import PageState
 from controller.hybrid import HybridConfig
-from controller.pager import PAGE_TOKENS, PageState
+from controller.pager import PAGE_TOKENS
 from controller.selectors import (
     AttentionSelector,
     ControllerSelector,
@@ -46,6 +46,7 @@ from controller.selectors import (
     Selector,
 )
 from controller.units import Unit
+from harness.shapes import DEFAULT_TOKENS, HELD_OUT_SEEDS, SHAPES, TUNING_SEEDS, Workload, make
 from serving.engine import ChatRequest, Engine, EngineConfig
 from serving.launcher import ContextdProcess
 from serving.transcript import ChatFormat
@@ -122,8 +123,7 @@ def build(engine: Engine, session_id: str, workload: Workload) -> list[dict[str,
 
 def measure_session(backend: Backend, client: Any, workload: Workload, budget: int, chosen: Sequence[Selector]
                     ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    fresh = backend.fork()
-    fresh.reset()
+    fresh = backend.fork()   # the engine empties it when the session comes in
     # The session is built with no selector: pages restored (and leased) while it is built would
     # take the room every question's restores need. Each selector is asked in `Engine.probe`.
     engine = Engine(fresh, ChatFormat(fresh.tokenizer), client,
@@ -162,7 +162,7 @@ def row(name: str, r: dict[str, Any], shape: str, seed: int, budget: int) -> dic
             "hit_rate": round(r["hits"] / max(1, r["questions"]), 3), "hits": r["hits"],
             "questions": r["questions"], "pages": round(restored / max(1, len(r["pages"])), 2),
             "precision": round(r["useful"] / restored, 3) if restored else 0.0,
-            "p50_ms": round(statistics.median(ms), 2), "p95_ms": round(ms[min(len(ms) - 1, int(0.95 * len(ms)))], 2)}
+            "p50_ms": round(percentile(ms, 50), 2), "p95_ms": round(percentile(ms, 95), 2)}
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Long-session throughput: paged (bounded attention) against an unbounded cache, side by side.
 
 Both runs start the real `kv-elision serve` on the same model and replay the same scripted agent
-session (benchmarks.workload) over HTTP: one with `--budget B` (pages evicted, stored, restored),
+session (harness.workload) over HTTP: one with `--budget B` (pages evicted, stored, restored),
 one with a budget larger than the whole session (nothing is ever evicted: an unbounded cache with
 the same server code around it). Throughput counts every token that went through the model
 (prefill + decode) per second of wall time of the turns.
@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.agent import AgentRun
-from benchmarks.workload import evidence_files
+from harness.agent import AgentRun
+from harness.workload import evidence_files
 from serving.launcher import ServerProcess
 
 

@@ -12,9 +12,9 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
 
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 
 from contextd.blobs import Reserve
 from contextd.client import Client, pb
@@ -59,7 +59,8 @@ def _parse_duration(text: str) -> float:
 
 
 def status_line(reply: pb.StatusReply) -> str:
-    """One line for a status bar: every session's pages and attention use."""
+    """One line for a status bar: every session's pages and attention use. `hot` counts every page
+    in attention; `pinned` is the part of them that carries a pin."""
     parts = []
     for s in reply.sessions:
         p = s.pages
@@ -95,7 +96,7 @@ def _print_status(reply: pb.StatusReply) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
-def _as_json(message: Any) -> str:
+def _as_json(message: Message) -> str:
     return json.dumps(MessageToDict(message, preserving_proto_field_name=True,
                                     always_print_fields_with_no_presence=True), sort_keys=True)
 

@@ -23,7 +23,7 @@ from contextd._gen import contextd_pb2_grpc as pb_grpc
 from contextd.blobs import BlobStore, Reserve, StoredBlob
 from contextd.errors import BY_CODE, ContextdError, DaemonUnavailable, InvalidArgument, StoreFull
 from contextd.paths import default_socket, target
-from contextd.wire import MAX_MESSAGE_BYTES, PageState, grpc_options
+from contextd.wire import MAX_MESSAGE_BYTES, PageState, PinKind, SummaryKind, grpc_options
 
 __all__ = ["Client", "Payloads", "pb"]
 
@@ -187,24 +187,21 @@ class Client:
         reserve = Reserve(bytes=status.reserve_bytes, quota_bytes=status.quota_bytes)
         return Payloads(self, BlobStore(Path(status.root) / "store", reserve))
 
-    # blocks
+    # summaries
 
-    def upsert_blocks(self, session_id: str, blocks: Iterable[pb.Block]) -> pb.WriteAck:
-        return self._call(
-            "UpsertBlocks", pb.UpsertBlocksRequest(session_id=session_id, blocks=list(blocks)), pb.WriteAck
-        )
+    def upsert_summaries(self, session_id: str, summaries: Iterable[pb.Summary]) -> pb.WriteAck:
+        return self._call("UpsertSummaries",
+                          pb.UpsertSummariesRequest(session_id=session_id, summaries=list(summaries)), pb.WriteAck)
 
-    def query_blocks(self, session_id: str, kind: str = "") -> list[pb.Block]:
-        return list(
-            self._call(
-                "QueryBlocks", pb.QueryBlocksRequest(session_id=session_id, kind=kind), pb.QueryBlocksResponse
-            ).blocks
-        )
+    def query_summaries(self, session_id: str, kind: SummaryKind | None = None) -> list[pb.Summary]:
+        """The session's summaries of one kind (of every kind for None), by id."""
+        request = pb.QuerySummariesRequest(session_id=session_id, kind=None if kind is None else kind.name)
+        return list(self._call("QuerySummaries", request, pb.QuerySummariesResponse).summaries)
 
     # pins, leases
 
     def set_pins(
-        self, session_id: str, add: Iterable[tuple[str, str]] = (), remove: Iterable[str] = ()
+        self, session_id: str, add: Iterable[tuple[str, PinKind]] = (), remove: Iterable[str] = ()
     ) -> pb.WriteAck:
         return self._call(
             "SetPins",

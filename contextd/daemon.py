@@ -1,20 +1,25 @@
-"""contextd's verbs: sessions, pages, payloads, blocks, pins, leases, snapshots, records, status.
+"""contextd's verbs: sessions, pages, payloads, summaries, pins, leases, snapshots, records, status.
 
-Records are plain dicts whose keys are the proto field names (the service layer converts), so a
-record in LMDB reads the same as the message on the wire. Every write verb is one operation in
-the store's group commit: applied whole or not at all.
+Every row is a typed record of contextd.records whose fields carry the proto's field names (the
+service converts by name), under a typed key of contextd.keys, in a typed table of
+contextd.store. Every write verb is one operation in the store's group commit: applied whole or
+not at all.
 
 Page life cycle (enforced here, whatever the caller asks):
-  HOT/PINNED -> COLD      only when the page has a stored payload (it is written before it leaves)
-  COLD -> HOT/PINNED      a restore
+  HOT -> COLD             only when the page has a stored payload (it is written before it leaves)
+  COLD -> HOT             a restore
   COLD -> DROPPED         only by the pressure policy, and never when pinned or leased
   any -> CORRUPT          when a read or `verify` finds the payload missing or mismatched
   DROPPED/CORRUPT -> HOT  the engine recomputed it; the stale payload reference is cleared
+Pinned and leased are not states: they are rows of the pins and leases tables, on a page in any
+state (the engine pins only hot pages and never evicts them).
 
-Session records carry page-count aggregates updated in the same transaction as the pages, so
-`status` costs O(sessions) and is always consistent with the manifest.
+Session rows carry page-count aggregates updated in the same transaction as the pages and the
+pins (`pinned` counts the hot pages with a pin), so `status` costs O(sessions) and is always
+consistent with the manifest.
 
-Depends on contextd.store, contextd.blobs, contextd.ids, contextd.errors; no gRPC types.
+Depends on contextd.store, contextd.keys, contextd.records, contextd.blobs, contextd.ids,
+contextd.errors and contextd.wire; no gRPC types.
 """
 
 from __future__ import annotations
@@ -22,46 +27,67 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from contextd.blobs import TEMP_PREFIX, BlobStore, Reserve
 from contextd.errors import DataCorrupt, FailedPrecondition, InvalidArgument, NotFound, StoreFull
-from contextd.ids import check_id, key, prefix
-from contextd.store import SCHEMA_VERSION, CommitInfo, Store, SyncMode, Txn
-from contextd.wire import MAX_BATCH, MAX_SEGMENT_TEXT, MAX_TEXT, PIN_KINDS, PageState
+from contextd.ids import check_id
+from contextd.keys import (
+    EVERYTHING,
+    MetaKey,
+    PageKey,
+    SegmentKey,
+    SessionKey,
+    SnapshotKey,
+    StateKey,
+    SummaryKey,
+    session_scope,
+    state_scope,
+)
+from contextd.records import (
+    GcResult,
+    LeaseRow,
+    PageCounts,
+    PageRef,
+    PageRow,
+    PinRow,
+    RecordRow,
+    SegmentRow,
+    SessionRow,
+    SessionStatus,
+    SnapshotRow,
+    StateChange,
+    Status,
+    SummaryRow,
+    VerifyResult,
+)
+from contextd.store import (
+    LEASES,
+    MANIFEST,
+    META,
+    PAGE_STATES,
+    PINS,
+    RECORDS,
+    SCHEMA_VERSION,
+    SCOPED,
+    SEGMENTS,
+    SESSIONS,
+    SNAPSHOTS,
+    SUMMARIES,
+    CommitInfo,
+    Store,
+    SyncMode,
+    Table,
+    Txn,
+)
+from contextd.wire import MAX_BATCH, MAX_SEGMENT_TEXT, MAX_TEXT, PageState, SummaryKind
 
-Record = dict[str, Any]
+HOT, COLD, DROPPED, CORRUPT = PageState.HOT, PageState.COLD, PageState.DROPPED, PageState.CORRUPT
 
-HOT, COLD, PINNED, DROPPED, CORRUPT = (PageState.HOT, PageState.COLD, PageState.PINNED, PageState.DROPPED,
-                                       PageState.CORRUPT)
-STATE_NAMES = {s: s.name.lower() for s in PageState}
-COUNT_KEYS = ("hot", "cold", "pinned", "dropped", "corrupt", "hot_tokens", "cold_tokens", "pinned_tokens",
-              "bytes_on_disk")
-BLOCK_KINDS = ("unit", "cluster")
-
-PAGE_FIELDS = ("page_id", "index", "token_start", "token_end", "original_position", "state", "locator",
-               "byte_size", "checksum", "dtype", "layer_view", "block_id", "updated_unix", "last_used_turn", "score")
-
-
-def _empty_counts() -> Record:
-    return {k: 0 for k in COUNT_KEYS}
-
-
-_TOKEN_KEYS = {HOT: "hot_tokens", COLD: "cold_tokens", PINNED: "pinned_tokens"}
-
-
-def _account(counts: Record, page: Record, sign: int) -> None:
-    """Add (sign=1) or remove (sign=-1) one page's contribution to a session's aggregates."""
-    state = page["state"]
-    counts[STATE_NAMES[state]] += sign
-    tokens_key = _TOKEN_KEYS.get(state)
-    if tokens_key is not None:
-        counts[tokens_key] += sign * (page["token_end"] - page["token_start"])
-    if page["locator"]:
-        counts["bytes_on_disk"] += sign * page["byte_size"]
+Mark = TypeVar("Mark", PinRow, LeaseRow)
 
 
 def _check_text(value: str, what: str, limit: int = MAX_TEXT) -> str:
@@ -70,7 +96,7 @@ def _check_text(value: str, what: str, limit: int = MAX_TEXT) -> str:
     return value
 
 
-def _check_batch(items: list[Any], what: str) -> None:
+def _check_batch(items: Sequence[Any], what: str) -> None:
     if len(items) > MAX_BATCH:
         raise InvalidArgument(f"{len(items)} {what} in one request; at most {MAX_BATCH} are allowed")
 
@@ -119,64 +145,57 @@ class Daemon:
 
     # ----------------------------------------------------------------- sessions
 
-    def _session(self, txn: Txn, session_id: str) -> Record:
-        record = txn.get("sessions", key(check_id(session_id, "session_id")))
-        if record is None:
+    @staticmethod
+    def _session(txn: Txn, session_id: str) -> SessionRow:
+        session = txn.get(SESSIONS, SessionKey(check_id(session_id, "session_id")))
+        if session is None:
             raise NotFound(f"no session {session_id!r}")
-        return record
+        return session
 
-    def open_session(self, request: Record) -> Record:
-        session_id = check_id(request["session_id"], "session_id")
-        _check_text(request.get("fingerprint", ""), "fingerprint", 256)
-        _check_text(request.get("model_id", ""), "model_id", 512)
-        labels = request.get("labels", {})
+    def open_session(self, session_id: str, model_id: str = "", fingerprint: str = "", budget_tokens: int = 0,
+                     labels: Mapping[str, str] | None = None) -> SessionRow:
+        key = SessionKey(check_id(session_id, "session_id"))
+        _check_text(fingerprint, "fingerprint", 256)
+        _check_text(model_id, "model_id", 512)
+        labels = labels or {}
         if len(labels) > 64:
             raise InvalidArgument("at most 64 labels per session")
 
-        def op(txn: Txn) -> Record:
+        def op(txn: Txn) -> SessionRow:
             now = time.time()
-            record = txn.get("sessions", key(session_id))
-            if record is None:
-                record = {"session_id": session_id, "created_unix": now, "turn": 0, "attention_tokens": 0,
-                          "counters": {}, "pages": _empty_counts(), "model_id": "", "fingerprint": "",
-                          "budget_tokens": 0, "labels": {}}
-            record["closed"] = False
-            for name in ("model_id", "fingerprint", "budget_tokens"):
-                if request.get(name):
-                    record[name] = request[name]
-            record["labels"].update(labels)
-            record["updated_unix"] = now
-            txn.put("sessions", key(session_id), record)
-            return record
+            session = txn.get(SESSIONS, key) or SessionRow(session_id, created_unix=now)
+            session = replace(session, closed=False, model_id=model_id or session.model_id,
+                              fingerprint=fingerprint or session.fingerprint,
+                              budget_tokens=budget_tokens or session.budget_tokens,
+                              labels={**session.labels, **labels}, updated_unix=now)
+            txn.put(SESSIONS, key, session)
+            return session
 
         return self.store.write(op)[0]
 
-    def get_session(self, session_id: str) -> Record:
+    def get_session(self, session_id: str) -> SessionRow:
         with self.store.read() as txn:
             return self._session(txn, session_id)
 
-    def list_sessions(self, include_closed: bool) -> list[Record]:
+    def list_sessions(self, include_closed: bool) -> list[SessionRow]:
         with self.store.read() as txn:
-            return [r for _, r in txn.scan("sessions", b"") if include_closed or not r["closed"]]
+            return [s for _, s in txn.scan(SESSIONS, EVERYTHING) if include_closed or not s.closed]
 
-    def close_session(self, session_id: str) -> Record:
-        def op(txn: Txn) -> Record:
-            record = self._session(txn, session_id)
-            record["closed"] = True
-            record["updated_unix"] = time.time()
-            txn.put("sessions", key(session_id), record)
-            return record
+    def close_session(self, session_id: str) -> SessionRow:
+        def op(txn: Txn) -> SessionRow:
+            session = replace(self._session(txn, session_id), closed=True, updated_unix=time.time())
+            txn.put(SESSIONS, SessionKey(session_id), session)
+            return session
 
         return self.store.write(op)[0]
 
     def delete_session(self, session_id: str) -> tuple[int, int]:
         def op(txn: Txn) -> int:
             self._session(txn, session_id)
-            pages = txn.delete_prefix("kv_manifest", prefix(session_id))
-            for table in ("page_state", "blocks", "pins", "leases", "snapshots", "records", "segments"):
-                txn.delete_prefix(table, prefix(session_id))
-            txn.delete("sessions", key(session_id))
-            return pages
+            removed = {table.name: txn.delete_prefix(table, session_scope(session_id)) for table in SCOPED}
+            txn.delete(RECORDS, SessionKey(session_id))
+            txn.delete(SESSIONS, SessionKey(session_id))
+            return removed[MANIFEST.name]
 
         pages, _ = self.store.write(op)
         # Files go after the commit: a crash in between leaves orphans for `gc`, never a
@@ -185,186 +204,181 @@ class Daemon:
 
     # ----------------------------------------------------------------- pages
 
-    def _check_page(self, session_id: str, page: Record) -> Record:
-        check_id(page["page_id"], "page_id")
-        if page["token_end"] < page["token_start"]:
+    def _check_page(self, session_id: str, page: PageRow) -> PageRow:
+        check_id(page.page_id, "page_id")
+        if page.token_end < page.token_start:
             raise InvalidArgument(
-                f"page {page['page_id']}: token range [{page['token_start']}, {page['token_end']}) is inverted")
-        if page["state"] == 0:
-            page["state"] = HOT
-        if page["state"] not in STATE_NAMES:
-            raise InvalidArgument(f"page {page['page_id']}: unknown state {page['state']}")
-        if page["block_id"]:
-            check_id(page["block_id"], "block_id")
-        for name in ("dtype", "layer_view"):
-            _check_text(page[name], name, 256)
-        if page["locator"]:
-            if not page["locator"].startswith(session_id + "/"):
-                raise InvalidArgument(f"page {page['page_id']}: locator is outside session {session_id}")
-            if len(page["checksum"]) != 32 or any(c not in "0123456789abcdef" for c in page["checksum"]):
-                raise InvalidArgument(f"page {page['page_id']}: checksum must be 32 lowercase hex digits")
-            if not self.blobs.exists(page["locator"], page["byte_size"]):
+                f"page {page.page_id}: token range [{page.token_start}, {page.token_end}) is inverted")
+        if page.summary_id:
+            check_id(page.summary_id, "summary_id")
+        _check_text(page.dtype, "dtype", 256)
+        _check_text(page.layer_view, "layer_view", 256)
+        if page.locator:
+            if not page.locator.startswith(session_id + "/"):
+                raise InvalidArgument(f"page {page.page_id}: locator is outside session {session_id}")
+            if len(page.checksum) != 32 or any(c not in "0123456789abcdef" for c in page.checksum):
+                raise InvalidArgument(f"page {page.page_id}: checksum must be 32 lowercase hex digits")
+            if not self.blobs.exists(page.locator, page.byte_size):
                 raise FailedPrecondition(
-                    f"page {page['page_id']}: no payload of {page['byte_size']} bytes at {page['locator']}")
-        elif page["state"] == COLD:
-            raise FailedPrecondition(f"page {page['page_id']}: a cold page needs a stored payload")
-        if page["state"] in (DROPPED, CORRUPT):
-            raise InvalidArgument(f"page {page['page_id']}: only contextd marks pages dropped or corrupt")
+                    f"page {page.page_id}: no payload of {page.byte_size} bytes at {page.locator}")
+        elif page.state == COLD:
+            raise FailedPrecondition(f"page {page.page_id}: a cold page needs a stored payload")
+        if page.state in (DROPPED, CORRUPT):
+            raise InvalidArgument(f"page {page.page_id}: only contextd marks pages dropped or corrupt")
         return page
 
     @staticmethod
-    def _put_page(txn: Txn, session_id: str, counts: Record, old: Record | None, page: Record) -> None:
-        if old is not None:
-            _account(counts, old, -1)
-            txn.delete("page_state", key(session_id, str(int(old["state"])), old["page_id"]))
-        _account(counts, page, 1)
-        txn.put("kv_manifest", key(session_id, page["page_id"]), page)
-        txn.put_raw("page_state", key(session_id, str(int(page["state"])), page["page_id"]))
+    def _count(txn: Txn, key: PageKey, counts: PageCounts, page: PageRow, sign: int) -> PageCounts:
+        """`counts` with the page under `key` added (sign=1) or taken out (sign=-1), as pinned
+        when the pins table holds it now."""
+        return counts.plus(page, txn.has(PINS, key), sign)
 
-    def upsert_pages(self, session_id: str, pages: list[Record]) -> CommitInfo:
+    @classmethod
+    def _put_page(cls, txn: Txn, session_id: str, counts: PageCounts, old: PageRow | None, page: PageRow
+                  ) -> PageCounts:
+        """Write a page and its state index entry; return the session's counts with the change."""
+        key = PageKey(session_id, page.page_id)
+        if old is not None:
+            counts = cls._count(txn, key, counts, old, -1)
+            txn.delete(PAGE_STATES, StateKey(session_id, old.state, old.page_id))
+        txn.put(MANIFEST, key, page)
+        txn.add(PAGE_STATES, StateKey(session_id, page.state, page.page_id))
+        return cls._count(txn, key, counts, page, 1)
+
+    def _change_pages(self, session_id: str, move: Callable[[Txn, SessionRow, float], PageCounts]) -> CommitInfo:
+        """One write in which `move` changes some of the session's pages (at time `now`) and
+        returns the session's page counts after the move, which are stored with them."""
+        def op(txn: Txn) -> None:
+            session = self._session(txn, session_id)
+            counts = move(txn, session, time.time())
+            txn.put(SESSIONS, SessionKey(session_id), replace(session, pages=counts))
+
+        return self.store.write(op)[1]
+
+    def upsert_pages(self, session_id: str, pages: Sequence[PageRow]) -> CommitInfo:
         _check_batch(pages, "pages")
-        checked = [self._check_page(session_id, dict(p)) for p in pages]
-        if len({p["page_id"] for p in checked}) != len(checked):
+        checked = [self._check_page(session_id, p) for p in pages]
+        if len({p.page_id for p in checked}) != len(checked):
             raise InvalidArgument("a page_id appears twice in one batch")
         replaced: list[str] = []
 
-        def op(txn: Txn) -> int:
-            session = self._session(txn, session_id)
-            counts = session["pages"]
-            now = time.time()
+        def move(txn: Txn, session: SessionRow, now: float) -> PageCounts:
+            counts = session.pages
             for page in checked:
-                old = txn.get("kv_manifest", key(session_id, page["page_id"]))
-                if old is not None and old["locator"] and old["locator"] != page["locator"]:
-                    replaced.append(old["locator"])
-                page["updated_unix"] = now
-                self._put_page(txn, session_id, counts, old, page)
-            txn.put("sessions", key(session_id), session)
-            return len(checked)
+                old = txn.get(MANIFEST, PageKey(session_id, page.page_id))
+                if old is not None and old.locator and old.locator != page.locator:
+                    replaced.append(old.locator)
+                counts = self._put_page(txn, session_id, counts, old, replace(page, updated_unix=now))
+            return counts
 
-        info = self.store.write(op)[1]
+        info = self._change_pages(session_id, move)
         for locator in replaced:
             self.blobs.delete(locator)
         quota = self.config.retention.session_quota_bytes
         if quota:
-            over = self.get_session(session_id)["pages"]["bytes_on_disk"] - quota
+            over = self.get_session(session_id).pages.bytes_on_disk - quota
             if over > 0:
                 self.reclaim(over, session_id, partial=True)
         return info
 
-    def set_page_states(self, session_id: str, changes: list[Record]) -> CommitInfo:
+    def set_page_states(self, session_id: str, changes: Sequence[StateChange]) -> CommitInfo:
         _check_batch(changes, "state changes")
         for change in changes:
-            check_id(change["page_id"], "page_id")
-            if change.get("score", 0.0) != change.get("score", 0.0):
-                raise InvalidArgument(f"page {change['page_id']}: score is NaN")
-            if change["state"] not in (HOT, COLD, PINNED):
-                raise InvalidArgument(
-                    f"page {change['page_id']}: state must be HOT, COLD or PINNED (got {change['state']})")
+            check_id(change.page_id, "page_id")
+            if change.score != change.score:
+                raise InvalidArgument(f"page {change.page_id}: score is NaN")
+            if change.state not in (HOT, COLD):
+                raise InvalidArgument(f"page {change.page_id}: state must be HOT or COLD (got {change.state})")
 
-        def op(txn: Txn) -> int:
-            session = self._session(txn, session_id)
-            counts = session["pages"]
-            now = time.time()
+        def move(txn: Txn, session: SessionRow, now: float) -> PageCounts:
+            counts = session.pages
             for change in changes:
-                old = txn.get("kv_manifest", key(session_id, change["page_id"]))
+                old = txn.get(MANIFEST, PageKey(session_id, change.page_id))
                 if old is None:
-                    raise NotFound(f"session {session_id} has no page {change['page_id']!r}")
-                page = dict(old)
-                page["state"] = change["state"]
-                page["updated_unix"] = now
-                if change.get("last_used_turn"):
-                    page["last_used_turn"] = change["last_used_turn"]
-                if page["state"] in (HOT, PINNED) and old["state"] == COLD:
-                    page["score"] = float(change.get("score", 0.0))
-                if page["state"] == COLD and (not page["locator"] or old["state"] in (DROPPED, CORRUPT)):
+                    raise NotFound(f"session {session_id} has no page {change.page_id!r}")
+                page = replace(old, state=change.state, updated_unix=now,
+                               last_used_turn=change.last_used_turn or old.last_used_turn)
+                if page.state == HOT and old.state == COLD:
+                    page = replace(page, score=change.score)
+                if page.state == COLD and (not page.locator or old.state in (DROPPED, CORRUPT)):
                     raise FailedPrecondition(
-                        f"page {page['page_id']} has no valid stored payload; write it before marking it cold")
-                if old["state"] in (DROPPED, CORRUPT):
-                    page.update(locator="", checksum="", byte_size=0)
-                self._put_page(txn, session_id, counts, old, page)
-            txn.put("sessions", key(session_id), session)
-            return len(changes)
+                        f"page {page.page_id} has no valid stored payload; write it before marking it cold")
+                if old.state in (DROPPED, CORRUPT):
+                    page = replace(page, locator="", checksum="", byte_size=0)
+                counts = self._put_page(txn, session_id, counts, old, page)
+            return counts
 
-        return self.store.write(op)[1]
+        return self._change_pages(session_id, move)
 
-    def delete_pages(self, session_id: str, page_ids: list[str]) -> CommitInfo:
+    def delete_pages(self, session_id: str, page_ids: Sequence[str]) -> CommitInfo:
         _check_batch(page_ids, "pages")
         for page_id in page_ids:
             check_id(page_id, "page_id")
         removed: list[str] = []
 
-        def op(txn: Txn) -> int:
-            session = self._session(txn, session_id)
-            now = time.time()
+        def move(txn: Txn, session: SessionRow, now: float) -> PageCounts:
+            counts = session.pages
             for page_id in page_ids:
-                page = txn.get("kv_manifest", key(session_id, page_id))
+                page = txn.get(MANIFEST, PageKey(session_id, page_id))
                 if page is None:
                     raise NotFound(f"session {session_id} has no page {page_id!r}")
                 # the owner deletes what its record no longer names: only pins and leases hold a page here
-                if not self._may_drop(txn, session_id, page, session["turn"], now, recorded=set()):
+                if not self._may_drop(txn, session_id, page, session.turn, now, recorded=set()):
                     raise FailedPrecondition(f"page {page_id} is pinned or leased; it cannot be deleted")
-                _account(session["pages"], page, -1)
-                txn.delete("kv_manifest", key(session_id, page_id))
-                txn.delete("page_state", key(session_id, str(int(page["state"])), page_id))
-                if page["locator"]:
-                    removed.append(page["locator"])
-            txn.put("sessions", key(session_id), session)
-            return len(page_ids)
+                counts = self._count(txn, PageKey(session_id, page_id), counts, page, -1)
+                txn.delete(MANIFEST, PageKey(session_id, page_id))
+                txn.delete(PAGE_STATES, StateKey(session_id, page.state, page_id))
+                if page.locator:
+                    removed.append(page.locator)
+            return counts
 
-        info = self.store.write(op)[1]
+        info = self._change_pages(session_id, move)
         for locator in removed:
             self.blobs.delete(locator)
         return info
 
-    def query_pages(self, session_id: str, states: list[int], start_after: str, limit: int
-                    ) -> tuple[list[Record], str]:
-        for state in states:
-            if state not in STATE_NAMES:
-                raise InvalidArgument(f"unknown state {state}")
+    def query_pages(self, session_id: str, states: Sequence[PageState], start_after: str, limit: int
+                    ) -> tuple[list[PageRow], str]:
         if start_after:
             check_id(start_after, "start_after")
-        pages: list[Record] = []
+        pages: list[PageRow] = []
         with self.store.read() as txn:
             self._session(txn, session_id)
             if not states:
-                after = key(session_id, start_after) if start_after else None
-                for _, page in txn.scan("kv_manifest", prefix(session_id), after):
+                after = PageKey(session_id, start_after) if start_after else None
+                for _, page in txn.scan(MANIFEST, session_scope(session_id), after):
                     pages.append(page)
                     if limit and len(pages) > limit:
                         break
             else:
                 for state in sorted(set(states)):
-                    for state_key in txn.scan_keys("page_state", prefix(session_id, str(int(state)))):
-                        page_id = state_key.rsplit(b"\x00", 1)[1].decode()
-                        if start_after and page_id <= start_after:
+                    for state_key in txn.scan_keys(PAGE_STATES, state_scope(session_id, state)):
+                        if start_after and state_key.page_id <= start_after:
                             continue
-                        indexed = txn.get("kv_manifest", key(session_id, page_id))
+                        indexed = txn.get(MANIFEST, PageKey(session_id, state_key.page_id))
                         assert indexed is not None, "page_state index points at a missing page"
                         pages.append(indexed)
-                pages.sort(key=lambda p: str(p["page_id"]))
+                pages.sort(key=lambda p: p.page_id)
         if limit and len(pages) > limit:
-            return pages[:limit], str(pages[limit - 1]["page_id"])
+            return pages[:limit], pages[limit - 1].page_id
         return pages, ""
 
-    def get_pages(self, session_id: str, page_ids: list[str]) -> list[Record]:
+    def get_pages(self, session_id: str, page_ids: Sequence[str]) -> list[PageRow]:
         """The named pages that exist, in the order asked: one lookup each, whatever the session's size."""
         _check_batch(page_ids, "pages")
         for page_id in page_ids:
             check_id(page_id, "page_id")
         with self.store.read() as txn:
             self._session(txn, session_id)
-            found = [txn.get("kv_manifest", key(session_id, page_id)) for page_id in page_ids]
+            found = [txn.get(MANIFEST, PageKey(session_id, page_id)) for page_id in page_ids]
         return [page for page in found if page is not None]
 
     # ----------------------------------------------------------------- payloads
 
-    def _store_bytes(self, txn: Txn) -> int:
-        total = 0
-        for _, session in txn.scan("sessions", b""):
-            total += session["pages"]["bytes_on_disk"]
-        for _, snap in txn.scan("snapshots", b""):
-            total += snap["byte_size"]
-        return total
+    @staticmethod
+    def _store_bytes(txn: Txn) -> int:
+        total = sum(session.pages.bytes_on_disk for _, session in txn.scan(SESSIONS, EVERYTHING))
+        return total + sum(snap.byte_size for _, snap in txn.scan(SNAPSHOTS, EVERYTHING))
 
     def make_room(self, incoming: int) -> None:
         """Drop cold payloads until `incoming` bytes fit, or raise StoreFull having dropped nothing."""
@@ -383,36 +397,36 @@ class Daemon:
         (last_used_turn, updated, session, page, size)."""
         now = time.time()
         candidates = []
-        scope = [self._session(txn, session_id)] if session_id else [s for _, s in txn.scan("sessions", b"")]
+        scope = [self._session(txn, session_id)] if session_id else [s for _, s in txn.scan(SESSIONS, EVERYTHING)]
         for session in scope:
-            sid = session["session_id"]
+            sid = session.session_id
             recorded = _recorded_resident(txn, sid)
-            for state_key in txn.scan_keys("page_state", prefix(sid, str(int(COLD)))):
-                page_id = state_key.rsplit(b"\x00", 1)[1].decode()
-                page = txn.get("kv_manifest", key(sid, page_id))
+            for state_key in txn.scan_keys(PAGE_STATES, state_scope(sid, COLD)):
+                page = txn.get(MANIFEST, PageKey(sid, state_key.page_id))
                 assert page is not None
-                if not self._may_drop(txn, sid, page, session["turn"], now, recorded):
+                if not self._may_drop(txn, sid, page, session.turn, now, recorded):
                     continue
-                candidates.append((page["last_used_turn"], page["updated_unix"], sid, page_id, page["byte_size"]))
+                candidates.append((page.last_used_turn, page.updated_unix, sid, page.page_id, page.byte_size))
         candidates.sort()
         return candidates
 
     @staticmethod
-    def _may_drop(txn: Txn, sid: str, page: Record, turn: int, now: float, recorded: set[int]) -> bool:
+    def _may_drop(txn: Txn, sid: str, page: PageRow, turn: int, now: float, recorded: set[int]) -> bool:
         """Not pinned, not leased, and not in attention at the end of the last completed turn: a
         turn that fails after evicting a page (a 507) leaves it COLD in the manifest, yet the
         session resumes from that turn's record, which needs the page back exactly."""
-        if page["index"] in recorded or txn.has("pins", key(sid, page["page_id"])):
+        key = PageKey(sid, page.page_id)
+        if page.index in recorded or txn.has(PINS, key):
             return False
-        lease = txn.get("leases", key(sid, page["page_id"]))
-        return lease is None or not _lease_active(lease, turn, now)
+        lease = txn.get(LEASES, key)
+        return lease is None or not lease.active(turn, now)
 
     def reclaim(self, bytes_needed: int, session_id: str = "", partial: bool = False
                 ) -> tuple[int, list[tuple[str, str]]]:
         """Drop the least recently used cold, unpinned, unleased payloads (of `session_id`, or of
         every session) until bytes_needed are freed.
 
-        Nothing resident (hot or pinned) and nothing pinned or leased is ever dropped. When the
+        Nothing resident (hot) and nothing pinned or leased is ever dropped. When the
         droppable pages cannot cover bytes_needed, none is dropped and (0, []) is returned, unless
         `partial` (a session over its quota gives up what it can).
         """
@@ -435,124 +449,105 @@ class Daemon:
                 recorded: dict[str, set[int]] = {}
                 for sid, page_id in chosen:
                     session = self._session(txn, sid)
-                    page = txn.get("kv_manifest", key(sid, page_id))
+                    page = txn.get(MANIFEST, PageKey(sid, page_id))
                     if sid not in recorded:
                         recorded[sid] = _recorded_resident(txn, sid)
                     # Re-check inside the write: the page may have been restored or pinned since.
-                    if page is None or page["state"] != COLD or not self._may_drop(txn, sid, page, session["turn"],
-                                                                                    now, recorded[sid]):
+                    if page is None or page.state != COLD or not self._may_drop(txn, sid, page, session.turn,
+                                                                                 now, recorded[sid]):
                         continue
-                    locators.append(page["locator"])
-                    new = dict(page, state=DROPPED, locator="", checksum="", byte_size=0, updated_unix=now)
-                    self._put_page(txn, sid, session["pages"], page, new)
-                    txn.put("sessions", key(sid), session)
+                    locators.append(page.locator)
+                    new = replace(page, state=DROPPED, locator="", checksum="", byte_size=0, updated_unix=now)
+                    counts = self._put_page(txn, sid, session.pages, page, new)
+                    txn.put(SESSIONS, SessionKey(sid), replace(session, pages=counts))
                 return locators
 
             locators = self.store.write(op)[0]
             return sum(self.blobs.delete(loc) for loc in locators), chosen
 
     def mark_corrupt(self, session_id: str, page_id: str, reason: str) -> CommitInfo:
-        def op(txn: Txn) -> None:
-            session = self._session(txn, session_id)
-            old = txn.get("kv_manifest", key(session_id, check_id(page_id, "page_id")))
+        key = PageKey(session_id, check_id(page_id, "page_id"))
+
+        def move(txn: Txn, session: SessionRow, now: float) -> PageCounts:
+            old = txn.get(MANIFEST, key)
             if old is None:
                 raise NotFound(f"session {session_id} has no page {page_id!r}")
-            if old["state"] == CORRUPT:
-                return
-            page = dict(old, state=CORRUPT, updated_unix=time.time(), corrupt_reason=reason[:512])
-            self._put_page(txn, session_id, session["pages"], old, page)
-            txn.put("sessions", key(session_id), session)
+            if old.state == CORRUPT:
+                return session.pages
+            page = replace(old, state=CORRUPT, updated_unix=now, corrupt_reason=reason[:512])
+            return self._put_page(txn, session_id, session.pages, old, page)
 
-        return self.store.write(op)[1]
+        return self._change_pages(session_id, move)
 
-    # ----------------------------------------------------------------- blocks
+    # ----------------------------------------------------------------- summaries
 
-    def upsert_blocks(self, session_id: str, blocks: list[Record]) -> CommitInfo:
-        _check_batch(blocks, "blocks")
-        for block in blocks:
-            check_id(block["block_id"], "block_id")
-            if block["kind"] not in BLOCK_KINDS:
-                raise InvalidArgument(f"block {block['block_id']}: kind must be 'unit' or 'cluster'")
-            if block["parent_id"]:
-                check_id(block["parent_id"], "parent_id")
-            for ref in (*block["page_ids"], *block["child_ids"]):
+    def upsert_summaries(self, session_id: str, summaries: Sequence[SummaryRow]) -> CommitInfo:
+        _check_batch(summaries, "summaries")
+        for summary in summaries:
+            check_id(summary.summary_id, "summary_id")
+            if summary.parent_id:
+                check_id(summary.parent_id, "parent_id")
+            for ref in (*summary.page_ids, *summary.child_ids):
                 check_id(ref, "page or child id")
-            _check_text(block["summary"], "summary")
+            _check_text(summary.text, "summary text")
 
         def op(txn: Txn) -> int:
             self._session(txn, session_id)
-            for block in blocks:
-                txn.put("blocks", key(session_id, block["block_id"]), block)
-            return len(blocks)
+            for summary in summaries:
+                txn.put(SUMMARIES, SummaryKey(session_id, summary.summary_id), summary)
+            return len(summaries)
 
         return self.store.write(op)[1]
 
-    def query_blocks(self, session_id: str, kind: str) -> list[Record]:
+    def query_summaries(self, session_id: str, kind: SummaryKind | None) -> list[SummaryRow]:
+        """The session's summaries of one kind (of every kind for None), by id."""
         with self.store.read() as txn:
             self._session(txn, session_id)
-            return [b for _, b in txn.scan("blocks", prefix(session_id)) if not kind or b["kind"] == kind]
+            return [s for _, s in txn.scan(SUMMARIES, session_scope(session_id)) if kind is None or s.kind == kind]
 
     # ----------------------------------------------------------------- pins, leases
 
-    def set_pins(self, session_id: str, add: list[Record], remove: list[str]) -> CommitInfo:
-        _check_batch(add + [{}] * len(remove), "pins")
-        for pin in add:
-            check_id(pin["page_id"], "page_id")
-            if pin["kind"] not in PIN_KINDS:
-                raise InvalidArgument(f"pin kind {pin['kind']!r} is not one of {', '.join(PIN_KINDS)}")
+    def set_marks(self, table: Table[PageKey, Mark], session_id: str, add: Sequence[tuple[str, Mark]],
+                  remove: Sequence[str]) -> CommitInfo:
+        """Pins or leases (`table`): put each of `add` on its page, take those of `remove` off."""
+        _check_batch([*add, *remove], table.name)
+        for page_id, mark in add:
+            check_id(page_id, "page_id")
+            mark.check(page_id)
         for page_id in remove:
             check_id(page_id, "page_id")
 
         def op(txn: Txn) -> int:
-            self._session(txn, session_id)
+            session = self._session(txn, session_id)
+            counts = session.pages
+            # the marked pages' counts are taken out and put back around the change: a pin moves a
+            # hot page in or out of `pinned`, a lease changes nothing
+            keys = [PageKey(session_id, page_id) for page_id in [*remove, *(page_id for page_id, _ in add)]]
+            pages = {key: page for key in keys if (page := txn.get(MANIFEST, key)) is not None}
+            for key, page in pages.items():
+                counts = self._count(txn, key, counts, page, -1)
             for page_id in remove:
-                txn.delete("pins", key(session_id, page_id))
-            for pin in add:
-                if not txn.has("kv_manifest", key(session_id, pin["page_id"])):
-                    raise NotFound(f"cannot pin unknown page {pin['page_id']!r}")
-                txn.put("pins", key(session_id, pin["page_id"]), {"kind": pin["kind"]})
+                txn.delete(table, PageKey(session_id, page_id))
+            for page_id, mark in add:
+                if PageKey(session_id, page_id) not in pages:
+                    raise NotFound(f"{table.name}: session {session_id} has no page {page_id!r}")
+                txn.put(table, PageKey(session_id, page_id), mark)
+            for key, page in pages.items():
+                counts = self._count(txn, key, counts, page, 1)
+            txn.put(SESSIONS, SessionKey(session_id), replace(session, pages=counts))
             return len(add) + len(remove)
 
         return self.store.write(op)[1]
 
-    def query_pins(self, session_id: str) -> list[Record]:
+    def query_marks(self, table: Table[PageKey, Mark], session_id: str) -> list[tuple[str, Mark]]:
+        """The session's pins or leases (`table`), by page id."""
         with self.store.read() as txn:
             self._session(txn, session_id)
-            return [{"page_id": k.split(b"\x00")[1].decode(), "kind": r["kind"]}
-                    for k, r in txn.scan("pins", prefix(session_id))]
-
-    def set_leases(self, session_id: str, add: list[Record], remove: list[str]) -> CommitInfo:
-        _check_batch(add + [{}] * len(remove), "leases")
-        for lease in add:
-            check_id(lease["page_id"], "page_id")
-            if lease["expires_unix"] < 0:
-                raise InvalidArgument("a lease cannot expire before the epoch")
-            if not lease["until_turn"] and not lease["expires_unix"]:
-                raise InvalidArgument(f"lease on {lease['page_id']} needs until_turn, expires_unix or both")
-        for page_id in remove:
-            check_id(page_id, "page_id")
-
-        def op(txn: Txn) -> int:
-            self._session(txn, session_id)
-            for page_id in remove:
-                txn.delete("leases", key(session_id, page_id))
-            for lease in add:
-                if not txn.has("kv_manifest", key(session_id, lease["page_id"])):
-                    raise NotFound(f"cannot lease unknown page {lease['page_id']!r}")
-                txn.put("leases", key(session_id, lease["page_id"]),
-                        {"until_turn": lease["until_turn"], "expires_unix": lease["expires_unix"]})
-            return len(add) + len(remove)
-
-        return self.store.write(op)[1]
-
-    def query_leases(self, session_id: str) -> list[Record]:
-        with self.store.read() as txn:
-            self._session(txn, session_id)
-            return [dict(r, page_id=k.split(b"\x00")[1].decode()) for k, r in txn.scan("leases", prefix(session_id))]
+            return [(key.page_id, mark) for key, mark in txn.scan(table, session_scope(session_id))]
 
     # ----------------------------------------------------------------- snapshots, records
 
-    def put_snapshot(self, session_id: str, snapshot: Record) -> CommitInfo:
+    def put_snapshot(self, session_id: str, snapshot: SnapshotRow) -> CommitInfo:
         """Record a snapshot whose payload is already in the store; the slot's previous payload
         is deleted after the commit."""
         self._check_snapshot(session_id, snapshot)
@@ -567,74 +562,73 @@ class Daemon:
             self.blobs.delete(old_locator)
         return info
 
-    def _check_snapshot(self, session_id: str, snapshot: Record) -> None:
-        slot = check_id(snapshot["slot"], "snapshot slot")
-        _check_text(snapshot["fingerprint"], "fingerprint", 256)
-        locator = snapshot["locator"]
-        if not locator.startswith(session_id + "/"):
+    def _check_snapshot(self, session_id: str, snapshot: SnapshotRow) -> None:
+        slot = check_id(snapshot.slot, "snapshot slot")
+        _check_text(snapshot.fingerprint, "fingerprint", 256)
+        if not snapshot.locator.startswith(session_id + "/"):
             raise InvalidArgument(f"snapshot {slot}: locator is outside session {session_id}")
-        if not self.blobs.exists(locator, snapshot["byte_size"]):
-            raise FailedPrecondition(f"snapshot {slot}: no payload of {snapshot['byte_size']} bytes at {locator}")
+        if not self.blobs.exists(snapshot.locator, snapshot.byte_size):
+            raise FailedPrecondition(f"snapshot {slot}: no payload of {snapshot.byte_size} bytes at {snapshot.locator}")
 
     @staticmethod
-    def _put_snapshot(txn: Txn, session_id: str, snapshot: Record, replaced: list[str]) -> None:
+    def _put_snapshot(txn: Txn, session_id: str, snapshot: SnapshotRow, replaced: list[str]) -> None:
         """Put a checked snapshot in its slot; the slot's previous payload joins `replaced`."""
-        old = txn.get("snapshots", key(session_id, snapshot["slot"]))
-        if old is not None and old["locator"] and old["locator"] != snapshot["locator"]:
-            replaced.append(old["locator"])
-        txn.put("snapshots", key(session_id, snapshot["slot"]), dict(snapshot, created_unix=time.time()))
+        key = SnapshotKey(session_id, snapshot.slot)
+        old = txn.get(SNAPSHOTS, key)
+        if old is not None and old.locator and old.locator != snapshot.locator:
+            replaced.append(old.locator)
+        txn.put(SNAPSHOTS, key, replace(snapshot, created_unix=time.time()))
 
-    def query_snapshots(self, session_id: str) -> list[Record]:
+    def query_snapshots(self, session_id: str) -> list[SnapshotRow]:
         with self.store.read() as txn:
             self._session(txn, session_id)
-            return [r for _, r in txn.scan("snapshots", prefix(session_id))]
+            return [s for _, s in txn.scan(SNAPSHOTS, session_scope(session_id))]
 
-    def write_record(self, session_id: str, record: Record, keep_segments: int, append: list[Record],
-                     snapshots: Sequence[Record] = ()) -> CommitInfo:
+    def write_record(self, session_id: str, record: RecordRow, keep_segments: int, append: Sequence[SegmentRow],
+                     snapshots: Sequence[SnapshotRow] = ()) -> CommitInfo:
         """The end of a turn in one transaction: the session's counters, turn and fingerprint, its
         record, its transcript cut back to `keep_segments` segments and extended by `append`, and
         its recurrent snapshots (the slots' previous payloads are deleted after the commit)."""
         _check_batch(append, "segments")
-        if len(snapshots) > 8 or len({s["slot"] for s in snapshots}) != len(snapshots):
+        if len(snapshots) > 8 or len({s.slot for s in snapshots}) != len(snapshots):
             raise InvalidArgument("at most 8 snapshots, one per slot")
         for snapshot in snapshots:
             self._check_snapshot(session_id, snapshot)
-        _check_text(record["fingerprint"], "fingerprint", 256)
-        check_id(record["unit_salt"], "unit_salt")
-        if len(record["fingerprint_parts"]) > 8 or any(len(p) > 256 for p in record["fingerprint_parts"]):
+        _check_text(record.fingerprint, "fingerprint", 256)
+        check_id(record.unit_salt, "unit_salt")
+        if len(record.fingerprint_parts) > 8 or any(len(p) > 256 for p in record.fingerprint_parts):
             raise InvalidArgument("fingerprint_parts holds at most 8 strings of at most 256 characters")
-        if any(len(h) > 128 for h in record["message_hashes"]) or len(record["message_hashes"]) > MAX_BATCH:
+        if any(len(h) > 128 for h in record.message_hashes) or len(record.message_hashes) > MAX_BATCH:
             raise InvalidArgument("message_hashes holds at most 65536 strings of at most 128 characters")
-        if len(record["counters"]) > 256 or any(len(name) > 64 for name in record["counters"]):
+        if len(record.counters) > 256 or any(len(name) > 64 for name in record.counters):
             raise InvalidArgument("at most 256 counters, names of at most 64 characters")
-        if len(record["resident_pages"]) != len(record["resident_positions"]):
+        if len(record.resident_pages) != len(record.resident_positions):
             raise InvalidArgument("resident_pages and resident_positions must have one entry each per page")
-        for name in ("ledger_pages", "resident_pages"):
-            _check_batch(record[name], name)
+        _check_batch(record.ledger_pages, "ledger_pages")
+        _check_batch(record.resident_pages, "resident_pages")
         for segment in append:
-            _check_text(segment["text"], "segment text", MAX_SEGMENT_TEXT)
+            _check_text(segment.text, "segment text", MAX_SEGMENT_TEXT)
 
         def op(txn: Txn) -> int:
             session = self._session(txn, session_id)
-            old = txn.get("records", key(session_id)) or {"segments": 0, "tokens": 0}
-            if keep_segments > old["segments"]:
-                raise FailedPrecondition(f"session {session_id} has {old['segments']} stored segments; "
+            old = txn.get(RECORDS, SessionKey(session_id)) or RecordRow()
+            if keep_segments > old.segments:
+                raise FailedPrecondition(f"session {session_id} has {old.segments} stored segments; "
                                          f"cannot keep {keep_segments}")
-            tokens = old["tokens"]
-            for seq in range(keep_segments, old["segments"]):
-                gone = txn.get("segments", key(session_id, f"{seq:012d}"))
+            tokens = old.tokens
+            for seq in range(keep_segments, old.segments):
+                gone = txn.get(SEGMENTS, SegmentKey(session_id, seq))
                 assert gone is not None, "a session's segments are contiguous"
-                tokens -= len(gone["token_ids"])
-                txn.delete("segments", key(session_id, f"{seq:012d}"))
+                tokens -= len(gone.token_ids)
+                txn.delete(SEGMENTS, SegmentKey(session_id, seq))
             for n, segment in enumerate(append):
-                tokens += len(segment["token_ids"])
-                txn.put("segments", key(session_id, f"{keep_segments + n:012d}"), segment)
-            txn.put("records", key(session_id), dict(record, segments=keep_segments + len(append), tokens=tokens))
-            for name in ("turn", "attention_tokens", "fingerprint"):
-                session[name] = record[name]
-            session["counters"] = dict(record["counters"])
-            session["updated_unix"] = time.time()
-            txn.put("sessions", key(session_id), session)
+                tokens += len(segment.token_ids)
+                txn.put(SEGMENTS, SegmentKey(session_id, keep_segments + n), segment)
+            txn.put(RECORDS, SessionKey(session_id),
+                    replace(record, segments=keep_segments + len(append), tokens=tokens))
+            txn.put(SESSIONS, SessionKey(session_id), replace(
+                session, turn=record.turn, attention_tokens=record.attention_tokens, fingerprint=record.fingerprint,
+                counters=dict(record.counters), updated_unix=time.time()))
             for snapshot in snapshots:
                 self._put_snapshot(txn, session_id, snapshot, replaced)
             return len(append)
@@ -645,42 +639,41 @@ class Daemon:
             self.blobs.delete(old_locator)
         return info
 
-    def read_record(self, session_id: str) -> tuple[Record, list[Record]]:
+    def read_record(self, session_id: str) -> tuple[RecordRow, list[SegmentRow]]:
         with self.store.read() as txn:
             self._session(txn, session_id)
-            record = txn.get("records", key(session_id))
+            record = txn.get(RECORDS, SessionKey(session_id))
             if record is None:
                 raise NotFound(f"session {session_id} has no record yet (no turn has completed)")
-            segments = [s for _, s in txn.scan("segments", prefix(session_id))]
-        if len(segments) != record["segments"]:
-            raise DataCorrupt(f"session {session_id}: the record names {record['segments']} segments, "
+            segments = [s for _, s in txn.scan(SEGMENTS, session_scope(session_id))]
+        if len(segments) != record.segments:
+            raise DataCorrupt(f"session {session_id}: the record names {record.segments} segments, "
                               f"{len(segments)} are stored")
         return record, segments
 
     # ----------------------------------------------------------------- status, gc, verify
 
-    def status(self, session_id: str, include_closed: bool) -> Record:
+    def status(self, session_id: str, include_closed: bool) -> Status:
         with self.store.read() as txn:
-            meta = txn.get("meta", b"meta") or {}
+            meta = txn.get(META, MetaKey())
+            assert meta is not None, "the store writes its meta row when it opens"
             if session_id:
                 sessions = [self._session(txn, session_id)]
             else:
-                sessions = [r for _, r in txn.scan("sessions", b"") if include_closed or not r["closed"]]
-            rows = []
-            for s in sessions:
-                snaps = sum(1 for _ in txn.scan_keys("snapshots", prefix(s["session_id"])))
-                rows.append({"session_id": s["session_id"], "model_id": s["model_id"],
-                             "budget_tokens": s["budget_tokens"], "attention_tokens": s["attention_tokens"],
-                             "turn": s["turn"], "pages": s["pages"], "snapshots": snaps, "closed": s["closed"],
-                             "counters": s["counters"]})
+                sessions = [s for _, s in txn.scan(SESSIONS, EVERYTHING) if include_closed or not s.closed]
+            rows = tuple(SessionStatus(
+                session_id=s.session_id, model_id=s.model_id, budget_tokens=s.budget_tokens,
+                attention_tokens=s.attention_tokens, turn=s.turn, pages=s.pages, closed=s.closed,
+                counters=s.counters, snapshots=sum(1 for _ in txn.scan_keys(SNAPSHOTS, session_scope(s.session_id))))
+                for s in sessions)
             store_bytes = self._store_bytes(txn)
-        return {"commit_seq": meta.get("commit_seq", 0), "last_commit_ms": self.store.last_commit_ms,
-                "store_bytes": store_bytes, "free_bytes": self.blobs.free_bytes(),
-                "reserve_bytes": self.blobs.reserve_bytes(), "quota_bytes": self.blobs.reserve.quota_bytes,
-                "session_quota_bytes": self.config.retention.session_quota_bytes,
-                "max_idle_s": self.config.retention.max_idle_s,
-                "sync_mode": self.config.sync.value, "root": str(self.config.root), "pid": os.getpid(),
-                "uptime_s": time.time() - self.started, "sessions": rows, "schema_version": SCHEMA_VERSION}
+        return Status(commit_seq=meta.commit_seq, last_commit_ms=self.store.last_commit_ms,
+                      store_bytes=store_bytes, free_bytes=self.blobs.free_bytes(),
+                      reserve_bytes=self.blobs.reserve_bytes(), quota_bytes=self.blobs.reserve.quota_bytes,
+                      session_quota_bytes=self.config.retention.session_quota_bytes,
+                      max_idle_s=self.config.retention.max_idle_s, sync_mode=self.config.sync.value,
+                      root=str(self.config.root), pid=os.getpid(), uptime_s=time.time() - self.started,
+                      sessions=rows, schema_version=SCHEMA_VERSION)
 
     def idle_sessions(self) -> list[str]:
         """Sessions idle for longer than the retention's max idle age (none without one)."""
@@ -689,93 +682,80 @@ class Daemon:
             return []
         cutoff = time.time() - max_idle
         with self.store.read() as txn:
-            return [s["session_id"] for _, s in txn.scan("sessions", b"") if s["updated_unix"] < cutoff]
+            return [s.session_id for _, s in txn.scan(SESSIONS, EVERYTHING) if s.updated_unix < cutoff]
 
     def _referenced_locators(self) -> set[str]:
         with self.store.read() as txn:
-            refs = {p["locator"] for _, p in txn.scan("kv_manifest", b"") if p["locator"]}
-            refs |= {s["locator"] for _, s in txn.scan("snapshots", b"") if s["locator"]}
+            refs = {p.locator for _, p in txn.scan(MANIFEST, EVERYTHING) if p.locator}
+            refs |= {s.locator for _, s in txn.scan(SNAPSHOTS, EVERYTHING) if s.locator}
         return refs
 
-    def gc(self, dry_run: bool) -> Record:
+    def gc(self, dry_run: bool) -> GcResult:
         """Remove payload files no manifest entry points at, stale temporary files, expired leases."""
-        result = {"orphan_files_removed": 0, "temp_files_removed": 0, "leases_expired": 0, "bytes_freed": 0,
-                  "idle_sessions_deleted": 0}
-        for session_id in self.idle_sessions():
-            result["idle_sessions_deleted"] += 1
-            if not dry_run:
-                result["bytes_freed"] += self.delete_session(session_id)[1]
+        removed = {True: 0, False: 0}  # is a temporary file -> files removed
+        bytes_freed = 0
+        idle = self.idle_sessions()
+        if not dry_run:
+            bytes_freed += sum(self.delete_session(session_id)[1] for session_id in idle)
         with self._space_lock:
             refs = self._referenced_locators()
             grace = time.time() - 60.0  # a temp file younger than this may be a write in flight
             for locator, path in self.blobs.files():
-                name = path.name
-                is_temp = name.startswith(TEMP_PREFIX)
-                if locator in refs or (is_temp and path.stat().st_mtime > grace):
+                is_temp = path.name.startswith(TEMP_PREFIX)
+                # a young payload file was written by an engine whose manifest upsert may not have landed yet
+                if locator in refs or path.stat().st_mtime > grace:
                     continue
-                if not is_temp and path.stat().st_mtime > grace:
-                    continue  # written by an engine whose manifest upsert may not have landed yet
-                result["temp_files_removed" if is_temp else "orphan_files_removed"] += 1
-                result["bytes_freed"] += path.stat().st_size
+                removed[is_temp] += 1
+                bytes_freed += path.stat().st_size
                 if not dry_run:
                     path.unlink(missing_ok=True)
 
         def op(txn: Txn) -> int:
             now = time.time()
             expired = 0
-            for _, session in txn.scan("sessions", b""):
-                sid = session["session_id"]
-                for lease_key, lease in list(txn.scan("leases", prefix(sid))):
-                    if not _lease_active(lease, session["turn"], now):
+            for _, session in txn.scan(SESSIONS, EVERYTHING):
+                for lease_key, lease in list(txn.scan(LEASES, session_scope(session.session_id))):
+                    if not lease.active(session.turn, now):
                         expired += 1
                         if not dry_run:
-                            txn.delete("leases", lease_key)
+                            txn.delete(LEASES, lease_key)
             return expired
 
-        result["leases_expired"] = self.store.write(op)[0]
-        return result
+        return GcResult(orphan_files_removed=removed[False], temp_files_removed=removed[True],
+                        leases_expired=self.store.write(op)[0], bytes_freed=bytes_freed,
+                        idle_sessions_deleted=len(idle))
 
-    def verify(self, session_id: str) -> Record:
+    def verify(self, session_id: str) -> VerifyResult:
         """Re-read and re-checksum every stored payload; mark failures corrupt."""
-        result: Record = {"pages_checked": 0, "pages_ok": 0, "corrupt": [], "snapshots_checked": 0,
-                          "bytes_read": 0}
         with self.store.read() as txn:
             if session_id:
                 self._session(txn, session_id)
-            scope = prefix(session_id) if session_id else b""
-            pages = [(k.split(b"\x00")[0].decode(), p) for k, p in txn.scan("kv_manifest", scope) if p["locator"]
-                     and p["state"] != CORRUPT]
-            snapshots = [(k.split(b"\x00")[0].decode(), s) for k, s in txn.scan("snapshots", scope)
-                         if s["locator"]]
+            scope = session_scope(session_id) if session_id else EVERYTHING
+            pages = [(k.session_id, p) for k, p in txn.scan(MANIFEST, scope) if p.locator and p.state != CORRUPT]
+            snapshots = [(k.session_id, s) for k, s in txn.scan(SNAPSHOTS, scope) if s.locator]
+        corrupt: list[PageRef] = []
+        pages_ok = bytes_read = 0
         for sid, page in pages:
-            result["pages_checked"] += 1
             try:
-                self.blobs.read(page["locator"], page["checksum"], page["byte_size"])
+                self.blobs.read(page.locator, page.checksum, page.byte_size)
             except DataCorrupt as exc:
-                self.mark_corrupt(sid, page["page_id"], str(exc))
-                result["corrupt"].append({"session_id": sid, "page_id": page["page_id"]})
+                self.mark_corrupt(sid, page.page_id, str(exc))
+                corrupt.append(PageRef(sid, page.page_id))
                 continue
-            result["pages_ok"] += 1
-            result["bytes_read"] += page["byte_size"]
+            pages_ok += 1
+            bytes_read += page.byte_size
         for sid, snap in snapshots:
-            result["snapshots_checked"] += 1
             try:
-                self.blobs.read(snap["locator"], snap["checksum"], snap["byte_size"])
+                self.blobs.read(snap.locator, snap.checksum, snap.byte_size)
             except DataCorrupt:
-                result["corrupt"].append({"session_id": sid, "page_id": f"snapshot:{snap['slot']}"})
+                corrupt.append(PageRef(sid, f"snapshot:{snap.slot}"))
                 continue
-            result["bytes_read"] += snap["byte_size"]
-        return result
+            bytes_read += snap.byte_size
+        return VerifyResult(pages_checked=len(pages), pages_ok=pages_ok, corrupt=tuple(corrupt),
+                            snapshots_checked=len(snapshots), bytes_read=bytes_read)
 
 
 def _recorded_resident(txn: Txn, session_id: str) -> set[int]:
     """Indexes of the pages in attention at the end of the session's last completed turn."""
-    record = txn.get("records", key(session_id))
-    return set(record["resident_pages"]) if record is not None else set()
-
-
-def _lease_active(lease: Record, turn: int, now: float) -> bool:
-    """A lease holds while every bound it sets holds: turn < until_turn, now < expires_unix."""
-    if lease["until_turn"] and turn >= lease["until_turn"]:
-        return False
-    return not (lease["expires_unix"] and now >= lease["expires_unix"])
+    record = txn.get(RECORDS, SessionKey(session_id))
+    return set(record.resident_pages) if record is not None else set()

@@ -1,7 +1,7 @@
-"""Identifier rules for sessions, pages, blocks, tags and snapshot slots.
+"""Identifier rules for sessions, pages, summaries, tags and snapshot slots.
 
-Identifiers become LMDB key parts and file names in the canonical store, so they are checked at
-the socket before anything else touches them. Depends on contextd.errors only.
+Identifiers become LMDB key parts (contextd.keys) and file names in the canonical store, so they
+are checked at the socket before anything else touches them. Depends on contextd.errors only.
 """
 
 from __future__ import annotations
@@ -31,12 +31,3 @@ def check_id(value: str, what: str) -> str:
         )
     return value
 
-
-def key(*parts: str) -> bytes:
-    """An LMDB key from identifier parts; NUL cannot occur in an identifier, so prefixes are exact."""
-    return "\x00".join(parts).encode()
-
-
-def prefix(*parts: str) -> bytes:
-    """The key prefix that selects every key starting with these parts."""
-    return key(*parts) + b"\x00"

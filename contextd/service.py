@@ -4,79 +4,116 @@ Every request is validated before it reaches the store (the daemon re-checks wha
 every failure leaves as a gRPC status with a message a person can act on: typed contextd errors
 map to their codes, anything unexpected to INTERNAL with the daemon still serving.
 
-Depends on contextd.daemon, contextd.errors and the generated contextd._gen modules.
+Rows (contextd.records) carry their message's field names, so one pair of functions converts
+every message to its row and back by name: `_row` (repeated fields to tuples, maps to dicts, enum
+numbers to the wire.py enums, refusing unknown numbers) and `_message`; a pin's kind is parsed
+into wire.PinKind the same way.
+
+Depends on contextd.daemon, contextd.records, contextd.store (the pins and leases tables),
+contextd.wire, contextd.errors and the generated contextd._gen modules.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
-from collections.abc import Callable, Iterator
+import typing
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import fields, is_dataclass
+from enum import Enum, IntEnum
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from contextd._gen import contextd_pb2 as pb
 from contextd._gen import contextd_pb2_grpc as pb_grpc
-from contextd.daemon import COUNT_KEYS, PAGE_FIELDS, Daemon, Record
-from contextd.errors import ContextdError
-from contextd.store import CommitInfo
+from contextd.daemon import Daemon, Mark
+from contextd.errors import ContextdError, InvalidArgument
+from contextd.records import (
+    LeaseRow,
+    PageRow,
+    PinRow,
+    RecordRow,
+    SegmentRow,
+    SnapshotRow,
+    StateChange,
+    SummaryRow,
+)
+from contextd.store import LEASES, PINS, CommitInfo, Table
+from contextd.wire import PageState, PinKind, SummaryKind
 
 log = logging.getLogger("contextd")
 
-BLOCK_FIELDS = ("block_id", "kind", "parent_id", "page_ids", "child_ids", "token_count", "summary")
-RECORD_SCALARS = ("turn", "attention_tokens", "fingerprint", "unit_salt", "segments", "tokens")
-RECORD_LISTS = ("fingerprint_parts", "message_hashes", "ledger_pages", "resident_pages", "resident_positions")
-SNAPSHOT_FIELDS = ("slot", "token_count", "fingerprint", "locator", "byte_size", "checksum", "created_unix")
-SESSION_SCALARS = ("session_id", "model_id", "fingerprint", "budget_tokens", "closed", "created_unix",
-                   "updated_unix", "turn", "attention_tokens")
 MAX_WATCHERS = 32
 WATCH_POLL_S = 0.5
 
 R = TypeVar("R")
+M = TypeVar("M", bound=Message)
+
+_HINTS: dict[type, dict[str, Any]] = {}
 
 
-def _fields(msg: Any, names: tuple[str, ...]) -> Record:
-    return {name: getattr(msg, name) for name in names}
+def _enum(kind: type[Enum], value: int | str, what: str) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        words = " ".join(re.findall("[A-Z][a-z]*", kind.__name__)).lower()
+        raise InvalidArgument(f"{what}: unknown {words} {value!r}") from None
 
 
-def _fields_with_lists(msg: Any, names: tuple[str, ...], lists: tuple[str, ...]) -> Record:
-    record = _fields(msg, names)
-    for name in lists:
-        record[name] = list(record[name])
-    return record
+def _row(row_type: type[R], msg: Message, what: str, **given: Any) -> R:
+    """The row of `msg`'s fields of the same names; `given` fields are taken as they are. A row
+    field the message lacks keeps its default."""
+    if row_type not in _HINTS:
+        _HINTS[row_type] = typing.get_type_hints(row_type)
+    hints = _HINTS[row_type]
+    values = dict(given)
+    for f in fields(row_type):  # type: ignore[arg-type]
+        if f.name in values or f.name not in msg.DESCRIPTOR.fields_by_name:
+            continue
+        value, hint = getattr(msg, f.name), hints[f.name]
+        origin = typing.get_origin(hint)
+        if origin is tuple:
+            value = tuple(value)
+        elif origin is dict:
+            value = dict(value)
+        elif isinstance(hint, type) and issubclass(hint, IntEnum):
+            value = _enum(hint, value, what)
+        values[f.name] = value
+    return row_type(**values)
 
 
-def _page(record: Record) -> pb.Page:
-    return pb.Page(**{name: record[name] for name in PAGE_FIELDS})
+def _plain(value: Any) -> Any:
+    """A row's value as a message constructor takes it."""
+    if is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
 
 
-def _record_fields(msg: pb.SessionRecord) -> Record:
-    record = _fields(msg, RECORD_SCALARS)
-    record.update(counters=dict(msg.counters), **{name: list(getattr(msg, name)) for name in RECORD_LISTS})
-    return record
+def _message(msg_type: type[M], row: Any, **given: Any) -> M:
+    """The message of `row`'s fields of the same names (those the message has), and `given`."""
+    names = msg_type.DESCRIPTOR.fields_by_name
+    return msg_type(**{f.name: _plain(getattr(row, f.name)) for f in fields(row) if f.name in names}, **given)
 
 
-def _counts(record: Record) -> pb.PageCounts:
-    return pb.PageCounts(**{name: record[name] for name in COUNT_KEYS})
+def _page(msg: pb.Page) -> PageRow:
+    """A page as the engine sent it; an unset state is HOT."""
+    return _row(PageRow, msg, f"page {msg.page_id}", state=_enum(PageState, msg.state or PageState.HOT,
+                                                                  f"page {msg.page_id}"))
 
 
-def _session(record: Record) -> pb.Session:
-    return pb.Session(**{name: record[name] for name in SESSION_SCALARS}, counters=record["counters"],
-                      labels=record["labels"], pages=_counts(record["pages"]))
+def _summary(msg: pb.Summary) -> SummaryRow:
+    if msg.kind == pb.SUMMARY_KIND_UNSPECIFIED:
+        raise InvalidArgument(f"summary {msg.summary_id}: kind must be UNIT or CLUSTER")
+    return _row(SummaryRow, msg, f"summary {msg.summary_id}")
 
 
 def _ack(info: CommitInfo, applied: int) -> pb.WriteAck:
     return pb.WriteAck(commit_seq=info.commit_seq, applied=applied, commit_ms=info.commit_ms)
-
-
-def _status(record: Record) -> pb.StatusReply:
-    sessions = [pb.SessionStatus(session_id=s["session_id"], model_id=s["model_id"],
-                                 budget_tokens=s["budget_tokens"], attention_tokens=s["attention_tokens"],
-                                 turn=s["turn"], pages=_counts(s["pages"]), snapshots=s["snapshots"],
-                                 closed=s["closed"], counters=s["counters"]) for s in record["sessions"]]
-    scalars = {k: v for k, v in record.items() if k != "sessions"}
-    return pb.StatusReply(**scalars, sessions=sessions)
 
 
 class ContextdService(pb_grpc.ContextdServicer):
@@ -105,20 +142,19 @@ class ContextdService(pb_grpc.ContextdServicer):
     # sessions
 
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.Session:
-        return self._call(context, lambda: _session(self.daemon.open_session(
-            {"session_id": request.session_id, "model_id": request.model_id, "fingerprint": request.fingerprint,
-             "budget_tokens": request.budget_tokens, "labels": dict(request.labels)})))
+        return self._call(context, lambda: _message(pb.Session, self.daemon.open_session(
+            request.session_id, request.model_id, request.fingerprint, request.budget_tokens, request.labels)))
 
     def GetSession(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.Session:
-        return self._call(context, lambda: _session(self.daemon.get_session(request.session_id)))
+        return self._call(context, lambda: _message(pb.Session, self.daemon.get_session(request.session_id)))
 
     def ListSessions(self, request: pb.ListSessionsRequest, context: grpc.ServicerContext
                      ) -> pb.ListSessionsResponse:
         return self._call(context, lambda: pb.ListSessionsResponse(
-            sessions=[_session(s) for s in self.daemon.list_sessions(request.include_closed)]))
+            sessions=[_message(pb.Session, s) for s in self.daemon.list_sessions(request.include_closed)]))
 
     def CloseSession(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.Session:
-        return self._call(context, lambda: _session(self.daemon.close_session(request.session_id)))
+        return self._call(context, lambda: _message(pb.Session, self.daemon.close_session(request.session_id)))
 
     def DeleteSession(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.DeleteSessionResponse:
         def run() -> pb.DeleteSessionResponse:
@@ -129,14 +165,13 @@ class ContextdService(pb_grpc.ContextdServicer):
     # pages
 
     def UpsertPages(self, request: pb.UpsertPagesRequest, context: grpc.ServicerContext) -> pb.WriteAck:
-        pages = [_fields(p, PAGE_FIELDS) for p in request.pages]
-        return self._call(context, lambda: _ack(self.daemon.upsert_pages(request.session_id, pages), len(pages)))
+        return self._call(context, lambda: _ack(self.daemon.upsert_pages(
+            request.session_id, [_page(p) for p in request.pages]), len(request.pages)))
 
     def SetPageStates(self, request: pb.SetPageStatesRequest, context: grpc.ServicerContext) -> pb.WriteAck:
-        changes = [{"page_id": c.page_id, "state": c.state, "last_used_turn": c.last_used_turn, "score": c.score}
-                   for c in request.changes]
-        return self._call(context, lambda: _ack(self.daemon.set_page_states(request.session_id, changes),
-                                                len(changes)))
+        return self._call(context, lambda: _ack(self.daemon.set_page_states(
+            request.session_id, [_row(StateChange, c, f"page {c.page_id}") for c in request.changes]),
+            len(request.changes)))
 
     def DeletePages(self, request: pb.DeletePagesRequest, context: grpc.ServicerContext) -> pb.WriteAck:
         page_ids = list(request.page_ids)
@@ -145,14 +180,15 @@ class ContextdService(pb_grpc.ContextdServicer):
 
     def QueryPages(self, request: pb.QueryPagesRequest, context: grpc.ServicerContext) -> pb.QueryPagesResponse:
         def run() -> pb.QueryPagesResponse:
-            pages, next_after = self.daemon.query_pages(request.session_id, list(request.states),
-                                                        request.start_after, request.limit)
-            return pb.QueryPagesResponse(pages=[_page(p) for p in pages], next_after=next_after)
+            states = [_enum(PageState, s, "query") for s in request.states]
+            pages, next_after = self.daemon.query_pages(request.session_id, states, request.start_after,
+                                                        request.limit)
+            return pb.QueryPagesResponse(pages=[_message(pb.Page, p) for p in pages], next_after=next_after)
         return self._call(context, run)
 
     def GetPages(self, request: pb.GetPagesRequest, context: grpc.ServicerContext) -> pb.QueryPagesResponse:
         return self._call(context, lambda: pb.QueryPagesResponse(pages=[
-            _page(p) for p in self.daemon.get_pages(request.session_id, list(request.page_ids))]))
+            _message(pb.Page, p) for p in self.daemon.get_pages(request.session_id, list(request.page_ids))]))
 
     # payloads
 
@@ -168,72 +204,77 @@ class ContextdService(pb_grpc.ContextdServicer):
                                       dropped=[pb.PageRef(session_id=s, page_id=p) for s, p in dropped])
         return self._call(context, run)
 
-    # blocks
+    # summaries
 
-    def UpsertBlocks(self, request: pb.UpsertBlocksRequest, context: grpc.ServicerContext) -> pb.WriteAck:
-        blocks = [_fields_with_lists(b, BLOCK_FIELDS, ("page_ids", "child_ids")) for b in request.blocks]
-        return self._call(context, lambda: _ack(self.daemon.upsert_blocks(request.session_id, blocks), len(blocks)))
+    def UpsertSummaries(self, request: pb.UpsertSummariesRequest, context: grpc.ServicerContext) -> pb.WriteAck:
+        return self._call(context, lambda: _ack(self.daemon.upsert_summaries(
+            request.session_id, [_summary(s) for s in request.summaries]), len(request.summaries)))
 
-    def QueryBlocks(self, request: pb.QueryBlocksRequest, context: grpc.ServicerContext) -> pb.QueryBlocksResponse:
-        return self._call(context, lambda: pb.QueryBlocksResponse(blocks=[
-            pb.Block(**b) for b in self.daemon.query_blocks(request.session_id, request.kind)]))
+    def QuerySummaries(self, request: pb.QuerySummariesRequest, context: grpc.ServicerContext
+                       ) -> pb.QuerySummariesResponse:
+        def run() -> pb.QuerySummariesResponse:
+            kind = _enum(SummaryKind, request.kind, "query") if request.kind else None
+            return pb.QuerySummariesResponse(summaries=[
+                _message(pb.Summary, s) for s in self.daemon.query_summaries(request.session_id, kind)])
+        return self._call(context, run)
 
-    # pins, leases
+    # pins, leases: one table of marks on pages each
+
+    def _set_marks(self, context: grpc.ServicerContext, table: Table[Any, Mark], session_id: str,
+                   add: Callable[[], list[tuple[str, Mark]]], remove: Sequence[str]) -> pb.WriteAck:
+        """`add` parses the marks to add inside the call, so a malformed one is INVALID_ARGUMENT."""
+        def run() -> pb.WriteAck:
+            marks = add()
+            return _ack(self.daemon.set_marks(table, session_id, marks, list(remove)), len(marks) + len(remove))
+        return self._call(context, run)
 
     def SetPins(self, request: pb.SetPinsRequest, context: grpc.ServicerContext) -> pb.WriteAck:
-        add = [{"page_id": p.page_id, "kind": p.kind} for p in request.add]
-        remove = list(request.remove)
-        return self._call(context, lambda: _ack(self.daemon.set_pins(request.session_id, add, remove),
-                                                len(add) + len(remove)))
-
-    def QueryPins(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.QueryPinsResponse:
-        return self._call(context, lambda: pb.QueryPinsResponse(
-            pins=[pb.Pin(**p) for p in self.daemon.query_pins(request.session_id)]))
+        return self._set_marks(context, PINS, request.session_id, lambda: [
+            (p.page_id, PinRow(_enum(PinKind, p.kind, f"pin on {p.page_id}"))) for p in request.add], request.remove)
 
     def SetLeases(self, request: pb.SetLeasesRequest, context: grpc.ServicerContext) -> pb.WriteAck:
-        add = [{"page_id": lease.page_id, "until_turn": lease.until_turn, "expires_unix": lease.expires_unix}
-               for lease in request.add]
-        remove = list(request.remove)
-        return self._call(context, lambda: _ack(self.daemon.set_leases(request.session_id, add, remove),
-                                                len(add) + len(remove)))
+        return self._set_marks(context, LEASES, request.session_id, lambda: [
+            (lease.page_id, _row(LeaseRow, lease, f"lease on {lease.page_id}")) for lease in request.add],
+            request.remove)
+
+    def QueryPins(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.QueryPinsResponse:
+        return self._call(context, lambda: pb.QueryPinsResponse(pins=[
+            _message(pb.Pin, pin, page_id=page_id) for page_id, pin in self.daemon.query_marks(PINS, request.session_id)
+        ]))
 
     def QueryLeases(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.QueryLeasesResponse:
-        return self._call(context, lambda: pb.QueryLeasesResponse(
-            leases=[pb.Lease(**lease) for lease in self.daemon.query_leases(request.session_id)]))
+        return self._call(context, lambda: pb.QueryLeasesResponse(leases=[
+            _message(pb.Lease, lease, page_id=page_id)
+            for page_id, lease in self.daemon.query_marks(LEASES, request.session_id)]))
 
     # snapshots, records
 
     def PutSnapshot(self, request: pb.PutSnapshotRequest, context: grpc.ServicerContext) -> pb.WriteAck:
-        snapshot = _fields(request.snapshot, SNAPSHOT_FIELDS)
-        return self._call(context, lambda: _ack(self.daemon.put_snapshot(request.session_id, snapshot), 1))
+        return self._call(context, lambda: _ack(self.daemon.put_snapshot(
+            request.session_id, _row(SnapshotRow, request.snapshot, "snapshot")), 1))
 
     def QuerySnapshots(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.QuerySnapshotsResponse:
         return self._call(context, lambda: pb.QuerySnapshotsResponse(snapshots=[
-            pb.Snapshot(**{k: s[k] for k in SNAPSHOT_FIELDS})
-            for s in self.daemon.query_snapshots(request.session_id)]))
+            _message(pb.Snapshot, s) for s in self.daemon.query_snapshots(request.session_id)]))
 
     def WriteRecord(self, request: pb.WriteRecordRequest, context: grpc.ServicerContext) -> pb.WriteAck:
-        record = _record_fields(request.record)
-        append = [{"text": s.text, "token_ids": list(s.token_ids), "generated": s.generated, "opener": s.opener}
-                  for s in request.append]
-        snapshots = [_fields(s, SNAPSHOT_FIELDS) for s in request.snapshots]
         return self._call(context, lambda: _ack(self.daemon.write_record(
-            request.session_id, record, request.keep_segments, append, snapshots), len(append)))
+            request.session_id, _row(RecordRow, request.record, "record"), request.keep_segments,
+            [_row(SegmentRow, s, "segment") for s in request.append],
+            [_row(SnapshotRow, s, "snapshot") for s in request.snapshots]), len(request.append)))
 
     def ReadRecord(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.RecordReply:
         def run() -> pb.RecordReply:
             record, segments = self.daemon.read_record(request.session_id)
-            return pb.RecordReply(
-                record=pb.SessionRecord(**{k: record[k] for k in RECORD_SCALARS + RECORD_LISTS},
-                                        counters=record["counters"]),
-                segments=[pb.TranscriptSegment(text=s["text"], token_ids=s["token_ids"], generated=s["generated"],
-                                               opener=s["opener"]) for s in segments])
+            return pb.RecordReply(record=_message(pb.SessionRecord, record),
+                                  segments=[_message(pb.TranscriptSegment, s) for s in segments])
         return self._call(context, run)
 
     # status, maintenance
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
-        return self._call(context, lambda: _status(self.daemon.status(request.session_id, request.include_closed)))
+        return self._call(context, lambda: _message(pb.StatusReply, self.daemon.status(
+            request.session_id, request.include_closed)))
 
     def WatchStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> Iterator[pb.StatusReply]:
         """One status per commit (coalesced when commits come faster than a reader takes them)."""
@@ -247,20 +288,15 @@ class ContextdService(pb_grpc.ContextdServicer):
                     newest = self.daemon.store.wait_for_commit(seen, WATCH_POLL_S)
                     if newest <= seen:
                         continue
-                reply = self._call(context, lambda: _status(
-                    self.daemon.status(request.session_id, request.include_closed)))
+                reply = self._call(context, lambda: _message(pb.StatusReply, self.daemon.status(
+                    request.session_id, request.include_closed)))
                 seen = reply.commit_seq
                 yield reply
         finally:
             self._watchers.release()
 
     def Gc(self, request: pb.GcRequest, context: grpc.ServicerContext) -> pb.GcReply:
-        return self._call(context, lambda: pb.GcReply(**self.daemon.gc(request.dry_run)))
+        return self._call(context, lambda: _message(pb.GcReply, self.daemon.gc(request.dry_run)))
 
     def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyReply:
-        def run() -> pb.VerifyReply:
-            result = self.daemon.verify(request.session_id)
-            corrupt = [pb.PageRef(**c) for c in result.pop("corrupt")]
-            return pb.VerifyReply(**result, corrupt=corrupt)
-        return self._call(context, run)
-
+        return self._call(context, lambda: _message(pb.VerifyReply, self.daemon.verify(request.session_id)))

@@ -1,8 +1,9 @@
 """LMDB tables with msgpack records, and the one writer that batches.
 
 Every value is `xxh64(payload) || msgpack(payload)`: a record whose checksum fails to match is
-reported as corrupt instead of being decoded into nonsense. Keys are identifier parts joined by
-NUL (see contextd.ids), so a session's rows are one contiguous prefix range in every table.
+reported as corrupt instead of being decoded into nonsense. Each table is a `Table` that names its
+key type (contextd.keys) and its row type (contextd.records), so a transaction takes and returns
+typed keys and rows only; the row types own the msgpack maps and the key types the key bytes.
 
 Writes go through `Store.write(op)`. Callers on many threads hand in operations; whichever
 caller finds the writer idle becomes the writer for everything queued at that moment and commits
@@ -13,15 +14,20 @@ the batch is durable under the configured sync mode.
 A commit the disk refuses for want of space (ENOSPC, or LMDB's map full) fails its batch with
 StoreFull, as a payload write does; nothing of the batch is applied.
 
-Depends on lmdb, msgpack, xxhash, contextd.errors and contextd.paths; knows nothing about gRPC.
+The meta row holds the schema version. Opening a database of an older version runs the
+`MIGRATIONS` that bring it up to `SCHEMA_VERSION`, in the one transaction that also records the
+new version, so a crash mid-way leaves the old database as it was; a newer version is refused.
+
+Depends on lmdb, msgpack, xxhash, contextd.errors, contextd.keys, contextd.records,
+contextd.paths and contextd.wire (PageState); knows nothing about gRPC.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -32,22 +38,70 @@ import xxhash
 
 from contextd import crashpoints
 from contextd.errors import ContextdError, DataCorrupt, InvalidArgument, StoreFull
-from contextd.paths import private_file, private_folder
-
-SCHEMA_VERSION = 2
-
-TABLES = (
-    "meta",         # schema version, commit sequence, last commit latency
-    "sessions",     # session_id -> session record, with page-count aggregates kept in step
-    "kv_manifest",  # session, page_id -> page record (identity, range, state, locator, checksum, view)
-    "page_state",   # session, state, page_id -> b"" (index for queries by state)
-    "blocks",       # session, block_id -> unit / cluster record (pages, summary)
-    "pins",         # session, page_id -> {"kind"}
-    "leases",       # session, page_id -> {"until_turn", "expires_unix"}
-    "snapshots",    # session, slot -> recurrent-state snapshot record
-    "records",      # session -> the session record (turn, fingerprint, hashes, ledger, counters)
-    "segments",     # session, seq (12 digits) -> one transcript segment (text, token ids, generated)
+from contextd.keys import (
+    EVERYTHING,
+    SEP,
+    Key,
+    MetaKey,
+    PageKey,
+    SegmentKey,
+    SessionKey,
+    SnapshotKey,
+    StateKey,
+    SummaryKey,
+    session_scope,
 )
+from contextd.paths import private_file, private_folder
+from contextd.records import (
+    LeaseRow,
+    Meta,
+    PageCounts,
+    PageRow,
+    PinRow,
+    RecordRow,
+    Row,
+    SegmentRow,
+    SessionRow,
+    SnapshotRow,
+    SummaryRow,
+)
+from contextd.wire import PageState
+
+SCHEMA_VERSION = 3  # 3: PINNED is no longer a page state (a pinned page is HOT with a pin)
+
+K = TypeVar("K", bound=Key)
+R = TypeVar("R", bound=Row)
+
+
+@dataclass(frozen=True)
+class Index(Generic[K]):
+    """A table of keys only (its values are empty)."""
+
+    name: str
+    key: type[K]
+
+
+@dataclass(frozen=True)
+class Table(Index[K], Generic[K, R]):
+    """A table of rows, each under its key."""
+
+    row: type[R]
+
+
+META = Table("meta", MetaKey, Meta)  # schema version, commit sequence, creation time
+SESSIONS = Table("sessions", SessionKey, SessionRow)  # with page-count aggregates kept in step
+MANIFEST = Table("kv_manifest", PageKey, PageRow)  # identity, range, state, locator, checksum, view
+PAGE_STATES = Index("page_state", StateKey)  # the manifest by state
+SUMMARIES = Table("blocks", SummaryKey, SummaryRow)  # units and clusters (under their schema-2 name)
+PINS = Table("pins", PageKey, PinRow)
+LEASES = Table("leases", PageKey, LeaseRow)
+SNAPSHOTS = Table("snapshots", SnapshotKey, SnapshotRow)  # recurrent-state snapshot slots
+RECORDS = Table("records", SessionKey, RecordRow)  # turn, fingerprint, hashes, ledger, counters
+SEGMENTS = Table("segments", SegmentKey, SegmentRow)  # the transcript, one segment a row
+TABLES: tuple[Index[Any], ...] = (META, SESSIONS, MANIFEST, PAGE_STATES, SUMMARIES, PINS, LEASES, SNAPSHOTS,
+                                  RECORDS, SEGMENTS)
+# the tables whose keys start with a session and more (the others hold one row per session, or none)
+SCOPED: tuple[Index[Any], ...] = (MANIFEST, PAGE_STATES, SUMMARIES, PINS, LEASES, SNAPSHOTS, SEGMENTS)
 
 
 class SyncMode(Enum):
@@ -65,8 +119,9 @@ class SyncMode(Enum):
             raise InvalidArgument(f"unknown sync mode {text!r}: use one of full, meta, none") from None
 
 
-def encode(record: dict[str, Any]) -> bytes:
-    payload: bytes = msgpack.packb(record, use_bin_type=True)
+def encode(data: Mapping[str, Any]) -> bytes:
+    """A stored value: a checksum, then the msgpack map (a row's `stored()`)."""
+    payload: bytes = msgpack.packb(data, use_bin_type=True)
     return xxhash.xxh64_digest(payload) + payload
 
 
@@ -74,64 +129,76 @@ def decode(value: bytes, where: bytes) -> dict[str, Any]:
     digest, payload = value[:8], value[8:]
     if xxhash.xxh64_digest(payload) != digest:
         raise DataCorrupt(f"record {where!r} failed its checksum")
-    record: dict[str, Any] = msgpack.unpackb(payload, raw=False)
-    return record
+    data: dict[str, Any] = msgpack.unpackb(payload, raw=False)
+    return data
 
 
 class Txn:
-    """A transaction over named tables with record encoding; read-only or read-write."""
+    """A transaction over the tables, in typed keys and rows; read-only or read-write."""
 
     def __init__(self, txn: Any, dbs: dict[str, Any]) -> None:
         self._txn = txn
         self._dbs = dbs
 
-    def get(self, table: str, key: bytes) -> dict[str, Any] | None:
-        value = self._txn.get(key, db=self._dbs[table])
-        return None if value is None else decode(bytes(value), key)
+    def get(self, table: Table[K, R], key: K) -> R | None:
+        raw = key.encode()
+        value = self._txn.get(raw, db=self._dbs[table.name])
+        return None if value is None else table.row.load(decode(bytes(value), raw))
 
-    def has(self, table: str, key: bytes) -> bool:
-        return self._txn.get(key, db=self._dbs[table]) is not None
+    def has(self, table: Index[K], key: K) -> bool:
+        return self._txn.get(key.encode(), db=self._dbs[table.name]) is not None
 
-    def put(self, table: str, key: bytes, record: dict[str, Any]) -> None:
-        self._txn.put(key, encode(record), db=self._dbs[table])
+    def put(self, table: Table[K, R], key: K, row: R) -> None:
+        self._txn.put(key.encode(), encode(row.stored()), db=self._dbs[table.name])
 
-    def put_raw(self, table: str, key: bytes, value: bytes = b"") -> None:
-        self._txn.put(key, value, db=self._dbs[table])
+    def add(self, index: Index[K], key: K) -> None:
+        """Put a key in a table of keys only."""
+        self._txn.put(key.encode(), b"", db=self._dbs[index.name])
 
-    def delete(self, table: str, key: bytes) -> bool:
-        return bool(self._txn.delete(key, db=self._dbs[table]))
+    def delete(self, table: Index[K], key: K) -> bool:
+        return bool(self._txn.delete(key.encode(), db=self._dbs[table.name]))
 
-    def scan_keys(self, table: str, prefix: bytes, start_after: bytes | None = None) -> Iterator[bytes]:
-        cursor = self._txn.cursor(db=self._dbs[table])
-        first = prefix if start_after is None else start_after
-        if not cursor.set_range(first):
+    def _cursor(self, table: Index[Any], scope: bytes, start_after: Key | None) -> Iterator[Any]:
+        """An LMDB cursor's (key, value) pairs under scope, after start_after."""
+        cursor = self._txn.cursor(db=self._dbs[table.name])
+        after = None if start_after is None else start_after.encode()
+        if not cursor.set_range(scope if after is None else after):
             return
-        for key in cursor.iternext(keys=True, values=False):
-            key = bytes(key)
-            if not key.startswith(prefix):
+        for raw, value in cursor.iternext(keys=True, values=True):
+            raw = bytes(raw)
+            if not raw.startswith(scope):
                 return
-            if start_after is not None and key == start_after:
-                continue
-            yield key
+            if raw != after:
+                yield raw, value
 
-    def scan(self, table: str, prefix: bytes, start_after: bytes | None = None
-             ) -> Iterator[tuple[bytes, dict[str, Any]]]:
-        cursor = self._txn.cursor(db=self._dbs[table])
-        first = prefix if start_after is None else start_after
-        if not cursor.set_range(first):
-            return
-        for key, value in cursor.iternext(keys=True, values=True):
-            key = bytes(key)
-            if not key.startswith(prefix):
-                return
-            if start_after is not None and key == start_after:
-                continue
-            yield key, decode(bytes(value), key)
+    def scan_keys(self, table: Index[K], scope: bytes, start_after: K | None = None) -> Iterator[K]:
+        """The keys under `scope` (a prefix from contextd.keys), in order, after `start_after`."""
+        for raw, _ in self._cursor(table, scope, start_after):
+            yield table.key.parse(raw)
 
-    def delete_prefix(self, table: str, prefix: bytes) -> int:
-        keys = list(self.scan_keys(table, prefix))
-        for key in keys:
-            self._txn.delete(key, db=self._dbs[table])
+    def scan(self, table: Table[K, R], scope: bytes, start_after: K | None = None) -> Iterator[tuple[K, R]]:
+        """The rows under `scope` (a prefix from contextd.keys), in key order, after `start_after`."""
+        for raw, value in self._cursor(table, scope, start_after):
+            yield table.key.parse(raw), table.row.load(decode(bytes(value), raw))
+
+    def scan_stored(self, table: Index[Any], scope: bytes) -> Iterator[tuple[bytes, dict[str, Any]]]:
+        """The stored maps under `scope`, by raw key: for a migration, which reads rows that no
+        longer load as today's row type."""
+        for raw, value in self._cursor(table, scope, None):
+            yield raw, decode(bytes(value), raw)
+
+    def put_stored(self, table: Index[Any], raw: bytes, data: Mapping[str, Any]) -> None:
+        """Put a stored map under a raw key: for a migration (see scan_stored)."""
+        self._txn.put(raw, encode(data), db=self._dbs[table.name])
+
+    def delete_raw(self, table: Index[Any], raw: bytes) -> None:
+        """Delete a raw key: for a migration, whose old keys may no longer parse."""
+        self._txn.delete(raw, db=self._dbs[table.name])
+
+    def delete_prefix(self, table: Index[Any], scope: bytes) -> int:
+        keys = [raw for raw, _ in self._cursor(table, scope, None)]
+        for raw in keys:
+            self._txn.delete(raw, db=self._dbs[table.name])
         return len(keys)
 
 
@@ -171,31 +238,37 @@ class Store:
         )
         for name in ("data.mdb", "lock.mdb"):  # made by an older contextd with lmdb's default 0644
             private_file(path / name)
-        self._dbs = {name: self._env.open_db(name.encode()) for name in TABLES}
+        self._dbs = {table.name: self._env.open_db(table.name.encode()) for table in TABLES}
         self._cv = threading.Condition()
         self._queue: list[_Pending[Any]] = []
         self._writing = False
         self._closed = False
         self.last_commit_ms = 0.0
         self._init_meta()
-        self.commit_seq = int(self._read_meta().get("commit_seq", 0))
+        self.commit_seq = self._read_meta().commit_seq
 
     def _init_meta(self) -> None:
         with self._env.begin(write=True) as raw:
             txn = Txn(raw, self._dbs)
-            meta = txn.get("meta", b"meta")
+            meta = txn.get(META, MetaKey())
             if meta is None:
-                txn.put("meta", b"meta", {"schema_version": SCHEMA_VERSION, "commit_seq": 0,
-                                           "created_unix": time.time()})
-            elif meta.get("schema_version") != SCHEMA_VERSION:
+                txn.put(META, MetaKey(), Meta(SCHEMA_VERSION, 0, time.time()))
+                return
+            version = meta.schema_version
+            while version in MIGRATIONS:
+                MIGRATIONS[version](txn)
+                version += 1
+            if version != SCHEMA_VERSION:
                 raise ContextdError(
-                    f"database schema version {meta.get('schema_version')} is not {SCHEMA_VERSION}; "
+                    f"database schema version {meta.schema_version} is not {SCHEMA_VERSION}; "
                     "this contextd cannot open it"
                 )
+            if version != meta.schema_version:
+                txn.put(META, MetaKey(), replace(meta, schema_version=version))
 
-    def _read_meta(self) -> dict[str, Any]:
+    def _read_meta(self) -> Meta:
         with self.read() as txn:
-            meta = txn.get("meta", b"meta")
+            meta = txn.get(META, MetaKey())
         assert meta is not None
         return meta
 
@@ -247,9 +320,9 @@ class Store:
                         child.commit()
                 seq = self.commit_seq + 1
                 txn = Txn(outer, self._dbs)
-                meta = txn.get("meta", b"meta") or {}
-                meta["commit_seq"] = seq
-                txn.put("meta", b"meta", meta)
+                meta = txn.get(META, MetaKey())
+                assert meta is not None, "the store writes its meta row when it opens"
+                txn.put(META, MetaKey(), replace(meta, commit_seq=seq))
                 started = time.perf_counter()
             commit_ms = (time.perf_counter() - started) * 1000.0
         except BaseException as exc:  # noqa: BLE001 - the whole batch failed to commit
@@ -297,6 +370,31 @@ class Store:
     @property
     def dbs(self) -> dict[str, Any]:
         return self._dbs
+
+
+_PINNED = 3  # schema 2's PINNED page state, reserved in the proto since
+
+
+def _unpin_states(txn: Txn) -> None:
+    """Schema 2 to 3: PINNED stops being a page state. Schema 2 already kept every pin in the pins
+    table, so a PINNED page becomes HOT (its manifest row and its state index key), and every
+    session's counts are recomputed from its manifest and pins: `hot` now includes the pinned
+    pages, and `pinned` counts the hot pages with a pin whatever their schema-2 state was."""
+    pinned = [(raw, data) for raw, data in txn.scan_stored(MANIFEST, EVERYTHING) if data.get("state") == _PINNED]
+    for raw, data in pinned:
+        key = PageKey.parse(raw)
+        txn.delete_raw(PAGE_STATES, SEP.join((key.session_id.encode(), str(_PINNED).encode(), key.page_id.encode())))
+        txn.put_stored(MANIFEST, raw, {**data, "state": int(PageState.HOT)})
+        txn.add(PAGE_STATES, StateKey(key.session_id, PageState.HOT, key.page_id))
+    for session_key, session in list(txn.scan(SESSIONS, EVERYTHING)):
+        counts = PageCounts()
+        for page_key, page in txn.scan(MANIFEST, session_scope(session.session_id)):
+            counts = counts.plus(page, txn.has(PINS, page_key), 1)
+        txn.put(SESSIONS, session_key, replace(session, pages=counts))
+
+
+# schema version -> what brings a database of that version to the next one
+MIGRATIONS: dict[int, Callable[[Txn], None]] = {2: _unpin_states}
 
 
 def _no_room(exc: BaseException, what: str) -> BaseException:

@@ -1,7 +1,7 @@
 """The hybrid selector's policy: which cold pages to restore, given each page's evidence.
 
 Evidence is a matrix [candidate pages, query terms]: each term's BM25 share in each page
-(controller.lexical), optionally followed by the key index's per-token matches (`key_evidence`).
+(controller.lexical), optionally followed by the key index's per-token matches (`KeyIndex.evidence`).
 
   shortlist  only the `shortlist_pages` pages with the highest BM25 are weighed further: the rest
              could not be chosen before them (a page's coverage gain never exceeds its score) and
@@ -17,7 +17,7 @@ Evidence is a matrix [candidate pages, query terms]: each term's BM25 share in e
              page across that edge: a sentence cut by a page boundary comes back whole.
 
 The figures behind each default are in docs/controller.md (benchmarks.selectors, ablation rows).
-Depends on numpy and controller.keyindex only.
+Depends on numpy only.
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
-
-from controller.keyindex import KeyIndex, token_vectors
 
 
 @dataclass(frozen=True)
@@ -81,38 +79,6 @@ def coverage_order(evidence: np.ndarray, decay: float, count: int) -> tuple[list
         left[best] = False
         covered += evidence[best] > 0
     return order, gains
-
-
-def key_evidence(index: KeyIndex, incoming_keys: np.ndarray, candidates: list[int],
-                 keep: np.ndarray | None = None) -> np.ndarray:
-    """KeyIndex's score, token by token: [candidates, incoming tokens] with
-    weight(t) * max(0, m(t, p) - floor), so that rows sum to KeyIndex.scores. `keep` masks the
-    incoming tokens that count (the chat template's own tokens say nothing)."""
-    config = index.config
-    stacked = [index.pages[p] for p in candidates]
-    lengths = [len(v) for v in stacked]
-    tokens = np.concatenate(stacked).astype(np.float32)
-    centre = tokens.mean(axis=0)
-    tokens = _normalise(tokens - centre)
-    incoming = token_vectors(incoming_keys, index.layer)[-config.incoming_tokens:].astype(np.float32)
-    if keep is not None:  # aligned at the end: both are the turn's newest tokens
-        n = min(len(keep), len(incoming))
-        incoming = incoming[-n:][keep[-n:]] if n else incoming[:0]
-    if len(incoming) == 0:
-        return np.zeros((len(candidates), 0), dtype=np.float64)
-    incoming = _normalise(incoming - centre)
-    cosine = incoming @ tokens.T
-    bounds = np.cumsum([0, *lengths])
-    best = np.maximum.reduceat(cosine, bounds[:-1], axis=1)        # [incoming, pages]
-    present = (best >= config.match_threshold).mean(axis=1)
-    weight = np.log(1.0 / np.clip(present, 1.0 / len(candidates), 1.0))
-    evidence: np.ndarray = (weight[:, None] * np.maximum(best - config.match_floor, 0.0)).T.astype(np.float64)
-    return evidence
-
-
-def _normalise(x: np.ndarray) -> np.ndarray:
-    unit: np.ndarray = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-6)
-    return unit
 
 
 def choose_pages(evidence: np.ndarray, candidates: list[int], room_pages: int, config: HybridConfig,

@@ -90,8 +90,12 @@ class KeyIndex:
     def nbytes(self) -> int:
         return sum(v.nbytes for v in self.pages.values())
 
-    def scores(self, incoming_keys: np.ndarray, candidates: list[int]) -> np.ndarray:
-        """One score per candidate page (all must be indexed) for the incoming tokens' Block keys."""
+    def evidence(self, incoming_keys: np.ndarray, candidates: list[int], keep: np.ndarray | None = None
+                 ) -> np.ndarray:
+        """The score, token by token: [candidates, incoming tokens] with w(t) max(0, m(t, p) - floor),
+        for the incoming tokens' Block keys (every candidate must be indexed). `keep` masks the
+        incoming tokens that count (the chat template's own tokens say nothing); it is aligned at
+        the end, as both are the turn's newest tokens."""
         assert candidates and all(p in self.pages for p in candidates)
         stacked = [self.pages[p] for p in candidates]
         lengths = [len(v) for v in stacked]
@@ -99,14 +103,23 @@ class KeyIndex:
         centre = tokens.mean(axis=0)
         tokens = _normalise(tokens - centre)
         incoming = token_vectors(incoming_keys, self.layer)[-self.config.incoming_tokens:].astype(np.float32)
+        if keep is not None:
+            n = min(len(keep), len(incoming))
+            incoming = incoming[-n:][keep[-n:]] if n else incoming[:0]
+        if len(incoming) == 0:
+            return np.zeros((len(candidates), 0), dtype=np.float64)
         incoming = _normalise(incoming - centre)
         cosine = incoming @ tokens.T                                   # [incoming, all page tokens]
         bounds = np.cumsum([0, *lengths])
         best = np.maximum.reduceat(cosine, bounds[:-1], axis=1)        # [incoming, pages]
         present = (best >= self.config.match_threshold).mean(axis=1)
-        weight = np.log(1.0 / np.clip(present, 1.0 / len(candidates), 1.0))
-        evidence = np.maximum(best - self.config.match_floor, 0.0)
-        scores: np.ndarray = np.matmul(weight, evidence, dtype=np.float64)
+        weight = np.log(1.0 / np.clip(present, 1.0 / len(candidates), 1.0)).astype(np.float64)
+        evidence: np.ndarray = (weight[:, None] * np.maximum(best - self.config.match_floor, 0.0)).T
+        return evidence
+
+    def scores(self, incoming_keys: np.ndarray, candidates: list[int]) -> np.ndarray:
+        """One score per candidate page: `evidence` summed over the incoming tokens."""
+        scores: np.ndarray = self.evidence(incoming_keys, candidates).sum(axis=1)
         return scores
 
 

@@ -4,6 +4,11 @@ The pager decides *which* 128-token pages of a session are in attention; the eng
 the decisions out on a backend and records them in contextd. Everything here is arithmetic over
 page indices, so it is tested without a model.
 
+A page's state is contextd.wire's PageState, HOT or COLD here (DROPPED and CORRUPT are the
+store's own); a pin is not a state but the page's `pin`, of contextd.wire's PinKind, and a lease
+its `lease_until_turn`, as contextd keeps them in its pins and leases tables. Sharing the enums
+means a state crosses to contextd as its number and a pin as its kind's string, with no map.
+
 Rules, in the order they win:
   1. hard pins (system prompt, tool schemas, opening objective) never leave; together they are
      capped at `pin_cap_fraction` of the budget (1/4), pages past the cap stay evictable and a
@@ -14,7 +19,7 @@ Rules, in the order they win:
   4. restored pages hold a lease for `lease_turns` turns;
   5. above the high watermark, evict until at or under the low one: first in the order of a valid
      plan, then the default retention (oldest unpinned first).
-Depends on nothing of ours.
+Depends on contextd.wire (PageState, PinKind) only.
 """
 
 from __future__ import annotations
@@ -23,29 +28,12 @@ import bisect
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum, IntEnum
+
+from contextd.wire import PageState, PinKind
 
 log = logging.getLogger("kv_elision.pager")
 
 PAGE_TOKENS = 128
-
-
-class PageState(IntEnum):
-    """A page's state as the proto numbers it (contextd.wire.PageState; tests/unit/test_layers.py
-    checks the two agree), so it crosses to contextd without a map. The pager never produces the
-    store's own DROPPED / CORRUPT."""
-
-    HOT = 1
-    COLD = 2
-    PINNED = 3
-
-
-class PinKind(Enum):
-    """Hard pins: the system prompt, the tool schemas, the opening objective."""
-
-    SYSTEM = "system"
-    TOOLS = "tools"
-    OBJECTIVE = "objective"
 
 
 @dataclass(frozen=True)
@@ -172,13 +160,10 @@ class Pager:
         return {i: kind for i in self._pinned if (kind := self.pages[i].pin) is not None}
 
     def counts(self) -> dict[str, int]:
-        pinned = sum(1 for i in self._resident if self._is_pinned(i))
-        return {"hot": len(self._resident) - pinned, "cold": len(self.pages) - len(self._resident), "pinned": pinned}
-
-    def effective_state(self, page: Page) -> PageState:
-        if page.state is PageState.COLD:
-            return PageState.COLD
-        return PageState.PINNED if self._is_pinned(page.index) else PageState.HOT
+        """Pages by state, as contextd counts them: `hot` is every page in attention and `pinned`
+        the hot pages with a hard pin (a part of `hot`)."""
+        pinned = sum(1 for i in self._pinned if self.pages[i].resident)
+        return {"hot": len(self._resident), "cold": len(self.pages) - len(self._resident), "pinned": pinned}
 
     def append(self, token_ids: Sequence[int], pin: PinKind | None = None) -> list[int]:
         """Add tokens at the end of the timeline; return the indices of pages that changed.
@@ -300,9 +285,6 @@ class Pager:
             kept.add(index)
             used += PAGE_TOKENS
         return kept
-
-    def _is_pinned(self, index: int) -> bool:
-        return index in self._pinned or index in self.plan_pins or index in self._ledger_pinned()
 
     def _tail(self) -> set[int]:
         """The open page plus the newest pages covering `tail_tokens`."""

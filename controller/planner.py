@@ -10,7 +10,8 @@ because of it. IDs are opaque to the host: it checks them against the session's 
 unknown, duplicate and conflicting ones; it never reads their text. Pins, the budget, the tail and
 leases are enforced afterwards by the pager.
 
-Depends on controller.pager and controller.units; no model code, no language-specific logic.
+Depends on contextd.wire (PageState), controller.pager and controller.units; no model code, no
+language-specific logic.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.pager import Pager, PageState, Plan
+from contextd.wire import PageState
+from controller.pager import Pager, Plan
 from controller.units import UnitIndex
 
 PLAN_KEYS = ("restore", "pin", "evict_first")

@@ -14,8 +14,8 @@
 
 Whatever a selector says goes through controller.planner.validate and the pager's rules. No
 selector, and nothing in the host, looks at the words of the transcript.
-Depends on numpy, controller.pager, controller.units, controller.planner, controller.keyindex,
-controller.lexical and controller.hybrid.
+Depends on numpy, contextd.wire (PageState), controller.pager, controller.units, controller.planner,
+controller.keyindex, controller.lexical and controller.hybrid.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from controller.hybrid import HybridConfig, choose_pages, key_evidence, match_edges
+from contextd.wire import PageState
+from controller.hybrid import HybridConfig, choose_pages, match_edges
 from controller.keyindex import KeyIndex
 from controller.lexical import LexicalIndex
-from controller.pager import PAGE_TOKENS, Pager, PageState, Plan
+from controller.pager import PAGE_TOKENS, Pager, Plan
 from controller.planner import (
     PlanError,
     UnitPlan,
@@ -165,7 +166,7 @@ class HybridSelector:
         keys = ctx.key_index
         if self.config.key_weight > 0 and keys is not None and ctx.incoming_keys is not None and shortlist \
                 and all(p in keys.pages for p in shortlist):
-            by_key = key_evidence(keys, ctx.incoming_keys, shortlist, ~np.isin(ids, lexical.stop_ids))
+            by_key = keys.evidence(ctx.incoming_keys, shortlist, ~np.isin(ids, lexical.stop_ids))
             scale = evidence.sum(axis=1).max() / max(float(by_key.sum(axis=1).max()), 1e-9)
             evidence = np.concatenate([evidence, self.config.key_weight * scale * by_key], axis=1)
         room_pages = ctx.room_tokens // PAGE_TOKENS   # only full pages are indexed

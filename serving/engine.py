@@ -8,12 +8,12 @@ the pager says so), let the selector advise which cold pages come back (controll
 canonical store, the recurrent snapshot and the session record. A restore copies the exact stored
 tensors back: `historical_forward_during_restore` stays 0.
 
-The backend holds one session's cache at a time. Another session's turn resets the backend and
+The backend holds one session's cache at a time. Another session's turn empties the backend and
 restores that session's resident pages and recurrent state from the store: copies, never a
-forward pass. The same path brings a session back after a crash.
+forward pass. The same path (serving.recovery) brings a session back after a crash.
 
-Depends on backends (protocol), controller, contextd.client and serving.paging / session /
-transcript.
+Depends on backends (protocol, slots), controller, contextd.client and serving.paging /
+recovery / session / transcript / likelihood.
 """
 
 from __future__ import annotations
@@ -22,21 +22,24 @@ import logging
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
 
-from backends import Backend
+from backends import Backend, Counters
+from backends.slots import pick_token
 from contextd import crashpoints
 from contextd.client import Client, pb
-from contextd.errors import DataCorrupt
+from contextd.wire import PinKind
 from controller.keyindex import KeyIndex, KeyIndexConfig
 from controller.lexical import DEFAULT_LEXICAL, LexicalConfig, LexicalIndex
-from controller.pager import Decision, Pager, PagerConfig, PinKind, Plan
+from controller.pager import Decision, Pager, PagerConfig, Plan
 from controller.selectors import RecencySelector, SelectionContext, Selector
 from controller.units import Unit, UnitIndex
 from serving.likelihood import ViewCapture, ViewReading, capture_view
 from serving.paging import PageMover, Tally
+from serving.recovery import Recovery
 from serving.session import LastAnswer, Session, SessionCounters, TurnTimings
 from serving.transcript import (
     Alignment,
@@ -117,11 +120,20 @@ class Prepared:
     rebuilt: str
 
 
+class FinishReason(StrEnum):
+    """Why an answer ended, as the OpenAI API names it (`finish_reason`)."""
+
+    STOP = "stop"              # the model's end-of-turn token
+    LENGTH = "length"          # max_tokens
+    TOOL_CALLS = "tool_calls"  # the answer calls tools
+    CANCELLED = "cancelled"    # the client went away; the cache holds what was picked
+
+
 @dataclass
 class TurnResult:
     content: str
     tool_calls: list[dict[str, Any]]
-    finish_reason: str
+    finish_reason: FinishReason
     prompt_tokens: int           # tokens of the whole transcript as rendered
     prefilled_tokens: int        # tokens that went through the model for the prompt this turn
     completion_tokens: int
@@ -167,7 +179,8 @@ class Engine:
         self.config = config
         self.selector: Selector = selector or RecencySelector()
         self.tally = Tally()
-        self.mover = PageMover(backend, contextd, self.tally, self._indexes, compress=config.compress_pages)
+        self.mover = PageMover(backend, contextd, self.tally, compress=config.compress_pages)
+        self.recovery = Recovery(self.mover, contextd, self.tally, self._indexes)
         self.sessions: dict[str, Session] = {}
         self.active: str | None = None
         self.watched: dict[str, list[str]] = {}        # session -> candidate answers to score at its next turn
@@ -198,30 +211,16 @@ class Engine:
         if self.active == session_id and session is not None:
             return session
         switched = self.active is not None   # another session's cache leaves the backend
-        self.backend.reset()
+        self.mover.empty()
         self.active = None
         if session is None:
-            session = self.mover.recover(session_id, self.config.pager_config())
+            session = self.recovery.bring_back(session_id, self.config.pager_config())
             if session is None:
                 key_index, lexical_index = self._indexes()
                 session = Session(session_id, Transcript(fingerprint), Pager(self.config.pager_config()),
                                   UnitIndex(), key_index=key_index, lexical_index=lexical_index)
                 self.contextd.open_session(session_id, model_id=self.backend.model_name,
                                            fingerprint=fingerprint.combined(), budget_tokens=self.config.budget_tokens)
-            else:
-                try:
-                    recovered = self.mover.fill_resident(session)
-                except DataCorrupt:
-                    # A resident page failed its checksum and is now marked CORRUPT: recovering
-                    # again rebuilds the session without it, in this same request.
-                    self.backend.reset()
-                    session = self.mover.recover(session_id, self.config.pager_config())
-                    assert session is not None
-                    recovered = self.mover.fill_resident(session)
-                self.tally.count(session, recovered_pages=recovered)
-                self.mover.index_stored_pages(session)
-                log.info("session %s recovered from contextd: %d tokens, %d resident pages", session_id,
-                         session.transcript.tokens, len(session.pager.resident))
             self.sessions[session_id] = session
         else:
             self.tally.count(session, recovered_pages=self.mover.fill_resident(session))
@@ -235,7 +234,7 @@ class Engine:
     def chat(self, request: ChatRequest) -> Iterator[TurnEvent]:
         """Run one turn; yield text deltas, then one final event with the result."""
         started = time.perf_counter()
-        before = dict(self.backend.counters)
+        before = self.backend.counters
         fingerprint = self.format.fingerprint(request.tools, request.thinking)
         self.format.normalize(request.messages, request.tools, {})  # a malformed request fails before any work
         session = self._activate(request.session_id, fingerprint)
@@ -394,9 +393,7 @@ class Engine:
         """Canonical keys of the turn's newest tokens (still in attention), for the key index."""
         if key_index is None:
             return None
-        end = self.backend.attention_tokens
-        n = min(new_tokens, self.config.key_index.incoming_tokens, end)
-        return self.backend.save_block(end - n, end).keys if n > 0 else None
+        return self.mover.newest_keys(min(new_tokens, self.config.key_index.incoming_tokens))
 
     def _prefill(self, session: Session, segment: Segment, pin: PinKind | None) -> None:
         chunk = self.config.prefill_chunk
@@ -431,33 +428,30 @@ class Engine:
         if alignment.reason:
             log.warning("session %s: %s; keeping %d of %d cached tokens", session.session_id, alignment.reason,
                         keep_tokens, transcript.tokens)
-        self.mover.truncate(session, keep_tokens)
-        session.cut_segments(keep)
+        self.mover.cut(session, keep)
         session.last_answer = None
         return Alignment(keep, keep_tokens, rendered[len(kept_text):], reason=alignment.reason), dropped
 
     # ------------------------------------------------------------------ generation
 
     def _generate(self, session: Session, request: ChatRequest, prompt_ids: list[int]
-                  ) -> Generator[TurnEvent, None, tuple[list[int], str, str]]:
+                  ) -> Generator[TurnEvent, None, tuple[list[int], FinishReason, str]]:
         limit = min(request.max_tokens or self.config.max_new_tokens, self.config.max_new_tokens)
         greedy = request.temperature <= 0.0
         previous = session.last_answer
         repeated = greedy and previous is not None and previous.prompt_ids == prompt_ids
         repeat_of = previous.answer_ids if repeated and previous is not None else None
         prompt_logits = self.backend.last_logits()
-        tokens_before = session.transcript.tokens
         segments_before = len(session.transcript.segments)
         picked, finish = yield from self._decode_loop(session, limit, greedy, request.temperature, request.seed,
                                                       hold_while=repeat_of, cancelled=request.cancelled)
         sampled = ""
-        if repeat_of is not None and picked == repeat_of and finish != "cancelled":
+        if repeat_of is not None and picked == repeat_of and finish is not FinishReason.CANCELLED:
             # The fixed point: the same input on the same working set gave the same greedy answer.
             # Take that answer back out of attention and sample this turn instead (seeded, reported).
-            session.cut_segments(segments_before)
-            self.mover.truncate(session, tokens_before)
+            self.mover.cut(session, segments_before)
             seed = self.config.fixed_point_seed + session.pager.turn
-            first = _sample(prompt_logits, 0.8, seed)
+            first = pick_token(prompt_logits, False, 0.8, 0, 1.0, np.random.default_rng(seed))
             picked, finish = yield from self._decode_loop(session, limit, False, 0.8, seed, first=first,
                                                           cancelled=request.cancelled)
             self.tally.count(session, fixed_point_resamples=1)
@@ -467,20 +461,21 @@ class Engine:
 
     def _decode_loop(self, session: Session, limit: int, greedy: bool, temperature: float, seed: int | None,
                      first: int | None = None, hold_while: list[int] | None = None,
-                     cancelled: Callable[[], bool] | None = None) -> Generator[TurnEvent, None, tuple[list[int], str]]:
+                     cancelled: Callable[[], bool] | None = None
+                     ) -> Generator[TurnEvent, None, tuple[list[int], FinishReason]]:
         """Pick tokens until a stop token or the limit. Every picked token but a stop is fed, so the
         cache spells exactly the answer. With `hold_while`, text is held back while the answer
         matches that earlier answer (it may be replaced by a sampled one)."""
         pager = session.pager
         picked: list[int] = []
         emitted = ""
-        finish = "length"
+        finish = FinishReason.LENGTH
         gone = cancelled or (lambda: False)
         token = self.backend.decode(greedy=greedy, temperature=temperature, seed=seed) if first is None else first
         reseed = seed if first is not None else None  # a given first token was sampled outside: seed what follows
         while True:
             if token in self.stop_ids:
-                finish = "stop"
+                finish = FinishReason.STOP
                 break
             picked.append(token)
             holding = hold_while is not None and picked == hold_while[:len(picked)]
@@ -499,7 +494,7 @@ class Engine:
             if gone():
                 # The turn ends here as if the limit were reached: the cache holds exactly what was
                 # picked, and the turn is written through like any other.
-                finish = "cancelled"
+                finish = FinishReason.CANCELLED
                 self.tally.count(session, cancelled_turns=1)
                 break
         text = self.format.decode(picked)
@@ -510,7 +505,7 @@ class Engine:
 
     # ------------------------------------------------------------------ end of turn
 
-    def _finish_turn(self, session: Session, picked: list[int], finish: str, before: dict[str, int],
+    def _finish_turn(self, session: Session, picked: list[int], finish: FinishReason, before: Counters,
                      started: float, refreshed_before: int) -> TurnResult:
         pager = session.pager
         content, calls = parse_tool_calls(session.transcript.segments[-1].text)
@@ -521,20 +516,20 @@ class Engine:
         self.mover.snapshot_recurrent(session)
         after = self.backend.counters
         refreshed = session.counters.refresh_forward_tokens - refreshed_before
-        self.tally.count(session, **{name: after[name] - before[name] for name in (
+        self.tally.count(session, **{name: getattr(after, name) - getattr(before, name) for name in (
             "model_forward_tokens", "decoded_tokens", "historical_forward_during_restore",
             "reanchored_keys", "compactions")})
         # The backend counts a refresh as prefill; the session counts it apart.
-        self.tally.count(session, new_prefill_tokens=after["new_prefill_tokens"] - before["new_prefill_tokens"]
+        self.tally.count(session, new_prefill_tokens=after.new_prefill_tokens - before.new_prefill_tokens
                          - refreshed)
         persisting = time.perf_counter()
         self.mover.persist(session, lambda: self._record(session))
         self._index_units(session)
         session.timed("persist", persisting)
         session.last_turn = TurnTimings(total_ms=(time.perf_counter() - started) * 1e3,
-                                        forward_ms=(after["forward_ns"] - before["forward_ns"]) / 1e6,
+                                        forward_ms=(after.forward_ns - before.forward_ns) / 1e6,
                                         phases=dict(session.phase_ms))
-        return TurnResult(content=content, tool_calls=calls, finish_reason="tool_calls" if calls else finish,
+        return TurnResult(content=content, tool_calls=calls, finish_reason=FinishReason.TOOL_CALLS if calls else finish,
                           prompt_tokens=0, prefilled_tokens=0, completion_tokens=len(picked),
                           counters=SessionCounters.from_dict(session.counters.as_dict()))
 
@@ -546,8 +541,8 @@ class Engine:
             fingerprint_parts=[fingerprint.tokenizer, fingerprint.template, fingerprint.tools, fingerprint.thinking],
             message_hashes=session.transcript.message_hashes, unit_salt=session.units.salt,
             ledger_pages=session.pager.ledger, counters=session.counters.as_dict(),
-            resident_pages=list(session.resident_positions),
-            resident_positions=list(session.resident_positions.values()))
+            resident_pages=list(session.persisted.resident_positions),
+            resident_positions=list(session.persisted.resident_positions.values()))
 
     def _index_units(self, session: Session) -> None:
         """Close new units, record the new and changed units and clusters (with any summaries
@@ -555,17 +550,17 @@ class Engine:
         units = session.units
         closed = units.update(session.pager, session.message_ends)
         pages = session.pager.pages
-        recorded = session.recorded_summaries
-        blocks = [pb.Block(block_id=u.unit_id, kind="unit", parent_id=u.cluster_id, summary=u.summary,
-                           page_ids=[pages[i].page_id for i in u.pages],
-                           token_count=sum(pages[i].tokens for i in u.pages))
-                  for u in units.units.values() if recorded.get(u.unit_id) != u.summary]
-        blocks += [pb.Block(block_id=c.cluster_id, kind="cluster", child_ids=c.unit_ids, summary=c.summary)
-                   for c in units.clusters.values()
-                   if recorded.get(c.cluster_id) != c.summary or c.cluster_id in {u.cluster_id for u in closed}]
-        if blocks:
-            self.contextd.upsert_blocks(session.session_id, blocks)
-            recorded.update({b.block_id: b.summary for b in blocks})
+        recorded = session.persisted.summaries
+        summaries = [pb.Summary(summary_id=u.unit_id, kind=pb.UNIT, parent_id=u.cluster_id, text=u.summary,
+                                page_ids=[pages[i].page_id for i in u.pages],
+                                token_count=sum(pages[i].tokens for i in u.pages))
+                     for u in units.units.values() if recorded.get(u.unit_id) != u.summary]
+        summaries += [pb.Summary(summary_id=c.cluster_id, kind=pb.CLUSTER, child_ids=c.unit_ids, text=c.summary)
+                      for c in units.clusters.values()
+                      if recorded.get(c.cluster_id) != c.summary or c.cluster_id in {u.cluster_id for u in closed}]
+        if summaries:
+            self.contextd.upsert_summaries(session.session_id, summaries)
+            recorded.update({s.summary_id: s.text for s in summaries})
         ids = session.transcript.ids
 
         def text_of(unit: Unit) -> str:
@@ -586,7 +581,6 @@ class Engine:
         if alignment.rebuild or not alignment.new_text:
             raise TranscriptError("a probe must extend the cached transcript")
         segments_before = len(session.transcript.segments)
-        tokens_before = session.transcript.tokens
         resident_before = set(session.pager.resident)
         new_tokens = 0
         for piece in self._prompt_pieces(session, request, rendering, alignment.new_text):
@@ -599,7 +593,7 @@ class Engine:
             session.key_index = self._key_index()
         if session.lexical_index is None and any(s.uses_lexical_index for s in selectors):
             session.lexical_index = self._lexical_index()
-        self.mover.index_stored_pages(session)
+        self.recovery.index_stored_pages(session)
         context = self._selection_context(session, alignment.new_text, new_tokens)
         results: dict[str, ProbeResult] = {}
         for selector in selectors:
@@ -610,8 +604,7 @@ class Engine:
                 restore = [] if rejected else cleaned.restore
             results[selector.name] = ProbeResult(restore=restore, resident=list(pager.resident),
                                                  decided_ms=selection.decided_ms, note=selection.note)
-        session.cut_segments(segments_before)
-        self.mover.truncate(session, tokens_before)
+        self.mover.cut(session, segments_before)
         resident_now = set(session.pager.resident)
         self.mover.execute(session, Decision(evict=sorted(resident_now - resident_before),
                                              restore=sorted(resident_before - resident_now), plan_used=False))
@@ -622,71 +615,4 @@ class Engine:
         if self.active is not None:
             self.sessions.pop(self.active, None)
         self.active = None
-        self.backend.reset()
-
-    # ------------------------------------------------------------------ reading
-
-    def kv_bytes_per_token(self) -> int:
-        """Attention K/V resident per held token: rotated keys, canonical rotary keys, values."""
-        view = self.backend.layer_view
-        itemsize = 4 if view.dtype == "float32" else 2
-        return len(view.attention_layers) * view.num_kv_heads * (
-            view.head_dim + view.rotary_dim + view.value_head_dim) * itemsize
-
-    def pages(self, session_id: str, text: bool = False) -> dict[str, Any]:
-        """Every page of a session, as /v1/kv/pages lists it: where it is and why. With `text`, the
-        decoded text of each page (the user's own data: the server only offers it on loopback)."""
-        session = self.sessions.get(session_id)
-        if session is None:
-            raise KeyError(session_id)
-        pager = session.pager
-        ids = session.transcript.ids
-        listed = []
-        for page in pager.pages:
-            state = pager.effective_state(page).name.lower()
-            if state == "hot" and page.lease_until_turn > pager.turn:
-                state = "leased"
-            entry: dict[str, Any] = {"index": page.index, "page_id": page.page_id, "state": state,
-                                     "token_start": page.token_start, "token_end": page.token_end,
-                                     "moved_turn": page.last_used_turn, "stored": page.stored,
-                                     "score": round(session.restore_scores[page.index], 4)
-                                     if page.index in session.restore_scores else None}
-            if text:
-                entry["text"] = self.format.decode(ids[page.token_start:page.token_end])
-            listed.append(entry)
-        return {"session_id": session_id, "turn": pager.turn, "budget_tokens": self.config.budget_tokens,
-                "restored_this_turn": session.counters.restored_pages_turn,
-                "evicted_this_turn": session.counters.evicted_pages_turn,
-                "last_selection": session.last_selection, "pages": listed}
-
-    def stats(self, session_id: str | None) -> dict[str, Any]:
-        """Counters, page states and budget of one session, or the server's totals (JSON for /v1/kv/stats)."""
-        if session_id is None:
-            return {"counters": self.totals.as_dict(), "sessions": sorted(self.sessions),
-                    "budget_tokens": self.config.budget_tokens, "active_session": self.active,
-                    "attention_tokens": self.backend.attention_tokens,
-                    "kv_bytes_per_token": self.kv_bytes_per_token()}
-        session = self.sessions.get(session_id)
-        if session is None:
-            raise KeyError(session_id)
-        pager = session.pager
-        return {"session_id": session_id, "counters": session.counters.as_dict(), "pages": pager.counts(),
-                "session_tokens": session.transcript.tokens, "hot_tokens": pager.hot_tokens,
-                "budget_tokens": self.config.budget_tokens, "turn": pager.turn,
-                "attention_tokens": self.backend.attention_tokens if self.active == session_id else pager.hot_tokens,
-                "fingerprint": session.transcript.fingerprint.combined(),
-                "kv_bytes_per_token": self.kv_bytes_per_token(), "last_selection": session.last_selection,
-                "recovery_notes": session.recovery_notes,
-                "last_turn": session.last_turn.as_dict() if session.last_turn else None,
-                "key_index_pages": len(session.key_index.pages) if session.key_index else 0,
-                "key_index_bytes": session.key_index.nbytes if session.key_index else 0,
-                "lexical_index_pages": len(session.lexical_index.pages) if session.lexical_index else 0,
-                "lexical_index_bytes": session.lexical_index.nbytes if session.lexical_index else 0}
-
-
-def _sample(logits: np.ndarray, temperature: float, seed: int) -> int:
-    z = np.asarray(logits, dtype=np.float64) / temperature
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    return int(np.random.default_rng(seed).choice(p.shape[0], p=p))
-
+        self.mover.empty()

@@ -40,6 +40,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from contextd.errors import ContextdError, DaemonUnavailable, StoreFull
+from serving import views
 from serving.engine import ChatRequest, Engine, Prepared, TurnEvent, TurnResult
 from serving.transcript import TOOL_CALL_OPEN, TranscriptError, digest
 
@@ -92,26 +93,34 @@ class Worker(threading.Thread):
                 try:
                     for event in self.engine.chat(job.request):
                         job.events.put(event)
-                except TranscriptError as exc:
-                    job.events.put(RequestError(HTTPStatus.BAD_REQUEST, str(exc)))
-                except StoreFull as exc:
-                    self.engine.forget_active()   # the next turn starts from the last durable state
-                    job.events.put(RequestError(HTTPStatus.INSUFFICIENT_STORAGE, str(exc), "store_full"))
-                except DaemonUnavailable as exc:
-                    self.engine.forget_active()
-                    job.events.put(RequestError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "contextd_down"))
-                except ContextdError as exc:
-                    self.engine.forget_active()
-                    job.events.put(RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc), "contextd_error"))
-                except OSError as exc:  # EIO, EROFS, ... from the store's disk
-                    self.engine.forget_active()
-                    job.events.put(RequestError(HTTPStatus.SERVICE_UNAVAILABLE, f"the store's disk failed: {exc}",
-                                                "storage_unavailable"))
                 except Exception as exc:  # noqa: BLE001 - the worker must outlive any one turn
-                    log.exception("turn failed")
-                    self.engine.forget_active()
-                    job.events.put(RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}",
-                                                "server_error"))
+                    error = error_for(exc)
+                    if error.kind == "server_error":
+                        log.exception("turn failed")
+                    if not isinstance(exc, TranscriptError):
+                        self.engine.forget_active()   # the next turn starts from the last durable state
+                    job.events.put(error)
+
+
+# What a failed turn answers, by the exception out of the engine: the first row whose type matches
+# wins (DaemonUnavailable and StoreFull are ContextdErrors; OSError is EIO, EROFS, ... from the
+# store's disk). Anything else is a 500 "server_error". The reliability campaign's oracle reads it.
+ERROR_STATUS: tuple[tuple[type[Exception], HTTPStatus, str], ...] = (
+    (TranscriptError, HTTPStatus.BAD_REQUEST, "invalid_request_error"),
+    (StoreFull, HTTPStatus.INSUFFICIENT_STORAGE, "store_full"),
+    (DaemonUnavailable, HTTPStatus.SERVICE_UNAVAILABLE, "contextd_down"),
+    (ContextdError, HTTPStatus.INTERNAL_SERVER_ERROR, "contextd_error"),
+    (OSError, HTTPStatus.SERVICE_UNAVAILABLE, "storage_unavailable"),
+)
+
+
+def error_for(exc: BaseException) -> RequestError:
+    """The answer to a turn that raised `exc`, from ERROR_STATUS."""
+    for kind, status, name in ERROR_STATUS:
+        if isinstance(exc, kind):
+            message = f"the store's disk failed: {exc}" if kind is OSError else str(exc)
+            return RequestError(status, message, name)
+    return RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}", "server_error")
 
 
 CONTEXT_MAX_PIECES = 80  # X-KV-Context, X-KV-Context-2, ...: one header line is capped at 64 KiB
@@ -291,7 +300,7 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                     session = parse_qs(url.query).get("session", [None])[0]
                     with worker.lock:
                         try:
-                            stats = worker.engine.stats(session)
+                            stats = views.stats(worker.engine, session)
                         except KeyError:
                             raise RequestError(HTTPStatus.NOT_FOUND, f"no session {session!r} on this server",
                                                "session_not_found") from None
@@ -316,7 +325,7 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                 self._loopback_only("page text")
             with worker.lock:
                 try:
-                    return worker.engine.pages(session, text=flag == "1")
+                    return views.page_listing(worker.engine, session, text=flag == "1")
                 except KeyError:
                     raise RequestError(HTTPStatus.NOT_FOUND, f"no session {session!r} on this server",
                                        "session_not_found") from None

@@ -4,7 +4,9 @@ The CLI (a server that starts its own contextd), the demo, the benchmarks and th
 processes through here. A launcher ends only what it started, by pid; nothing is ever killed by
 name or pattern, so two test runs (or a user's own server) on one machine never touch each other.
 A contextd started for a server is asked to die with its parent (PR_SET_PDEATHSIG on Linux), so a
-server killed with SIGKILL does not leave a daemon behind.
+server killed with SIGKILL does not leave a daemon behind. `stop_process` and `wait_healthy` are
+the one process stop and the one health wait; the harness uses them for Pi, llama-server and the
+fault campaign's processes too.
 
 Depends on contextd.client (to wait until the daemon answers) and the standard library.
 """
@@ -21,7 +23,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,15 +48,40 @@ def _die_with_parent() -> None:
         ctypes.CDLL(libc_name, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _end(proc: subprocess.Popen[Any], timeout: float = 60.0) -> None:
-    """SIGTERM, wait, SIGKILL if it does not go: this one process, by pid."""
+def stop_process(proc: subprocess.Popen[Any], timeout: float = 60.0, *, read_output: bool = False) -> str:
+    """End this one process, by its pid: SIGTERM, wait up to `timeout` s, SIGKILL if it does not
+    go. With `read_output`, its stdout pipe is read while it goes (a full pipe cannot hold it up)
+    and returned; without, the caller reads its output or it goes elsewhere, and "" is returned."""
+    def finish(wait_s: float | None) -> str:
+        if read_output:
+            return str(proc.communicate(timeout=wait_s)[0] or "")
+        proc.wait(timeout=wait_s)
+        return ""
+
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
+    try:
+        return finish(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return finish(None)
+
+
+def wait_healthy(proc: subprocess.Popen[Any], healthy: Callable[[], bool], timeout: float, name: str,
+                 log_tail: Callable[[], str], poll_s: float = 0.5) -> None:
+    """Wait until `healthy()` says yes (an OSError counts as not yet). A RuntimeError with the
+    process's log tail when it exits first or `timeout` s pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited ({proc.returncode}):\n{log_tail()}")
         try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            if healthy():
+                return
+        except OSError:
+            pass
+        time.sleep(poll_s)
+    raise RuntimeError(f"{name} did not answer within {timeout:.0f} s:\n{log_tail()}")
 
 
 @dataclass
@@ -108,14 +135,7 @@ class ContextdProcess:
             self.client = None
         if self.proc is None:
             return ""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            out, _ = self.proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            out, _ = self.proc.communicate()
-        return out or ""
+        return stop_process(self.proc, read_output=self.log is None)
 
 
 @dataclass
@@ -162,17 +182,8 @@ class ServerProcess:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kv-elision serve exited:\n{self.log_tail()}")
-            try:
-                if self.get("/health").status == 200:
-                    return self
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"kv-elision serve did not answer within {timeout:.0f}s:\n{self.log_tail()}")
+        wait_healthy(self.proc, lambda: self.get("/health").status == 200, timeout, "kv-elision serve", self.log_tail)
+        return self
 
     def request(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
                 raw: bytes | None = None, timeout: float = 3600.0) -> Reply:
@@ -211,7 +222,7 @@ class ServerProcess:
     def stop(self) -> None:
         """End the server, then its contextd."""
         if self.proc is not None:
-            _end(self.proc)
+            stop_process(self.proc)
         if self.contextd is not None:
             self.contextd.stop()
 

@@ -16,7 +16,7 @@ candidates cost N + 1 forwards (one token at a time, twelve sentence-shaped answ
 forwards, five times as long). The fork's forwards are reported as `scoring_forward_tokens`,
 never as the session's model forward tokens.
 
-Depends on backends (the protocol) and controller.pager (resident pages).
+Depends on backends (the protocol), controller.pager (resident pages) and serving.paging (rewind).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import numpy as np
 
 from backends import Backend
 from controller.pager import Pager
+from serving.paging import rewind
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -46,7 +47,7 @@ def continuation_logprobs(backend: Backend, candidates: list[list[int]]) -> tupl
     if not candidates or any(not c for c in candidates):
         raise ValueError("every candidate needs at least one token")
     fork = backend.fork()
-    before = fork.counters["model_forward_tokens"]
+    before = fork.counters.model_forward_tokens
     common = 0
     while all(len(c) > common + 1 and c[common] == candidates[0][common] for c in candidates):
         common += 1
@@ -66,11 +67,9 @@ def continuation_logprobs(backend: Backend, candidates: list[list[int]]) -> tupl
         if len(rest) > 1:
             steps = fork.prefill_logits(rest[:-1])
             total += sum(float(log_softmax(steps[i])[token]) for i, token in enumerate(rest[1:]))
-            fork.remove_attention_range(held, fork.attention_tokens)
-            if snap is not None:
-                fork.restore_recurrent(snap)
+            rewind(fork, held, snap)
         scores.append(total)
-    return scores, fork.counters["model_forward_tokens"] - before
+    return scores, fork.counters.model_forward_tokens - before
 
 
 @dataclass(frozen=True)

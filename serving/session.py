@@ -108,6 +108,19 @@ class LastAnswer:
 
 
 @dataclass
+class Persisted:
+    """What contextd already holds of a session: serving.paging writes it as pages and records
+    are stored, serving.recovery rebuilds it from contextd, nothing else changes it."""
+
+    page_ids: dict[int, str] = field(default_factory=dict)     # page index -> id of its stored version
+    superseded: list[tuple[int, str]] = field(default_factory=list)  # (page, stored version) to delete
+    pins: set[str] = field(default_factory=set)                 # pinned page ids contextd holds
+    summaries: dict[str, str] = field(default_factory=dict)     # unit / cluster id -> summary in contextd
+    segments: int = 0                                           # transcript segments in the session record
+    resident_positions: dict[int, int] = field(default_factory=dict)  # page -> first RoPE position, at turn end
+
+
+@dataclass
 class Session:
     session_id: str
     transcript: Transcript
@@ -117,25 +130,15 @@ class Session:
     lexical_index: LexicalIndex | None = None  # stored full pages by their token ids (hybrid selector)
     counters: SessionCounters = field(default_factory=SessionCounters)
     snapshots: dict[int, RecurrentSnapshot] = field(default_factory=dict)  # tokens -> state (hybrids)
-    last_answer: LastAnswer | None = None
-    stored_ids: dict[int, str] = field(default_factory=dict)   # page index -> id of its stored version
-    superseded: list[tuple[int, str]] = field(default_factory=list)  # (page, stored version) to delete
-    recorded_pins: set[str] = field(default_factory=set)        # pins contextd already holds
-    recorded_summaries: dict[str, str] = field(default_factory=dict)  # unit / cluster id -> summary in contextd
-    stored_segments: int = 0                                    # transcript segments in the session record
-    resident_positions: dict[int, int] = field(default_factory=dict)  # page -> first RoPE position, at turn end
+    persisted: Persisted = field(default_factory=Persisted)
     message_ends: set[int] = field(default_factory=set)        # pages where a message ends
+    last_answer: LastAnswer | None = None
     last_selection: str = ""
     last_turn: TurnTimings | None = None
     phase_ms: dict[str, float] = field(default_factory=dict)   # this turn so far, by PHASES
+    recovery_notes: list[str] = field(default_factory=list)    # what recovery found and fixed
+    restore_scores: dict[int, float] = field(default_factory=dict)  # page -> score that last brought it back
 
     def timed(self, phase: str, started: float) -> None:
         """Add the time since `started` (time.perf_counter) to this turn's `phase`."""
         self.phase_ms[phase] = self.phase_ms.get(phase, 0.0) + (time.perf_counter() - started) * 1e3
-    recovery_notes: list[str] = field(default_factory=list)    # what recovery found and fixed
-    restore_scores: dict[int, float] = field(default_factory=dict)  # page -> score that last brought it back
-
-    def cut_segments(self, keep: int) -> None:
-        """The transcript keeps its first `keep` segments; the record then keeps no more either."""
-        self.transcript.cut(keep)
-        self.stored_segments = min(self.stored_segments, keep)

@@ -12,15 +12,22 @@ class PageState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PAGE_STATE_UNSPECIFIED: _ClassVar[PageState]
     HOT: _ClassVar[PageState]
     COLD: _ClassVar[PageState]
-    PINNED: _ClassVar[PageState]
     DROPPED: _ClassVar[PageState]
     CORRUPT: _ClassVar[PageState]
+
+class SummaryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SUMMARY_KIND_UNSPECIFIED: _ClassVar[SummaryKind]
+    UNIT: _ClassVar[SummaryKind]
+    CLUSTER: _ClassVar[SummaryKind]
 PAGE_STATE_UNSPECIFIED: PageState
 HOT: PageState
 COLD: PageState
-PINNED: PageState
 DROPPED: PageState
 CORRUPT: PageState
+SUMMARY_KIND_UNSPECIFIED: SummaryKind
+UNIT: SummaryKind
+CLUSTER: SummaryKind
 
 class SessionRef(_message.Message):
     __slots__ = ("session_id",)
@@ -134,7 +141,7 @@ class DeleteSessionResponse(_message.Message):
     def __init__(self, pages_deleted: _Optional[int] = ..., bytes_freed: _Optional[int] = ...) -> None: ...
 
 class Page(_message.Message):
-    __slots__ = ("page_id", "index", "token_start", "token_end", "original_position", "state", "locator", "byte_size", "checksum", "dtype", "layer_view", "block_id", "updated_unix", "last_used_turn", "score")
+    __slots__ = ("page_id", "index", "token_start", "token_end", "original_position", "state", "locator", "byte_size", "checksum", "dtype", "layer_view", "summary_id", "updated_unix", "last_used_turn", "score")
     PAGE_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_START_FIELD_NUMBER: _ClassVar[int]
@@ -146,7 +153,7 @@ class Page(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LAYER_VIEW_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_ID_FIELD_NUMBER: _ClassVar[int]
     UPDATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     LAST_USED_TURN_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
@@ -161,11 +168,11 @@ class Page(_message.Message):
     checksum: str
     dtype: str
     layer_view: str
-    block_id: str
+    summary_id: str
     updated_unix: float
     last_used_turn: int
     score: float
-    def __init__(self, page_id: _Optional[str] = ..., index: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., original_position: _Optional[int] = ..., state: _Optional[_Union[PageState, str]] = ..., locator: _Optional[str] = ..., byte_size: _Optional[int] = ..., checksum: _Optional[str] = ..., dtype: _Optional[str] = ..., layer_view: _Optional[str] = ..., block_id: _Optional[str] = ..., updated_unix: _Optional[float] = ..., last_used_turn: _Optional[int] = ..., score: _Optional[float] = ...) -> None: ...
+    def __init__(self, page_id: _Optional[str] = ..., index: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., original_position: _Optional[int] = ..., state: _Optional[_Union[PageState, str]] = ..., locator: _Optional[str] = ..., byte_size: _Optional[int] = ..., checksum: _Optional[str] = ..., dtype: _Optional[str] = ..., layer_view: _Optional[str] = ..., summary_id: _Optional[str] = ..., updated_unix: _Optional[float] = ..., last_used_turn: _Optional[int] = ..., score: _Optional[float] = ...) -> None: ...
 
 class UpsertPagesRequest(_message.Message):
     __slots__ = ("session_id", "pages")
@@ -267,45 +274,45 @@ class ReclaimResponse(_message.Message):
     reserve_bytes: int
     def __init__(self, bytes_freed: _Optional[int] = ..., dropped: _Optional[_Iterable[_Union[PageRef, _Mapping]]] = ..., free_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ...) -> None: ...
 
-class Block(_message.Message):
-    __slots__ = ("block_id", "kind", "parent_id", "page_ids", "child_ids", "token_count", "summary")
-    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+class Summary(_message.Message):
+    __slots__ = ("summary_id", "kind", "parent_id", "page_ids", "child_ids", "token_count", "text")
+    SUMMARY_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     CHILD_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
-    SUMMARY_FIELD_NUMBER: _ClassVar[int]
-    block_id: str
-    kind: str
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    summary_id: str
+    kind: SummaryKind
     parent_id: str
     page_ids: _containers.RepeatedScalarFieldContainer[str]
     child_ids: _containers.RepeatedScalarFieldContainer[str]
     token_count: int
-    summary: str
-    def __init__(self, block_id: _Optional[str] = ..., kind: _Optional[str] = ..., parent_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[str]] = ..., child_ids: _Optional[_Iterable[str]] = ..., token_count: _Optional[int] = ..., summary: _Optional[str] = ...) -> None: ...
+    text: str
+    def __init__(self, summary_id: _Optional[str] = ..., kind: _Optional[_Union[SummaryKind, str]] = ..., parent_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[str]] = ..., child_ids: _Optional[_Iterable[str]] = ..., token_count: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
 
-class UpsertBlocksRequest(_message.Message):
-    __slots__ = ("session_id", "blocks")
+class UpsertSummariesRequest(_message.Message):
+    __slots__ = ("session_id", "summaries")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SUMMARIES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    blocks: _containers.RepeatedCompositeFieldContainer[Block]
-    def __init__(self, session_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ...) -> None: ...
+    summaries: _containers.RepeatedCompositeFieldContainer[Summary]
+    def __init__(self, session_id: _Optional[str] = ..., summaries: _Optional[_Iterable[_Union[Summary, _Mapping]]] = ...) -> None: ...
 
-class QueryBlocksRequest(_message.Message):
+class QuerySummariesRequest(_message.Message):
     __slots__ = ("session_id", "kind")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    kind: str
-    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
+    kind: SummaryKind
+    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[_Union[SummaryKind, str]] = ...) -> None: ...
 
-class QueryBlocksResponse(_message.Message):
-    __slots__ = ("blocks",)
-    BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    blocks: _containers.RepeatedCompositeFieldContainer[Block]
-    def __init__(self, blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ...) -> None: ...
+class QuerySummariesResponse(_message.Message):
+    __slots__ = ("summaries",)
+    SUMMARIES_FIELD_NUMBER: _ClassVar[int]
+    summaries: _containers.RepeatedCompositeFieldContainer[Summary]
+    def __init__(self, summaries: _Optional[_Iterable[_Union[Summary, _Mapping]]] = ...) -> None: ...
 
 class Pin(_message.Message):
     __slots__ = ("page_id", "kind")

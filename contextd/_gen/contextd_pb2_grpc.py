@@ -94,15 +94,15 @@ class ContextdStub:
                 request_serializer=contextd_dot___gen_dot_contextd__pb2.ReclaimRequest.SerializeToString,
                 response_deserializer=contextd_dot___gen_dot_contextd__pb2.ReclaimResponse.FromString,
                 _registered_method=True)
-        self.UpsertBlocks = channel.unary_unary(
-                '/kv_elision.contextd.v1.Contextd/UpsertBlocks',
-                request_serializer=contextd_dot___gen_dot_contextd__pb2.UpsertBlocksRequest.SerializeToString,
+        self.UpsertSummaries = channel.unary_unary(
+                '/kv_elision.contextd.v1.Contextd/UpsertSummaries',
+                request_serializer=contextd_dot___gen_dot_contextd__pb2.UpsertSummariesRequest.SerializeToString,
                 response_deserializer=contextd_dot___gen_dot_contextd__pb2.WriteAck.FromString,
                 _registered_method=True)
-        self.QueryBlocks = channel.unary_unary(
-                '/kv_elision.contextd.v1.Contextd/QueryBlocks',
-                request_serializer=contextd_dot___gen_dot_contextd__pb2.QueryBlocksRequest.SerializeToString,
-                response_deserializer=contextd_dot___gen_dot_contextd__pb2.QueryBlocksResponse.FromString,
+        self.QuerySummaries = channel.unary_unary(
+                '/kv_elision.contextd.v1.Contextd/QuerySummaries',
+                request_serializer=contextd_dot___gen_dot_contextd__pb2.QuerySummariesRequest.SerializeToString,
+                response_deserializer=contextd_dot___gen_dot_contextd__pb2.QuerySummariesResponse.FromString,
                 _registered_method=True)
         self.SetPins = channel.unary_unary(
                 '/kv_elision.contextd.v1.Contextd/SetPins',
@@ -208,7 +208,8 @@ class ContextdServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetPageStates(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """HOT or COLD only: DROPPED and CORRUPT are contextd's own, and pinning is SetPins, not a state.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -249,21 +250,23 @@ class ContextdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def UpsertBlocks(self, request, context):
-        """Semantic blocks (units and clusters, with their summaries).
+    def UpsertSummaries(self, request, context):
+        """Summaries: the units (runs of pages) and clusters (runs of units) of a session's history,
+        with their summary text. (A "block", elsewhere in kv-elision, is a page's K/V payload.)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def QueryBlocks(self, request, context):
+    def QuerySummaries(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def SetPins(self, request, context):
-        """Pins and leases.
+        """Pins and leases: attributes of a page beside its state (a pinned page is HOT), counted in
+        PageCounts.pinned while the page is hot.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -402,15 +405,15 @@ def add_ContextdServicer_to_server(servicer, server):
                     request_deserializer=contextd_dot___gen_dot_contextd__pb2.ReclaimRequest.FromString,
                     response_serializer=contextd_dot___gen_dot_contextd__pb2.ReclaimResponse.SerializeToString,
             ),
-            'UpsertBlocks': grpc.unary_unary_rpc_method_handler(
-                    servicer.UpsertBlocks,
-                    request_deserializer=contextd_dot___gen_dot_contextd__pb2.UpsertBlocksRequest.FromString,
+            'UpsertSummaries': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpsertSummaries,
+                    request_deserializer=contextd_dot___gen_dot_contextd__pb2.UpsertSummariesRequest.FromString,
                     response_serializer=contextd_dot___gen_dot_contextd__pb2.WriteAck.SerializeToString,
             ),
-            'QueryBlocks': grpc.unary_unary_rpc_method_handler(
-                    servicer.QueryBlocks,
-                    request_deserializer=contextd_dot___gen_dot_contextd__pb2.QueryBlocksRequest.FromString,
-                    response_serializer=contextd_dot___gen_dot_contextd__pb2.QueryBlocksResponse.SerializeToString,
+            'QuerySummaries': grpc.unary_unary_rpc_method_handler(
+                    servicer.QuerySummaries,
+                    request_deserializer=contextd_dot___gen_dot_contextd__pb2.QuerySummariesRequest.FromString,
+                    response_serializer=contextd_dot___gen_dot_contextd__pb2.QuerySummariesResponse.SerializeToString,
             ),
             'SetPins': grpc.unary_unary_rpc_method_handler(
                     servicer.SetPins,
@@ -808,7 +811,7 @@ class Contextd:
             _registered_method=True)
 
     @staticmethod
-    def UpsertBlocks(request,
+    def UpsertSummaries(request,
             target,
             options=(),
             channel_credentials=None,
@@ -821,8 +824,8 @@ class Contextd:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kv_elision.contextd.v1.Contextd/UpsertBlocks',
-            contextd_dot___gen_dot_contextd__pb2.UpsertBlocksRequest.SerializeToString,
+            '/kv_elision.contextd.v1.Contextd/UpsertSummaries',
+            contextd_dot___gen_dot_contextd__pb2.UpsertSummariesRequest.SerializeToString,
             contextd_dot___gen_dot_contextd__pb2.WriteAck.FromString,
             options,
             channel_credentials,
@@ -835,7 +838,7 @@ class Contextd:
             _registered_method=True)
 
     @staticmethod
-    def QueryBlocks(request,
+    def QuerySummaries(request,
             target,
             options=(),
             channel_credentials=None,
@@ -848,9 +851,9 @@ class Contextd:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kv_elision.contextd.v1.Contextd/QueryBlocks',
-            contextd_dot___gen_dot_contextd__pb2.QueryBlocksRequest.SerializeToString,
-            contextd_dot___gen_dot_contextd__pb2.QueryBlocksResponse.FromString,
+            '/kv_elision.contextd.v1.Contextd/QuerySummaries',
+            contextd_dot___gen_dot_contextd__pb2.QuerySummariesRequest.SerializeToString,
+            contextd_dot___gen_dot_contextd__pb2.QuerySummariesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -66,10 +66,11 @@ test("the status line shows what contextd holds for this Pi session", async () =
   await callContextd(client, "OpenSession", { session_id: sessionId, model_id: "smollm2-135m", budget_tokens: 4096 });
   await callContextd(client, "UpsertPages", {
     session_id: sessionId,
-    pages: [0, 1, 2].map((i) => ({ page_id: `p${i}`, index: i, token_start: i * 128, token_end: (i + 1) * 128, state: i === 0 ? "PINNED" : "HOT" })),
+    pages: [0, 1, 2].map((i) => ({ page_id: `p${i}`, index: i, token_start: i * 128, token_end: (i + 1) * 128, state: "HOT" })),
   });
+  await callContextd(client, "SetPins", { session_id: sessionId, add: [{ page_id: "p0", kind: "system" }] });
   await writeRecord(client, sessionId, { attention_tokens: 384, counters: { restored_pages_turn: 1 } });
-  const want = "kv hot 2 · cold 0 · pinned 1 | attn 384/4096 | restored 1";
+  const want = "kv hot 3 · cold 0 · pinned 1 | attn 384/4096 | restored 1";
   await pi.waitFor((e: UiEvent) => e.method === "setStatus" && e.statusText === want, { timeoutMs: 15_000 });
   assert.equal(statusTexts(pi.events).at(-1), want);
 });

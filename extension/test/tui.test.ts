@@ -96,10 +96,11 @@ async function liveFooter(name: string, args: string[], settings: object): Promi
     await callContextd(client, "OpenSession", { session_id: sessionId, model_id: MODEL, budget_tokens: 4096 });
     await callContextd(client, "UpsertPages", {
       session_id: sessionId,
-      pages: [0, 1, 2].map((i) => ({ page_id: `p${i}`, index: i, token_start: i * 128, token_end: (i + 1) * 128, state: i === 0 ? "PINNED" : "HOT" })),
+      pages: [0, 1, 2].map((i) => ({ page_id: `p${i}`, index: i, token_start: i * 128, token_end: (i + 1) * 128, state: "HOT" })),
     });
+    await callContextd(client, "SetPins", { session_id: sessionId, add: [{ page_id: "p0", kind: "system" }] });
     await writeRecord(client, sessionId, { attention_tokens: 384, counters: { restored_pages_turn: 1 } });
-    const live = await until("kv hot 2 · cold 0 · pinned 1 | attn 384/4096 | restored 1");
+    const live = await until("kv hot 3 · cold 0 · pinned 1 | attn 384/4096 | restored 1");
     assert.match(live.status, STATUS);
     assert.ok(live.stats.endsWith(MODEL), live.stats);
     assert.equal(live.cwd, cwd);

@@ -64,19 +64,19 @@ test("status text follows the session contextd holds for this Pi session", async
     await callContextd(client, "OpenSession", { session_id: SESSION, model_id: "smollm2-135m", budget_tokens: 4096 });
     await callContextd(client, "OpenSession", { session_id: "someone-else", model_id: "smollm2-135m", budget_tokens: 4096 });
     await callContextd(client, "UpsertPages", { session_id: SESSION, pages: [0, 1, 2, 3].map((i) => page(i, "HOT")) });
-    await callContextd(client, "SetPageStates", { session_id: SESSION, changes: [{ page_id: "p3", state: "PINNED" }] });
+    await callContextd(client, "SetPins", { session_id: SESSION, add: [{ page_id: "p3", kind: "system" }] });
     await writeRecord(client, SESSION, { attention_tokens: 384, counters: { restored_pages_turn: 2 } });
-    await texts.until("kv hot 3 · cold 0 · pinned 1 | attn 384/4096 | restored 2");
+    await texts.until("kv hot 4 · cold 0 · pinned 1 | attn 384/4096 | restored 2");
 
     await writeRecord(client, SESSION, { attention_tokens: 384, counters: { restored_pages_turn: 0 } });
-    await texts.until("kv hot 3 · cold 0 · pinned 1 | attn 384/4096 | restored 0");
+    await texts.until("kv hot 4 · cold 0 · pinned 1 | attn 384/4096 | restored 0");
     assert.ok(texts.seen.every((t, i) => i === 0 || t !== texts.seen[i - 1]), "only changes are shown");
 
     await contextd.stop("SIGKILL");
     await texts.until(downText(contextd.socket));
 
     await contextd.start();
-    await texts.until("kv hot 3 · cold 0 · pinned 1 | attn 384/4096 | restored 0");
+    await texts.until("kv hot 4 · cold 0 · pinned 1 | attn 384/4096 | restored 0");
   } finally {
     watcher.stop();
   }

@@ -23,7 +23,7 @@ import pytest
 
 from backends import Backend, load_backend
 from backends.models import TINY_MODELS, load_tokenizer, resolve
-from benchmarks.corpus import sample_tokens
+from harness.corpus import sample_tokens
 
 from .mlx_harness import MlxHarness
 

@@ -28,8 +28,8 @@ def max_delta(a: np.ndarray, b: np.ndarray) -> float:
 
 def assert_accounting(be: Backend) -> None:
     c = be.counters
-    assert c["model_forward_tokens"] == c["new_prefill_tokens"] + c["decoded_tokens"], c
-    assert c["historical_forward_during_restore"] == 0, c
+    assert c.model_forward_tokens == c.new_prefill_tokens + c.decoded_tokens, c
+    assert c.historical_forward_during_restore == 0, c
 
 
 def next_logits_and_greedy(ref: Backend, other: Backend, n: int) -> None:
@@ -130,7 +130,7 @@ def test_evict_decode_restore_decode_accounting(models: Models, model: str) -> N
     generated += [be.decode() for _ in range(32)]
 
     c = be.counters
-    delta = {k: c[k] - c0[k] for k in c if k != "forward_ns"}
+    delta = {k: v - getattr(c0, k) for k, v in c.as_dict().items() if k != "forward_ns"}
     # The first decode picks from the prefill logits; every later one feeds the previous token.
     assert delta == {
         "model_forward_tokens": 47,
@@ -198,7 +198,7 @@ def test_thousand_random_cycles_leave_no_drift(models: Models, harness: Harness,
     expected = harness.model_rotate(be, pre.prerope_keys, np.arange(PREFILL_TOKENS))
     assert max_delta(be.rotated_keys(), expected) <= KEY_TOL
     c = be.counters
-    assert c["restored_tokens"] == c["evicted_tokens"] > 0 and c["compactions"] > 0
+    assert c.restored_tokens == c.evicted_tokens > 0 and c.compactions > 0
     next_logits_and_greedy(ref, be, 4)
     assert_accounting(be)
 

@@ -20,11 +20,15 @@ from backends import (
     Block,
     BlockFormatError,
     BlockMismatchError,
+    CorruptPayloadError,
     RecurrentSnapshot,
     UnsupportedModelError,
     load_backend,
 )
 from backends.blockfile import FORMAT_VERSION, checksum
+from backends.runtime import SlotBackend
+from backends.slot_store import SlotStore
+from backends.torch_backend import TorchBackend
 
 from .conftest import Harness, Models
 
@@ -33,6 +37,24 @@ TINY = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-next", "tiny-gpt-oss"]
 
 
 # -- loading -----------------------------------------------------------------------------------
+
+def test_a_runtime_missing_a_hook_cannot_be_instantiated() -> None:
+    """The runtime base's hooks are abstract: a runtime that forgets one fails at construction, not
+    when the hook first runs."""
+    hooks = {name: vars(TorchBackend)[name] for name in SlotBackend.__abstractmethods__}
+    assert {"_forward", "_new_cache", "_page_op", "_read_recurrent", "_settle"} <= hooks.keys()
+    for missing in hooks:
+        runtime = type("Runtime", (SlotBackend,), {k: v for k, v in hooks.items() if k != missing})
+        with pytest.raises(TypeError, match=f"abstract method.*{missing}"):
+            runtime(None, "tiny-llama")
+    assert not type("Runtime", (SlotBackend,), hooks).__abstractmethods__
+
+    class Store(SlotStore):
+        group_elements = 1 << 20
+
+    with pytest.raises(TypeError, match="abstract method.*write_canon"):
+        Store(None, 16)  # type: ignore[abstract, arg-type]
+
 
 def test_backend_satisfies_protocol(models: Models) -> None:
     be = models.fresh("tiny-llama")
@@ -193,13 +215,13 @@ def test_file_restore_equals_insert_and_refuses_corruption(models: Models, tmp_p
 
     be.remove_attention_range(256, 384)
     before = be.fork()
-    with pytest.raises(BlockMismatchError, match="other tokens"):
+    with pytest.raises(CorruptPayloadError, match="other tokens"):
         be.insert_block_file(path, 256, checksum=digest, size=size, token_ids=saved.token_ids[::-1].copy())
     data = bytearray(path.read_bytes())
     data[-100] ^= 0x10
     _write(path, bytes(data))
     _drop_from_page_cache(path, cold)
-    with pytest.raises(BlockFormatError, match="checksum"):
+    with pytest.raises(CorruptPayloadError, match="checksum"):
         be.insert_block_file(path, 256, checksum=digest, size=size)
     assert be.attention_tokens == before.attention_tokens and be.counters == before.counters
     assert [be.decode() for _ in range(3)] == [before.decode() for _ in range(3)]
@@ -279,7 +301,7 @@ def test_fork_is_independent_and_reset_empties(models: Models) -> None:
     be.prefill(models.tokens[256:300])
     assert twin.attention_tokens == 256 and twin.stream_tokens == 256
     assert be.attention_tokens == 172 and be.stream_tokens == 300
-    assert twin.counters["new_prefill_tokens"] == 256
+    assert twin.counters.new_prefill_tokens == 256
     be.reset()
     assert be.attention_tokens == 0 and be.stream_tokens == 0 and be.pending_token is None
     snap = be.snapshot_recurrent()
@@ -295,9 +317,9 @@ def test_decode_feeds_pending_or_given_token_and_samples_reproducibly(models: Mo
     logits = be.prefill(models.tokens[:64])
     first = be.decode()
     assert first == int(np.argmax(logits)) and be.pending_token == first
-    assert be.counters["decoded_tokens"] == 0
+    assert be.counters.decoded_tokens == 0
     be.decode(token=7)
-    assert be.held_token_ids()[-1] == 7 and be.counters["decoded_tokens"] == 1
+    assert be.held_token_ids()[-1] == 7 and be.counters.decoded_tokens == 1
     a, b = be.fork(), be.fork()
     sa = [a.decode(greedy=False, temperature=0.9, top_k=50, top_p=0.95, seed=11)] + [
         a.decode(greedy=False, temperature=0.9, top_k=50, top_p=0.95) for _ in range(7)]
@@ -322,7 +344,7 @@ def test_out_of_vocabulary_tokens_are_refused_before_the_model_runs(models: Mode
             be.prefill([5, bad])
         with pytest.raises(ValueError, match="vocabulary"):
             be.decode(token=bad)
-    assert be.attention_tokens == 32 and be.counters["model_forward_tokens"] == 32
+    assert be.attention_tokens == 32 and be.counters.model_forward_tokens == 32
     be.decode(token=5)
 
 
@@ -366,7 +388,7 @@ def test_head_and_tail_pages_restore_in_place(models: Models) -> None:
     be.insert_block(tail, be.attention_tokens)
     np.testing.assert_array_equal(be.positions(), np.arange(512))
     np.testing.assert_array_equal(be.rotated_keys(), ref.rotated_keys())
-    assert be.counters["reanchored_keys"] == 256
+    assert be.counters.reanchored_keys == 256
 
 
 @pytest.mark.parametrize("model", TINY)
@@ -415,8 +437,8 @@ def test_accounting_invariant_after_random_mixes(models: Models, harness: Harnes
             else:
                 be.compact_positions()
             c = be.counters
-            assert c["model_forward_tokens"] == c["new_prefill_tokens"] + c["decoded_tokens"] == len(stream)
-            assert c["historical_forward_during_restore"] == 0
+            assert c.model_forward_tokens == c.new_prefill_tokens + c.decoded_tokens == len(stream)
+            assert c.historical_forward_during_restore == 0
             assert be.stream_tokens == len(stream) and be.attention_tokens == len(held)
             np.testing.assert_array_equal(be.held_token_ids(), np.asarray([stream[i] for i in held]))
             positions = be.positions()
@@ -428,7 +450,7 @@ def test_accounting_invariant_after_random_mixes(models: Models, harness: Harnes
         at, data, indices = evicted.pop()
         be.insert_block(Block.from_bytes(data, expect=be.layer_view), at)
         held[at:at] = indices
-    assert be.counters["compactions"] > 0 and be.counters["restored_tokens"] == be.counters["evicted_tokens"]
+    assert be.counters.compactions > 0 and be.counters.restored_tokens == be.counters.evicted_tokens
     canon = np.stack([np.concatenate(chunks, axis=0) for chunks in captured]).transpose(0, 2, 1, 3)
     expected = harness.model_rotate(be, canon[:, :, held], be.positions())
     assert float(np.abs(be.rotated_keys() - expected).max()) <= 1e-5

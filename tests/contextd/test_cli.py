@@ -8,7 +8,8 @@ import sys
 import time
 
 from contextd.client import pb
-from serving.launcher import ContextdProcess
+from contextd.wire import PageState, PinKind
+from serving.launcher import ContextdProcess, stop_process
 from tests.contextd.conftest import REPO, run_cli, states, store_payload
 
 
@@ -19,7 +20,8 @@ def _fill(daemon: ContextdProcess) -> None:
     records = [pb.Page(page_id=f"p{i}", token_start=i * 128, token_end=(i + 1) * 128) for i in range(6)]
     client.upsert_pages("alpha", records)
     store_payload(client, "alpha", records[0], b"k" * 2048)
-    client.set_page_states("alpha", states([("p0", pb.COLD), ("p1", pb.PINNED)]))
+    client.set_page_states("alpha", states([("p0", PageState.COLD)]))
+    client.set_pins("alpha", add=[("p1", PinKind.SYSTEM)])
     client.write_record("alpha", pb.SessionRecord(turn=2, attention_tokens=640, unit_salt="s",
                                                   counters={"restored_pages": 3, "restored_pages_turn": 1}), 0, [])
 
@@ -32,12 +34,13 @@ def test_status_prints_a_table_and_json(daemon: ContextdProcess) -> None:
     assert lines[0].startswith("contextd pid ") and "sync full" in lines[0]
     assert lines[2].split() == ["SESSION", "TURN", "ATTN/BUDGET", "HOT", "COLD", "PINNED", "DROPPED", "CORRUPT",
                                 "TOKENS", "h/c/p", "ON", "DISK", "SNAPSHOTS"]
-    assert lines[3].split() == ["alpha", "2", "640/4096", "4", "1", "1", "0", "0", "512/128/128", "2.0", "KiB", "0"]
+    # hot counts every page in attention, the pinned one included
+    assert lines[3].split() == ["alpha", "2", "640/4096", "5", "1", "1", "0", "0", "640/128/128", "2.0", "KiB", "0"]
 
     as_json = run_cli("status", "--json", "--socket", str(daemon.socket))
     data = json.loads(as_json.stdout)
     session = data["sessions"][0]
-    assert session["pages"]["hot"] == "4" or session["pages"]["hot"] == 4  # uint64 is a string in proto JSON
+    assert session["pages"]["hot"] == "5" or session["pages"]["hot"] == 5  # uint64 is a string in proto JSON
     assert int(session["pages"]["bytes_on_disk"]) == 2048
     assert data["sync_mode"] == "full" and int(data["reserve_bytes"]) == 0
 
@@ -48,14 +51,13 @@ def test_watch_prints_one_line_per_change(daemon: ContextdProcess) -> None:
                             cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     first = proc.stdout.readline()
-    assert "alpha: hot 4 cold 1 pinned 1 | attn 640/4096 | restored 1 this turn, 3 in all" in first
+    assert "alpha: hot 5 cold 1 pinned 1 | attn 640/4096 | restored 1 this turn, 3 in all" in first
     client = daemon.client
     assert client is not None
-    client.set_page_states("alpha", states([("p2", pb.PINNED)]))
+    client.set_pins("alpha", add=[("p2", PinKind.TOOLS)])
     second = proc.stdout.readline()
-    assert "hot 3 cold 1 pinned 2" in second
-    proc.terminate()
-    proc.wait(timeout=10)
+    assert "hot 5 cold 1 pinned 2" in second
+    stop_process(proc, timeout=10)
 
 
 def test_gc_removes_orphans_but_not_referenced_payloads(daemon: ContextdProcess) -> None:

@@ -10,17 +10,17 @@ import pytest
 
 from contextd.client import Client, pb
 from contextd.errors import FailedPrecondition, InvalidArgument, NotFound, StoreFull
-from contextd.wire import PageState
+from contextd.wire import PageState, PinKind, SummaryKind
 from serving.launcher import ContextdProcess
 from tests.contextd.conftest import states, store_payload
 
 PAGE_TOKENS = 128
 
 
-def pages(prefix: str, count: int, start_index: int = 0, state: int = pb.HOT) -> list[pb.Page]:
+def pages(prefix: str, count: int, start_index: int = 0, state: PageState = PageState.HOT) -> list[pb.Page]:
     return [pb.Page(page_id=f"{prefix}{start_index + i:06d}", index=start_index + i,
                     token_start=(start_index + i) * PAGE_TOKENS, token_end=(start_index + i + 1) * PAGE_TOKENS,
-                    original_position=(start_index + i) * PAGE_TOKENS, state=state, dtype="float32",
+                    original_position=(start_index + i) * PAGE_TOKENS, state=state.value, dtype="float32",
                     layer_view="test-view") for i in range(count)]
 
 
@@ -32,15 +32,15 @@ def test_batched_upserts_and_state_changes_round_trip(daemon: ContextdProcess) -
     assert ack.applied == 300 and ack.commit_seq > 0
     for page in pages("p", 40):
         store_payload(client, "s1", page, bytes([page.index]) * 4096)
-    ack2 = client.set_page_states("s1", states([(f"p{i:06d}", pb.COLD) for i in range(40)]
-                                               + [(f"p{i:06d}", pb.PINNED) for i in range(40, 45)], turn=3))
+    ack2 = client.set_page_states("s1", states([(f"p{i:06d}", PageState.COLD) for i in range(40)], turn=3))
     assert ack2.commit_seq > ack.commit_seq
+    client.set_pins("s1", add=[(f"p{i:06d}", PinKind.SYSTEM) for i in range(40, 45)])
 
     cold = client.query_pages("s1", [PageState.COLD])
     assert [p.page_id for p in cold] == [f"p{i:06d}" for i in range(40)]
     assert all(p.last_used_turn == 3 and p.locator and len(p.checksum) == 32 for p in cold)
-    assert len(client.query_pages("s1", [PageState.PINNED])) == 5
-    assert len(client.query_pages("s1", [PageState.HOT, PageState.PINNED])) == 260
+    assert len(client.query_pages("s1", [PageState.HOT])) == 260  # the pinned pages are hot
+    assert len(client.query_pages("s1", [PageState.HOT, PageState.COLD])) == 300
     everything = client.query_pages("s1", page_size=7)  # paginated
     assert [p.page_id for p in everything] == [f"p{i:06d}" for i in range(300)]
     # by id: exactly what the full listing says of those pages, in the order asked
@@ -51,27 +51,33 @@ def test_batched_upserts_and_state_changes_round_trip(daemon: ContextdProcess) -
     assert all(p == listed[p.page_id] for p in by_id)
 
     session = client.get_session("s1")
-    assert (session.pages.hot, session.pages.cold, session.pages.pinned) == (255, 40, 5)
+    assert (session.pages.hot, session.pages.cold, session.pages.pinned) == (260, 40, 5)
+    assert (session.pages.hot_tokens, session.pages.pinned_tokens) == (260 * PAGE_TOKENS, 5 * PAGE_TOKENS)
     assert session.pages.cold_tokens == 40 * PAGE_TOKENS
     assert session.pages.bytes_on_disk == 40 * 4096
     assert session.labels["agent"] == "pi"
 
     # a restore: cold -> hot keeps the payload reference and records the score that brought it back
-    client.set_page_states("s1", [pb.PageStateChange(page_id="p000001", state=pb.HOT, last_used_turn=4, score=2.5)])
+    client.set_page_states("s1", [pb.PageStateChange(page_id="p000001", state=PageState.HOT.value, last_used_turn=4,
+                                                     score=2.5)])
     restored = client.get_pages("s1", ["p000001"])[0]
-    assert restored.state == pb.HOT and restored.locator == cold[1].locator and restored.score == 2.5
+    assert restored.state == PageState.HOT.value and restored.locator == cold[1].locator and restored.score == 2.5
     path = daemon.root / "store" / restored.locator
     assert path.read_bytes() == bytes([1]) * 4096 and (path.stat().st_mode & 0o777) == 0o600
     assert (path.parent.stat().st_mode & 0o777) == 0o700
 
     # the other tables
-    client.upsert_blocks("s1", [pb.Block(block_id="u1", kind="unit", parent_id="c1", page_ids=["p000000", "p000001"],
-                                         token_count=256, summary="読み込んだ設定ファイル"),
-                                pb.Block(block_id="c1", kind="cluster", child_ids=["u1"], summary="cluster")])
-    assert {b.block_id for b in client.query_blocks("s1")} == {"u1", "c1"}
-    assert client.query_blocks("s1", "unit")[0].summary == "読み込んだ設定ファイル"
-    client.set_pins("s1", add=[("p000040", "system"), ("p000041", "tools")])
+    client.upsert_summaries("s1", [
+        pb.Summary(summary_id="u1", kind=pb.UNIT, parent_id="c1", page_ids=["p000000", "p000001"], token_count=256,
+                   text="読み込んだ設定ファイル"),
+        pb.Summary(summary_id="c1", kind=pb.CLUSTER, child_ids=["u1"], text="cluster")])
+    assert {s.summary_id for s in client.query_summaries("s1")} == {"u1", "c1"}
+    assert [s.text for s in client.query_summaries("s1", SummaryKind.UNIT)] == ["読み込んだ設定ファイル"]
+    with pytest.raises(InvalidArgument, match="kind"):
+        client.upsert_summaries("s1", [pb.Summary(summary_id="u2", text="no kind")])
+    client.set_pins("s1", add=[("p000041", PinKind.TOOLS)], remove=["p000042", "p000043", "p000044"])
     assert {p.page_id: p.kind for p in client.query_pins("s1")} == {"p000040": "system", "p000041": "tools"}
+    assert client.get_session("s1").pages.pinned == 2
     client.set_leases("s1", add=[pb.Lease(page_id="p000001", until_turn=6)])
     assert client.query_leases("s1")[0].until_turn == 6
     blob = client.payloads().write("s1", "snapshot-recurrent", b"state" * 100, suffix="rs")
@@ -139,7 +145,7 @@ def test_four_watchers_see_consistent_snapshots_while_10000_pages_commit(daemon:
                     first = False
                 seen[slot].append(reply)
                 s = reply.sessions[0].pages
-                n = s.hot + s.cold + s.pinned
+                n = s.hot + s.cold
                 # a half-applied batch would show a page count that is not a whole number of batches,
                 # or token aggregates out of step with the page counts
                 if n % batch or s.hot_tokens != s.hot * PAGE_TOKENS or s.pinned_tokens != s.pinned * PAGE_TOKENS:
@@ -153,7 +159,7 @@ def test_four_watchers_see_consistent_snapshots_while_10000_pages_commit(daemon:
     ready.wait()
     for b in range(total // batch):
         client.upsert_pages("w", pages("p", batch, start_index=b * batch))
-        client.set_page_states("w", states([(f"p{b * batch:06d}", pb.PINNED)]))
+        client.set_pins("w", add=[(f"p{b * batch:06d}", PinKind.SYSTEM)])
     for t in threads:
         t.join(timeout=120)
     done.set()
@@ -161,7 +167,7 @@ def test_four_watchers_see_consistent_snapshots_while_10000_pages_commit(daemon:
     for slot, replies in enumerate(seen):
         seqs = [r.commit_seq for r in replies]
         assert seqs == sorted(seqs), f"reader {slot} saw commits out of order"
-        counts = [r.sessions[0].pages.hot + r.sessions[0].pages.pinned for r in replies]
+        counts = [r.sessions[0].pages.hot for r in replies]
         assert counts == sorted(counts)
         assert counts[-1] == total, f"reader {slot} never saw the last commit"
         assert len(replies) > 5, f"reader {slot} saw only {len(replies)} updates"
@@ -213,7 +219,7 @@ def test_flipped_byte_is_caught_by_verify_and_a_corrupt_page_is_never_served_aga
     assert client is not None
     client.open_session("c")
     stored = {p.page_id: store_payload(client, "c", p, bytes(range(256)) * 64) for p in pages("p", 3)}
-    client.set_page_states("c", states([(f"p{i:06d}", pb.COLD) for i in range(3)]))
+    client.set_page_states("c", states([(f"p{i:06d}", PageState.COLD) for i in range(3)]))
 
     def flip(page_id: str) -> None:
         path = daemon.root / "store" / stored[page_id].locator
@@ -226,7 +232,7 @@ def test_flipped_byte_is_caught_by_verify_and_a_corrupt_page_is_never_served_aga
     client.report_corrupt("c", "p000000", "checksum mismatch")
     assert client.query_pages("c", [PageState.CORRUPT])[0].page_id == "p000000"
     with pytest.raises(FailedPrecondition):  # it cannot be marked cold again without a new payload
-        client.set_page_states("c", states([("p000000", pb.COLD)]))
+        client.set_page_states("c", states([("p000000", PageState.COLD)]))
 
     flip("p000002")
     result = run_cli("verify", "--socket", str(daemon.socket))
@@ -252,7 +258,7 @@ def test_hostile_and_malformed_requests_get_clear_errors_and_the_daemon_keeps_se
     with pytest.raises(NotFound, match="no session"):
         client.upsert_pages("nope", pages("p", 1))
     with pytest.raises(NotFound, match="no page"):
-        client.set_page_states("h", states([("ghost", pb.HOT)]))
+        client.set_page_states("h", states([("ghost", PageState.HOT)]))
     with pytest.raises(InvalidArgument, match="not a valid identifier"):
         client.open_session("../../x")
     with pytest.raises(InvalidArgument, match="not a valid identifier"):
@@ -269,7 +275,7 @@ def test_hostile_and_malformed_requests_get_clear_errors_and_the_daemon_keeps_se
     with pytest.raises(InvalidArgument, match="twice"):
         client.upsert_pages("h", pages("d", 1) + pages("d", 1))
     with pytest.raises(InvalidArgument, match="pin kind"):
-        client.set_pins("h", add=[("p1", "forever")])
+        client.set_pins("h", add=[("p1", "forever")])  # type: ignore[list-item]
     # a bad request inside a good batch stream does not take the good ones down
     client.upsert_pages("h", pages("ok", 2))
     # oversized message: refused by the daemon's transport with a clear status
@@ -352,9 +358,8 @@ def test_disk_pressure_drops_only_cold_unpinned_unleased_pages_least_recently_us
     # p0..p5 cold (last used in turns 9, 1, 5, 2, 7, 3), p6 pinned (resident), p7 cold and pinned,
     # p8 cold and leased, p9 hot
     for i, turn in ((0, 9), (1, 1), (2, 5), (3, 2), (4, 7), (5, 3), (7, 1), (8, 1)):
-        client.set_page_states("d", states([(f"p{i:06d}", pb.COLD)], turn=turn))
-    client.set_page_states("d", states([("p000006", pb.PINNED)]))
-    client.set_pins("d", add=[("p000006", "system"), ("p000007", "objective")])
+        client.set_page_states("d", states([(f"p{i:06d}", PageState.COLD)], turn=turn))
+    client.set_pins("d", add=[("p000006", PinKind.SYSTEM), ("p000007", PinKind.OBJECTIVE)])
     client.set_leases("d", add=[pb.Lease(page_id="p000008", until_turn=5)])
     # p1 is cold, but the last completed turn's record has it in attention (the turn after it
     # evicted p1 failed): the session resumes from that record, so p1 must stay
@@ -400,7 +405,7 @@ def test_retention_caps_a_session_and_deletes_idle_ones(daemon_factory: object) 
     client.upsert_pages("q", records)
     for n, page in enumerate(records[:6]):
         store_payload(client, "q", page, bytes([n]) * size)
-        client.set_page_states("q", states([(page.page_id, pb.COLD)], turn=n + 1))
+        client.set_page_states("q", states([(page.page_id, PageState.COLD)], turn=n + 1))
     # past its quota, the session's least recently used cold pages went first
     dropped = [p.page_id for p in client.query_pages("q", [PageState.DROPPED])]
     assert dropped == ["p000000", "p000001"], dropped

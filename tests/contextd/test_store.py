@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 
 from contextd.errors import DataCorrupt, InvalidArgument
-from contextd.ids import check_id, key
-from contextd.store import Store, SyncMode, Txn, encode
+from contextd.ids import check_id
+from contextd.keys import SessionKey
+from contextd.records import SessionRow
+from contextd.store import SESSIONS, Store, SyncMode, Txn, encode
 
 
 def test_a_failing_operation_aborts_alone_inside_a_batch(tmp_path: Path) -> None:
@@ -19,7 +21,7 @@ def test_a_failing_operation_aborts_alone_inside_a_batch(tmp_path: Path) -> None
 
     def op(i: int):  # type: ignore[no-untyped-def]
         def run(txn: Txn) -> int:
-            txn.put("sessions", key(f"s{i}"), {"i": i})
+            txn.put(SESSIONS, SessionKey(f"s{i}"), SessionRow(f"s{i}", turn=i))
             if i % 3 == 0:
                 raise InvalidArgument(f"op {i} refused")
             return i
@@ -40,11 +42,11 @@ def test_a_failing_operation_aborts_alone_inside_a_batch(tmp_path: Path) -> None
         t.join()
     with store.read() as txn:
         for i in range(30):
-            stored = txn.get("sessions", key(f"s{i}"))
+            stored = txn.get(SESSIONS, SessionKey(f"s{i}"))
             if i % 3 == 0:
                 assert isinstance(results[i], InvalidArgument) and stored is None
             else:
-                assert results[i] == i and stored == {"i": i}
+                assert results[i] == i and stored == SessionRow(f"s{i}", turn=i)
     assert store.commit_seq <= 30  # concurrent writers shared commits
     store.close()
 
@@ -53,13 +55,13 @@ def test_a_damaged_record_is_reported_not_decoded(tmp_path: Path) -> None:
     store = Store(tmp_path / "db", SyncMode.NONE)
 
     def put_damaged(txn: Txn) -> None:
-        value = bytearray(encode({"session_id": "x", "turn": 1}))
+        value = bytearray(encode(SessionRow("x", turn=1).stored()))
         value[-1] ^= 0xFF
-        txn.put_raw("sessions", key("x"), bytes(value))
+        txn._txn.put(SessionKey("x").encode(), bytes(value), db=store.dbs[SESSIONS.name])
 
     store.write(put_damaged)
     with store.read() as txn, pytest.raises(DataCorrupt, match="checksum"):
-        txn.get("sessions", key("x"))
+        txn.get(SESSIONS, SessionKey("x"))
     store.close()
 
 

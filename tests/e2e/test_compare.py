@@ -17,10 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import llamacpp
-from benchmarks.compare import COMPACTION, FULL, HYBRID, PI_BIN, TRUNCATION, answers_with, make_script
+from harness.fact_script import answers_with, make_script
+from harness.pi import PI_BIN
 
 REPO = Path(__file__).resolve().parents[2]
+# The arms' names in the JSON line (benchmarks/compare/arms.py).
+HYBRID = "kv-elision / hybrid"
+COMPACTION = "llama.cpp + Pi compaction"
+FULL = "llama.cpp, full context"
+TRUNCATION = "llama.cpp + truncation"
 
 
 def test_script_is_deterministic_and_codes_are_unique() -> None:
@@ -36,7 +41,8 @@ def test_script_is_deterministic_and_codes_are_unique() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not PI_BIN.exists(), reason=f"Pi is not installed at {PI_BIN} (cd extension && npm ci)")
 def test_compare_quick_run_prints_table_and_json(tmp_path: Path) -> None:
-    if llamacpp.locate() is None:
+    located = subprocess.run([sys.executable, "-m", "benchmarks.llamacpp", "--locate"], cwd=REPO, capture_output=True)
+    if located.returncode != 0:
         pytest.skip("llama-server is not built (python -m benchmarks.llamacpp, or make compare)")
     out = tmp_path / "out"
     run = subprocess.run(

@@ -1,4 +1,7 @@
-"""A session of more than 60,000 tokens through SmolLM2 (real weights, CPU) with a 4,096-token budget."""
+"""A session of more than 30,000 tokens through SmolLM2 (real weights, CPU) with a 2,048-token budget:
+fifteen budgets' worth, so most of the session lives cold in the store and every rule is exercised
+hundreds of times. (It was 60,000 through 4,096, the same ratio at twice the prefill: 619 s alone on 2
+cores, half of the suite's time budget; the million-token run is benchmarks.scale's.)"""
 
 from __future__ import annotations
 
@@ -8,18 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.agent import AgentRun
-from benchmarks.workload import evidence_files
 from contextd.client import Client
 from contextd.wire import PageState
+from controller.pager import PAGE_TOKENS
+from harness.agent import AgentRun
+from harness.workload import evidence_files
 from serving.launcher import ServerProcess
 
-BUDGET = 4096
-SESSION_TOKENS = 60_000
+BUDGET = 2048
+SESSION_TOKENS = 30_000
 
 
 @pytest.mark.slow
-def test_sixty_thousand_tokens_through_a_4096_token_budget() -> None:
+def test_thirty_thousand_tokens_through_a_2048_token_budget() -> None:
     root = Path(tempfile.mkdtemp(prefix="kvl-", dir="/tmp"))
     server = ServerProcess(root=root, budget=BUDGET, extra=("--max-new-tokens", "8")).start()
     try:
@@ -35,7 +39,7 @@ def test_sixty_thousand_tokens_through_a_4096_token_budget() -> None:
         assert counters["reprefilled_tokens"] == 0 and counters["rebuilds"] == 0
         # every turn prefilled only what it added
         assert counters["new_prefill_tokens"] == sum(t.prefilled for t in run.turns)
-        assert last.cold > 400 and counters["evicted_pages"] >= last.cold
+        assert last.cold >= (SESSION_TOKENS - BUDGET) // PAGE_TOKENS and counters["evicted_pages"] >= last.cold
         with Client(server.socket) as client:
             cold = client.query_pages("long", [PageState.COLD])
             assert len(cold) == last.cold

@@ -29,14 +29,13 @@ from typing import Any
 
 import pytest
 
-from benchmarks.compare import EXTENSION_DIR, PI_BIN, Pi, pi_env
 from contextd.client import Client
+from harness.pi import EXTENSION, EXTENSION_DIR, PI_BIN, Pi, pi_env
 from serving.launcher import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 COMPACTION_NOTICE = ("kv-elision: Pi's compaction is off for this provider; the transcript stays whole and the server "
                      "pages its KV cache to disk.")
-EXTENSION = EXTENSION_DIR / "index.ts"
 PROBE = EXTENSION_DIR / "test" / "e2e-probe.ts"
 PACKAGE = "kv-elision-pi-extension"
 

@@ -1,5 +1,6 @@
 """Retrieval on every workload shape, on a seed nobody tuned on (slow): real SmolLM2 weights, real
-contextd, the real engine (benchmarks.selectors at a smaller session size than its default).
+contextd, the real engine (`python -m benchmarks.selectors` at a smaller session size than its
+default, run as a user runs it; its last line is the JSON the test reads).
 
 The default (hybrid) selector must bring back what most questions need on every shape, never do
 worse than lexical rarity alone, and decide in well under the foreground budget. Recency brings
@@ -10,16 +11,26 @@ found all 56 questions' pages, bm25 alone 50, attention 34 (docs/controller.md).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from benchmarks.selectors import run, selectors
-from benchmarks.shapes import HELD_OUT_SEEDS, SHAPES
+from harness.shapes import HELD_OUT_SEEDS, SHAPES
 
 pytestmark = pytest.mark.slow
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def test_the_default_selector_finds_what_each_shape_of_session_needs_on_an_untuned_seed() -> None:
-    result = run(list(SHAPES), [HELD_OUT_SEEDS[1]], [2048], 5000, selectors(ablation=False), log=lambda _: None)
+    run = subprocess.run([sys.executable, "-m", "benchmarks.selectors", "--seeds", str(HELD_OUT_SEEDS[1]),
+                          "--budgets", "2048", "--tokens", "5000"], cwd=REPO, capture_output=True, text=True,
+                         timeout=3600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(run.stdout.splitlines()[-1])
     rows = {(r["selector"], r["shape"]): r for r in result["rows"]}
     for shape in SHAPES:
         hybrid, recency, bm25 = rows["hybrid", shape], rows["recency", shape], rows["bm25", shape]

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import faults
+from harness.faults.access import access_checks, precreated_root_checks
+from harness.faults.processes import Daemon, environ_set
+from harness.faults.scenarios import CRASH_ENV
 from serving.launcher import ServerProcess
 
 KEY = "kv-test-" + os.urandom(6).hex()
@@ -20,7 +22,7 @@ KEY = "kv-test-" + os.urandom(6).hex()
 def keyed(work: Path) -> Iterator[ServerProcess]:
     server = ServerProcess(root=work / "keyed", model="tiny-llama", budget=1024,
                            extra=["--tail-tokens", "256", "--max-new-tokens", "2", "--api-key", KEY])
-    with faults._env(faults.CRASH_ENV, None), faults._env("KV_ELISION_API_KEY", None):
+    with environ_set(CRASH_ENV, None), environ_set("KV_ELISION_API_KEY", None):
         server.start()
     yield server
     server.stop()
@@ -28,7 +30,7 @@ def keyed(work: Path) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def checks(keyed: ServerProcess) -> dict[str, tuple[bool, str]]:
-    return {name: (ok, detail) for name, ok, detail in faults.access_checks(keyed, KEY)}
+    return {name: (ok, detail) for name, ok, detail in access_checks(keyed, KEY)}
 
 
 AUTH = ["/health answers without a key", "a refused chat ran no turn"] + [
@@ -53,7 +55,7 @@ def test_private_by_default(checks: dict[str, tuple[bool, str]], name: str) -> N
 
 
 def test_a_precreated_root_does_not_expose_the_transcript(work: Path) -> None:
-    [(name, ok, detail)] = faults.precreated_root_checks(work)
+    [(name, ok, detail)] = precreated_root_checks(work)
     assert ok, detail
 
 
@@ -64,7 +66,7 @@ def test_nothing_under_the_contextd_root_is_world_readable(checks: dict[str, tup
 
 def test_a_root_left_readable_by_an_older_contextd_is_tightened_on_start(work: Path) -> None:
     root = work / "older" / "root"
-    daemon = faults.Daemon(root, work / "older.sock")
+    daemon = Daemon(root, work / "older.sock")
     daemon.start()
     daemon.client.open_session("s")
     daemon.stop()

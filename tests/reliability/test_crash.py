@@ -11,21 +11,22 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import faults
-from benchmarks.faults import CrashSpec
+from harness.faults.crash import SERVER_POINTS, CrashCampaign, CrashSpec, hit_in, plan_crashes
+from harness.faults.oracle import Twins
+from harness.faults.scenarios import SCENARIOS
 from tests.reliability.conftest import explain
 
-LLAMA = faults.SCENARIOS["llama"]
-HYBRID = faults.SCENARIOS["hybrid"]
+LLAMA = SCENARIOS["llama"]
+HYBRID = SCENARIOS["hybrid"]
 
 
-def test_the_twin_reaches_every_crash_point(twins: faults.Twins) -> None:
+def test_the_twin_reaches_every_crash_point(twins: Twins) -> None:
     plain = twins.plain(LLAMA)
     reached = {name for ack in plain for name in ack["hits"]}
-    assert set(faults.SERVER_POINTS) <= reached, set(faults.SERVER_POINTS) - reached
+    assert set(SERVER_POINTS) <= reached, set(SERVER_POINTS) - reached
     assert sum(ack["commits"] for ack in plain) > 20
     assert any(ack["inserted"] for ack in plain), "no restore in the scenario: restores would go untested"
-    assert len(faults.plan_crashes(twins, LLAMA, 165)) >= 150
+    assert len(plan_crashes(twins, LLAMA, 165)) >= 150
 
 
 @pytest.mark.parametrize("spec", [
@@ -33,10 +34,10 @@ def test_the_twin_reaches_every_crash_point(twins: faults.Twins) -> None:
     ("serving.blob.temp_written", 2, 2), ("serving.blob.renamed", 1, 1), ("serving.store.recorded", 2, 1),
     ("serving.persist.pages_stored", 2, 1), ("serving.persist.recorded", 2, 1)],
     ids=lambda s: f"{s[0]}@request{s[1]}")
-def test_a_server_crash_before_pages_move_recovers_exactly(twins: faults.Twins, crashes: faults.CrashCampaign,
+def test_a_server_crash_before_pages_move_recovers_exactly(twins: Twins, crashes: CrashCampaign,
                                                            spec: tuple[str, int, int]) -> None:
     name, request, k = spec
-    n = faults.hit_in(twins.plain(LLAMA), name, request, k)
+    n = hit_in(twins.plain(LLAMA), name, request, k)
     outcome = crashes.case(LLAMA, [CrashSpec("server", name, n)])
     assert outcome.reached and outcome.exact, explain(outcome)
     assert outcome.pages_lost == 0 and outcome.half_present == 0
@@ -44,38 +45,38 @@ def test_a_server_crash_before_pages_move_recovers_exactly(twins: faults.Twins, 
 
 @pytest.mark.parametrize("point,n", [("contextd.commit.begin", 5), ("contextd.commit.durable", 9)])
 def test_contextd_dies_mid_commit_the_turn_fails_with_503_and_the_session_recovers(
-        crashes: faults.CrashCampaign, point: str, n: int) -> None:
+        crashes: CrashCampaign, point: str, n: int) -> None:
     outcome = crashes.case(LLAMA, [CrashSpec("contextd", point, n)])
     assert outcome.reached and outcome.exact, explain(outcome)
     assert outcome.unclear_errors == 0
 
 
-def test_a_crash_while_resident_pages_stream_back_recovers_exactly(twins: faults.Twins,
-                                                                   crashes: faults.CrashCampaign) -> None:
-    first = faults.hit_in(twins.plain(LLAMA), "serving.store.recorded", 2)
+def test_a_crash_while_resident_pages_stream_back_recovers_exactly(twins: Twins,
+                                                                   crashes: CrashCampaign) -> None:
+    first = hit_in(twins.plain(LLAMA), "serving.store.recorded", 2)
     outcome = crashes.case(LLAMA, [CrashSpec("server", "serving.store.recorded", first),
                                    CrashSpec("server", "serving.recover.resident_page", 2)])
     assert outcome.reached and outcome.exact, explain(outcome)
 
 
-def test_a_hybrid_crash_mid_prefill_recovers_exactly(twins: faults.Twins, crashes: faults.CrashCampaign) -> None:
-    n = faults.hit_in(twins.plain(HYBRID), "serving.prefill.chunk", 2)
+def test_a_hybrid_crash_mid_prefill_recovers_exactly(twins: Twins, crashes: CrashCampaign) -> None:
+    n = hit_in(twins.plain(HYBRID), "serving.prefill.chunk", 2)
     outcome = crashes.case(HYBRID, [CrashSpec("server", "serving.prefill.chunk", n)])
     assert outcome.reached and outcome.exact, explain(outcome)
 
 
-def test_a_crash_after_the_turn_moved_pages_recovers_exactly(twins: faults.Twins,
-                                                             crashes: faults.CrashCampaign) -> None:
+def test_a_crash_after_the_turn_moved_pages_recovers_exactly(twins: Twins,
+                                                             crashes: CrashCampaign) -> None:
     plain = twins.plain(LLAMA)
     request = next(i for i, ack in enumerate(plain) if ack["inserted"])  # a turn that evicts and restores
-    n = faults.hit_in(plain, "serving.decode.token", request, 2)
+    n = hit_in(plain, "serving.decode.token", request, 2)
     outcome = crashes.case(LLAMA, [CrashSpec("server", "serving.decode.token", n)])
     assert outcome.reached and outcome.exact, explain(outcome)
 
 
-def test_a_hybrid_turn_resent_after_its_record_costs_only_the_opener(twins: faults.Twins,
-                                                                    crashes: faults.CrashCampaign) -> None:
-    n = faults.hit_in(twins.plain(HYBRID), "serving.persist.recorded", 3)
+def test_a_hybrid_turn_resent_after_its_record_costs_only_the_opener(twins: Twins,
+                                                                    crashes: CrashCampaign) -> None:
+    n = hit_in(twins.plain(HYBRID), "serving.persist.recorded", 3)
     outcome = crashes.case(HYBRID, [CrashSpec("server", "serving.persist.recorded", n)])
     assert outcome.reached and outcome.exact, explain(outcome)
 

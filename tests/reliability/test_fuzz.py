@@ -14,15 +14,15 @@ from typing import Any
 
 import pytest
 
-from benchmarks import faults
-from benchmarks.procfs import status_field
+from harness.faults.fuzz import SLOW_CLIENT_TIMEOUT_S, fuzz_grpc, fuzz_http, http_exchange
+from harness.procfs import status_field
 from serving.launcher import ServerProcess
 
 
 def test_malformed_http_gets_clear_answers_and_the_server_keeps_serving(server: ServerProcess) -> None:
     assert server.proc is not None
     rss = status_field(server.proc.pid, "VmRSS", gone=0)
-    tally = faults.fuzz_http(server.port, 300, seed=7, alive=lambda: server.get("/health").status == 200)
+    tally = fuzz_http(server.port, 300, seed=7, alive=lambda: server.get("/health").status == 200)
     assert not tally.unclear, tally.unclear
     assert server.get("/health").status == 200 and server.proc.poll() is None
     assert status_field(server.proc.pid, "VmRSS", gone=0) - rss < 200 << 10, "the server grew by more than 200 MiB"
@@ -32,7 +32,7 @@ def test_malformed_http_gets_clear_answers_and_the_server_keeps_serving(server: 
 def test_malformed_grpc_and_raw_bytes_get_a_status_and_contextd_keeps_serving(server: ServerProcess) -> None:
     assert server.contextd is not None and server.contextd.proc is not None and server.contextd.client is not None
     rss = status_field(server.contextd.proc.pid, "VmRSS", gone=0)
-    tally = faults.fuzz_grpc(server.socket, 600, seed=3)
+    tally = fuzz_grpc(server.socket, 600, seed=3)
     assert not tally.unclear, tally.unclear
     assert server.contextd.proc.poll() is None and server.contextd.client.status().pid == server.contextd.proc.pid
     assert status_field(server.contextd.proc.pid, "VmRSS", gone=0) - rss < 100 << 10
@@ -42,7 +42,7 @@ def test_malformed_grpc_and_raw_bytes_get_a_status_and_contextd_keeps_serving(se
 def exchange(server: ServerProcess, body: bytes, headers: str = "") -> tuple[int | None, Any]:
     raw = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{headers}"
            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
-    status, data = faults.http_exchange(server.port, raw)
+    status, data = http_exchange(server.port, raw)
     try:
         return status, json.loads(data)
     except ValueError:
@@ -63,7 +63,7 @@ def test_a_malformed_tool_call_in_the_history_gets_a_400(server: ServerProcess) 
 
 
 def test_a_request_line_of_non_ascii_whitespace_gets_a_400(server: ServerProcess) -> None:
-    status, _ = faults.http_exchange(server.port, b"\xa0\r\n\r\n")
+    status, _ = http_exchange(server.port, b"\xa0\r\n\r\n")
     assert status == 400
 
 
@@ -71,7 +71,7 @@ def test_a_client_that_stops_mid_request_is_let_go(server: ServerProcess) -> Non
     conn = socket.create_connection(("127.0.0.1", server.port), timeout=5)
     try:
         conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"mess")
-        deadline = time.monotonic() + faults.SLOW_CLIENT_TIMEOUT_S + 10
+        deadline = time.monotonic() + SLOW_CLIENT_TIMEOUT_S + 10
         gone = False
         conn.settimeout(1.0)
         while time.monotonic() < deadline and not gone:

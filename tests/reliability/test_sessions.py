@@ -11,14 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import faults
+from harness.faults.oracle import Twins
+from harness.faults.processes import Daemon, environ_set
+from harness.faults.scenarios import CRASH_ENV, SCENARIOS, messages_for, session_scenarios
+from harness.faults.sessions import server_sessions
+from harness.faults.zygote import Zygote
 from serving.launcher import ServerProcess
 from tests.reliability.conftest import explain
 
 
 def test_four_sessions_interleaved_answer_as_alone_and_never_see_each_other(
-        zygote: faults.Zygote, daemon: faults.Daemon, twins: faults.Twins) -> None:
-    scenarios = faults._session_scenarios(4)
+        zygote: Zygote, daemon: Daemon, twins: Twins) -> None:
+    scenarios = session_scenarios(4)
     solo = [twins.run(sc, range(len(sc.users))) for sc in scenarios]
     schedule = [k for k, sc in enumerate(scenarios) for _ in sc.users]
     random.Random(4).shuffle(schedule)
@@ -39,7 +43,7 @@ def test_four_sessions_interleaved_answer_as_alone_and_never_see_each_other(
 
 @pytest.mark.slow
 def test_four_clients_at_once_through_one_server(work: Path) -> None:
-    figures, outcomes = faults.server_sessions(work, lambda _: None, restarts=False)
+    figures, outcomes = server_sessions(work, lambda _: None, restarts=False)
     assert all(o.exact for o in outcomes), [explain(o) for o in outcomes if not o.exact]
     assert figures["server_session_mismatches"] == 0 and figures["server_cross_session_leaks"] == 0
     assert figures["server_switch_prefill_tokens"] == 0
@@ -47,25 +51,25 @@ def test_four_clients_at_once_through_one_server(work: Path) -> None:
 
 def test_contextd_killed_under_a_live_server_fails_the_turn_in_flight_with_503_and_loses_nothing(
         server: ServerProcess) -> None:
-    sc = faults.SCENARIOS["llama"]
+    sc = SCENARIOS["llama"]
     daemon = server.contextd
     assert daemon is not None
     answers: dict[int, str] = {}
     for i in range(2):
-        reply = server.chat(faults.messages_for(sc.users, answers, i), session="kd")
+        reply = server.chat(messages_for(sc.users, answers, i), session="kd")
         assert reply.status == 200, reply.body
         answers[i] = reply.body["choices"][0]["message"]["content"] or ""
     daemon.stop()
-    with faults._env(faults.CRASH_ENV, "contextd.commit.begin:1"):  # dies at the first commit of the next turn
+    with environ_set(CRASH_ENV, "contextd.commit.begin:1"):  # dies at the first commit of the next turn
         daemon.start()
-    failed = server.chat(faults.messages_for(sc.users, answers, 2), session="kd")
+    failed = server.chat(messages_for(sc.users, answers, 2), session="kd")
     assert failed.status == 503 and failed.body["error"]["type"] == "contextd_down", failed.body
     assert not daemon.running
-    with faults._env(faults.CRASH_ENV, None):
+    with environ_set(CRASH_ENV, None):
         daemon.start()
     deadline = time.monotonic() + 30
     while True:  # the client re-sends, as Pi does
-        reply = server.chat(faults.messages_for(sc.users, answers, 2), session="kd")
+        reply = server.chat(messages_for(sc.users, answers, 2), session="kd")
         if reply.status == 200 or time.monotonic() > deadline:
             break
         assert reply.status == 503
@@ -87,7 +91,7 @@ def test_after_a_contextd_outage_the_next_request_succeeds(server: ServerProcess
     for _ in range(3):
         assert server.chat([{"role": "user", "content": "hello again"}], session="outage-2", max_tokens=1).status == 503
     time.sleep(12)  # gRPC's default backoff would next try the socket about 16 s after the outage began
-    with faults._env(faults.CRASH_ENV, None):
+    with environ_set(CRASH_ENV, None):
         daemon.start()
     time.sleep(0.5)
     reply = server.chat([{"role": "user", "content": "hello again"}], session="outage-2", max_tokens=1)
@@ -95,7 +99,7 @@ def test_after_a_contextd_outage_the_next_request_succeeds(server: ServerProcess
 
 
 def test_session_switches_are_counted(server: ServerProcess) -> None:
-    sc = faults.SCENARIOS["llama"]
+    sc = SCENARIOS["llama"]
     for sid in ("sw-a", "sw-b", "sw-a"):  # sw-a has resident pages when it comes back
         reply = server.chat([{"role": "user", "content": sc.users[1]}], session=sid, max_tokens=1)
         assert reply.status == 200

@@ -13,14 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import faults
-from benchmarks.faults import StorageCase
 from contextd import blobs
 from contextd.errors import StoreFull
-from contextd.store import Store
+from contextd.keys import SegmentKey
+from contextd.records import SegmentRow
+from contextd.store import SEGMENTS, Store
+from harness.faults.oracle import CaseOutcome, Twins
+from harness.faults.processes import Daemon
+from harness.faults.scenarios import SCENARIOS
+from harness.faults.storage import StorageCampaign, StorageCase, tmpfs, tmpfs_allowed
 from tests.reliability.conftest import explain
 
-LLAMA = faults.SCENARIOS["llama"]
+LLAMA = SCENARIOS["llama"]
 
 
 # ------------------------------------------------------------------ the seam itself
@@ -68,13 +72,15 @@ def test_the_environment_arms_a_fault_in_a_process_and_rejects_nonsense() -> Non
 def test_a_database_that_cannot_grow_is_store_full_and_keeps_what_was_committed(tmp_path: Path) -> None:
     store = Store(tmp_path / "db", map_size=1 << 20)  # a 1 MiB map: LMDB's "disk" fills at once
     try:
-        store.write(lambda txn: txn.put("segments", b"kept", {"text": "committed before"}))
+        store.write(lambda txn: txn.put(SEGMENTS, SegmentKey("kept", 0), SegmentRow("committed before")))
         with pytest.raises(StoreFull, match="cannot grow"):
-            store.write(lambda txn: [txn.put("segments", b"s%04d" % i, {"text": "x" * 4096}) for i in range(1000)])
-        store.write(lambda txn: txn.put("segments", b"after", {"text": "room enough for a small one"}))
+            store.write(lambda txn: [txn.put(SEGMENTS, SegmentKey("full", i), SegmentRow("x" * 4096))
+                                     for i in range(1000)])
+        store.write(lambda txn: txn.put(SEGMENTS, SegmentKey("after", 0), SegmentRow("room enough for a small one")))
         with store.read() as txn:
-            assert txn.get("segments", b"kept") == {"text": "committed before"}
-            assert txn.get("segments", b"s0000") is None and txn.get("segments", b"after") is not None
+            assert txn.get(SEGMENTS, SegmentKey("kept", 0)) == SegmentRow("committed before")
+            assert txn.get(SEGMENTS, SegmentKey("full", 0)) is None
+            assert txn.get(SEGMENTS, SegmentKey("after", 0)) is not None
     finally:
         store.close()
 
@@ -82,17 +88,17 @@ def test_a_database_that_cannot_grow_is_store_full_and_keeps_what_was_committed(
 # ------------------------------------------------------------------ through the serving engine
 
 
-def case(storage: faults.StorageCampaign, twins: faults.Twins, kind: str, label: str, request: str,
-         actions: list[list[object]], expect: int = 0) -> faults.CaseOutcome:
+def case(storage: StorageCampaign, twins: Twins, kind: str, label: str, request: str,
+         actions: list[list[object]], expect: int = 0) -> CaseOutcome:
     return storage.case(StorageCase(label, "llama", kind, {request: actions}, expect=expect))
 
 
-def evicting(twins: faults.Twins) -> str:
+def evicting(twins: Twins) -> str:
     return str(next(i for i, a in enumerate(twins.plain(LLAMA)) if a["hits"].get("serving.evict.removed")))
 
 
-def test_a_damaged_cold_page_is_reported_and_never_served(storage: faults.StorageCampaign,
-                                                          twins: faults.Twins) -> None:
+def test_a_damaged_cold_page_is_reported_and_never_served(storage: StorageCampaign,
+                                                          twins: Twins) -> None:
     plain = twins.plain(LLAMA)
     i, page = next((i, p) for i, a in enumerate(plain) if i > 0 for p in a["inserted"]
                    if [r for r in plain[i - 1]["manifest"] if r[0] == p and r[1] == 2])
@@ -102,14 +108,14 @@ def test_a_damaged_cold_page_is_reported_and_never_served(storage: faults.Storag
         assert outcome.served_corrupt == 0 and outcome.caught and outcome.intact
 
 
-def test_a_full_disk_mid_turn_answers_507(storage: faults.StorageCampaign, twins: faults.Twins) -> None:
+def test_a_full_disk_mid_turn_answers_507(storage: StorageCampaign, twins: Twins) -> None:
     outcome = case(storage, twins, "write", "ENOSPC on write", evicting(twins),
                    [["inject", "write", "ENOSPC", 1, 1]], expect=507)
     assert outcome.reached and outcome.statuses[:1] == [507], explain(outcome)
     assert outcome.caught and outcome.served_corrupt == 0 and outcome.half_present == 0
 
 
-def test_once_space_returns_the_session_goes_on_exactly(storage: faults.StorageCampaign, twins: faults.Twins) -> None:
+def test_once_space_returns_the_session_goes_on_exactly(storage: StorageCampaign, twins: Twins) -> None:
     # the second payload of the write-through of request 2 (a turn that moves no page) finds the disk full
     outcome = case(storage, twins, "write", "ENOSPC on the second rename", "2",
                    [["inject", "rename", "ENOSPC", 2, 1]], expect=507)
@@ -118,22 +124,22 @@ def test_once_space_returns_the_session_goes_on_exactly(storage: faults.StorageC
 
 
 @pytest.mark.parametrize("error", ["EIO", "EROFS"])
-def test_a_failing_or_read_only_disk_answers_503(storage: faults.StorageCampaign, twins: faults.Twins,
+def test_a_failing_or_read_only_disk_answers_503(storage: StorageCampaign, twins: Twins,
                                                  error: str) -> None:
     outcome = case(storage, twins, "write", f"{error} on fsync", evicting(twins),
                    [["inject", "fsync", error, 1, 1]], expect=503)
     assert outcome.reached and outcome.statuses[:1] == [503], explain(outcome)
 
 
-def test_a_damaged_resident_page_starts_the_session_over_in_the_same_request(storage: faults.StorageCampaign,
-                                                                            twins: faults.Twins) -> None:
+def test_a_damaged_resident_page_starts_the_session_over_in_the_same_request(storage: StorageCampaign,
+                                                                            twins: Twins) -> None:
     last = str(len(LLAMA.users) - 1)
     outcome = case(storage, twins, "damage", "flip resident page", last, [["corrupt", "@resident", "flip"], ["forget"]])
     assert outcome.reached and outcome.exact and outcome.statuses == [], explain(outcome)
 
 
-def test_a_damaged_recurrent_snapshot_does_not_wedge_the_session(storage: faults.StorageCampaign) -> None:
-    last = str(len(faults.SCENARIOS["hybrid"].users) - 1)
+def test_a_damaged_recurrent_snapshot_does_not_wedge_the_session(storage: StorageCampaign) -> None:
+    last = str(len(SCENARIOS["hybrid"].users) - 1)
     outcome = storage.case(StorageCase("flip snapshot", "hybrid", "damage",
                                        {last: [["corrupt", "@snapshot", "flip"], ["forget"]]}))
     assert outcome.reached and outcome.intact, explain(outcome)
@@ -144,17 +150,17 @@ def test_a_damaged_recurrent_snapshot_does_not_wedge_the_session(storage: faults
 
 @pytest.fixture
 def mounting(work: Path) -> None:
-    if os.geteuid() != 0 or not faults.tmpfs_allowed(work):
+    if os.geteuid() != 0 or not tmpfs_allowed(work):
         pytest.skip("mounting a tmpfs is not allowed here (the injected ENOSPC above stands for it)")
 
 
-def tmpfs_case(storage: faults.StorageCampaign, twins: faults.Twins, work: Path, scope: str, leave: int,
-               name: str) -> faults.CaseOutcome:
+def tmpfs_case(storage: StorageCampaign, twins: Twins, work: Path, scope: str, leave: int,
+               name: str) -> CaseOutcome:
     base = work / name
     root = base / "root"
     mount_at = root / "store" if scope == "store" else root
-    with faults.tmpfs(mount_at, 64):
-        daemon = faults.Daemon(root, base / "c.sock")
+    with tmpfs(mount_at, 64):
+        daemon = Daemon(root, base / "c.sock")
         daemon.start()
         try:
             i = evicting(twins)
@@ -165,7 +171,7 @@ def tmpfs_case(storage: faults.StorageCampaign, twins: faults.Twins, work: Path,
             daemon.stop()
 
 
-def test_a_real_full_store_filesystem_is_handled(storage: faults.StorageCampaign, twins: faults.Twins, work: Path,
+def test_a_real_full_store_filesystem_is_handled(storage: StorageCampaign, twins: Twins, work: Path,
                                                  mounting: None) -> None:
     outcome = tmpfs_case(storage, twins, work, "store", 0, "full-store")
     # 507, and once space is back the session goes on exactly as its twin's: nothing its last record needs was dropped
@@ -173,7 +179,7 @@ def test_a_real_full_store_filesystem_is_handled(storage: faults.StorageCampaign
     assert outcome.served_corrupt == 0 and outcome.half_present == 0
 
 
-def test_a_full_disk_under_the_database_answers_507(storage: faults.StorageCampaign, twins: faults.Twins, work: Path,
+def test_a_full_disk_under_the_database_answers_507(storage: StorageCampaign, twins: Twins, work: Path,
                                                     mounting: None) -> None:
     outcome = tmpfs_case(storage, twins, work, "root", 160 << 10, "full-root")
     assert outcome.reached and outcome.unclear_errors == 0, explain(outcome)

@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from benchmarks.workload import TOOLS, agent_turns, evidence_files, opening_messages
 from contextd.client import Client
+from contextd.wire import SummaryKind
+from harness.workload import TOOLS, agent_turns, evidence_files, opening_messages
 from serving.launcher import ServerProcess
 from tests.server.test_server import assistant
 
@@ -53,7 +54,7 @@ def test_the_default_selector_brings_the_fact_back_and_the_page_listing_shows_it
     assert reply.status == 200, reply.body
     listing = server.get("/v1/kv/pages?session=h").body
     assert listing["last_selection"].startswith("hybrid: restore "), listing["last_selection"]
-    back = [p for p in listing["pages"] if p["moved_turn"] == listing["turn"] and p["state"] == "leased"]
+    back = [p for p in listing["pages"] if p["moved_turn"] == listing["turn"] and p["lease_until_turn"] is not None]
     assert len(back) == listing["restored_this_turn"] > 0
     assert any(p["index"] in holding for p in back), (holding, back)
     assert all("text" not in p for p in listing["pages"])
@@ -96,7 +97,7 @@ def test_controller_selector_runs_the_embedded_model_and_stores_its_summaries(se
         messages.append(assistant(reply))
         notes.append(server.stats("c")["last_selection"])
         with Client(server.socket) as client:
-            summaries = {b.block_id: b.summary for b in client.query_blocks("c") if b.kind == "unit"}
+            summaries = {s.summary_id: s.text for s in client.query_summaries("c", SummaryKind.UNIT)}
         if summaries and all(summaries.values()):
             break
         time.sleep(5)

@@ -204,4 +204,4 @@ def test_prefill_logits_are_the_logits_of_prefilling_one_token_at_a_time(model: 
     for i, token in enumerate([6, 7, 8]):
         np.testing.assert_allclose(steps[i], one.prefill([token]), atol=1e-4)
     assert np.array_equal(chunked.last_logits(), steps[-1])
-    assert chunked.counters["new_prefill_tokens"] == one.counters["new_prefill_tokens"] == 6
+    assert chunked.counters.new_prefill_tokens == one.counters.new_prefill_tokens == 6

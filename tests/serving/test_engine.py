@@ -15,8 +15,7 @@ import pytest
 
 from backends import Backend, load_backend
 from contextd.client import Client, pb
-from contextd.wire import PageState as WireState
-from controller.pager import PageState
+from contextd.wire import PageState
 from controller.selectors import AttentionSelector, HybridSelector
 from serving.engine import ChatRequest, Engine, EngineConfig, Prepared, TurnResult
 from serving.launcher import ContextdProcess
@@ -63,7 +62,11 @@ def test_pages_move_only_through_the_mover_and_the_manifest_says_where_each_is(b
     client = contextd.client
     assert client is not None
     listed = manifest_states(client, "m")
-    assert listed == {p.page_id: int(pager.effective_state(p)) for p in pager.pages}
+    assert listed == {p.page_id: int(p.state) for p in pager.pages}
+    # a pin is a row of its own beside a HOT page, and contextd counts the pinned pages as the pager does
+    assert {pin.page_id for pin in client.query_pins("m")} == {pager.pages[i].page_id for i in pager.pins}
+    counts = client.get_session("m").pages
+    assert {"hot": counts.hot, "cold": counts.cold, "pinned": counts.pinned} == pager.counts()
     counters = session.counters
     assert counters.model_forward_tokens == counters.new_prefill_tokens + counters.decoded_tokens
     assert counters.historical_forward_during_restore == 0
@@ -116,7 +119,7 @@ def test_recovery_reconciles_what_a_dead_turn_left_and_says_so(backend: Backend,
     stray = pb.Page(page_id=f"p{len(pages) + 3:07d}", index=len(pages) + 3, token_start=99_000, token_end=99_128)
     client.upsert_pages("d", [stray])
     restarted = engine_on(backend, contextd)
-    session = restarted.mover.recover("d", CONFIG.pager_config())
+    session = restarted.recovery.rebuild("d", CONFIG.pager_config())
     assert session is not None
     assert any("deleted 1 stored pages" in note for note in session.recovery_notes), session.recovery_notes
     assert stray.page_id not in manifest_states(client, "d")
@@ -140,7 +143,7 @@ def test_a_corrupt_payload_is_reported_and_never_served(backend: Backend, contex
 
     restored = engine.mover.execute(session, Decision(evict=[], restore=[target.index], plan_used=False))
     assert restored == [] and target.state is PageState.COLD and not target.stored
-    assert client.get_pages("c", [target.page_id])[0].state == WireState.CORRUPT
+    assert client.get_pages("c", [target.page_id])[0].state == PageState.CORRUPT
     # the session goes on: the next turn is served, the page stays out
     result = turn(engine, "c", [*messages, {"role": "user", "content": "next"}])
     assert result.finish_reason in ("stop", "length")

@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from contextd.wire import PageState, PinKind
 from controller.keyindex import KeyIndex, KeyIndexConfig
-from controller.pager import PAGE_TOKENS, Decision, Pager, PagerConfig, PageState, PinKind
+from controller.pager import PAGE_TOKENS, Decision, Pager, PagerConfig
 from controller.planner import PlanError, UnitPlan, parse_plan, parse_units, plan_prompt, validate
 from controller.selectors import AttentionSelector, ControllerSelector, SelectionContext
 from controller.units import CLUSTER_UNITS, UnitIndex

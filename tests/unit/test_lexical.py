@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from contextd.wire import PageState, PinKind
 from controller.hybrid import (
     HybridConfig,
     choose_pages,
     coverage_order,
-    key_evidence,
     match_edges,
 )
 from controller.keyindex import KeyIndex, KeyIndexConfig
 from controller.lexical import LexicalConfig, LexicalIndex, vocabulary_bytes
-from controller.pager import PAGE_TOKENS, Pager, PagerConfig, PageState, PinKind
+from controller.pager import PAGE_TOKENS, Pager, PagerConfig
 from controller.selectors import HybridSelector, SelectionContext
 from controller.units import UnitIndex
 
@@ -173,12 +173,12 @@ def test_key_evidence_rows_sum_to_the_key_index_scores() -> None:
         index.add(p, np.repeat(tokens.reshape(PAGE_TOKENS, 2, 16).transpose(1, 0, 2)[None], 4, axis=0))
     incoming = vocabulary[rng.integers(0, 300, size=20)]
     keys = np.repeat(incoming.reshape(20, 2, 16).transpose(1, 0, 2)[None], 4, axis=0)
-    evidence = key_evidence(index, keys, list(range(12)))
+    evidence = index.evidence(keys, list(range(12)))
     assert evidence.shape == (12, 20)
     assert np.allclose(evidence.sum(axis=1), index.scores(keys, list(range(12))), atol=1e-4)
     keep = np.zeros(20, dtype=bool)
     keep[:5] = True
-    assert key_evidence(index, keys, list(range(12)), keep).shape == (12, 5)
+    assert index.evidence(keys, list(range(12)), keep).shape == (12, 5)
 
 
 def _pager(pages: int, budget: int = 2048) -> Pager:

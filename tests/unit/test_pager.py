@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.pager import PAGE_TOKENS, Decision, Pager, PagerConfig, PageState, PinKind, Plan
+from contextd.wire import PageState, PinKind
+from controller.pager import PAGE_TOKENS, Decision, Pager, PagerConfig, Plan
 
 
 def grow(pager: Pager, tokens: int, pin: PinKind | None = None) -> None:
@@ -87,7 +88,7 @@ def test_ledger_pages_stay_newest_first_within_their_cap() -> None:
     run_turn(pager, 8000)
     kept = [i for i in pager.ledger if pager.pages[i].state is PageState.HOT]
     assert kept == pager.ledger[-4:]
-    assert all(pager.effective_state(pager.pages[i]) is PageState.PINNED for i in kept)
+    assert set(kept) <= pager.protected()
 
 
 def test_restored_pages_hold_their_lease_then_become_evictable() -> None:
@@ -156,7 +157,5 @@ def test_the_incremental_bookkeeping_agrees_with_a_recount(ops: list[tuple[str, 
         assert pager.hot_tokens == sum(pager.pages[i].tokens for i in resident)
         assert all(pager.logical_start(i) == sum(pager.pages[j].tokens for j in resident if j < i)
                    for i in range(len(pager.pages)))
-        counts = {"hot": 0, "cold": 0, "pinned": 0}
-        for page in pager.pages:
-            counts[pager.effective_state(page).name.lower()] += 1
-        assert pager.counts() == counts
+        pinned = [p.index for p in pager.pages if p.pin is not None and p.resident]
+        assert pager.counts() == {"hot": len(resident), "cold": len(pager.pages) - len(resident), "pinned": len(pinned)}

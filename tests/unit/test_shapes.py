@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from benchmarks.shapes import (
+from harness.shapes import (
     DEFAULT_TOKENS,
     HELD_OUT_SEEDS,
     LANGUAGES,

@@ -1,6 +1,6 @@
 """Drive a scripted agent session through a running `kv-elision serve`, turn by turn.
 
-`AgentRun` replays the workload of benchmarks.workload over HTTP the way a coding agent would
+`AgentRun` replays the workload of harness.workload over HTTP the way a coding agent would
 (the server's replies go back into the transcript as the assistant's messages) and records the
 server's per-turn figures from /v1/kv/stats. Used by `make demo`, the session benchmark and the
 long-session test.
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.workload import TOOLS, EvidenceFile, agent_turns, opening_messages
+from harness.workload import TOOLS, EvidenceFile, agent_turns, opening_messages
 from serving.launcher import ServerProcess
 
 

@@ -8,7 +8,7 @@ the evidence: exact substrings of the session whose pages hold the text the answ
 for `split`). Everything comes from `(shape, seed)` through `random.Random`: no data set is read.
 
   prose           facts stated in prose files, in five languages; each question is asked in its
-                  fact's language and names the thing (like benchmarks.workload).
+                  fact's language and names the thing (like harness.workload).
   boilerplate     `read` results that are near-identical boilerplate (the same handler code and the
                   same prose paragraphs in every file, only the service name changes); each fact is
                   one short sentence in one file, in one of five languages; the question is English
@@ -33,7 +33,7 @@ Sizes: `tokens` is the approximate session length (SmolLM2 tokenizer, +-15%). Fa
 files that end before the newest `max(6000, tokens // 4)` tokens, so every fact is cold at a budget
 of 4,096 (and 2,048), whatever the size.
 
-    python -m benchmarks.shapes [--shape boilerplate] [--seed 1] [--tokens 16000]
+    python -m harness.shapes [--shape boilerplate] [--seed 1] [--tokens 16000]
 
 prints the session as chat messages (JSON) and the questions.
 """
@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.workload import TOOLS
+from harness.workload import TOOLS
 
 SHAPES = ("prose", "boilerplate", "code", "paraphrase", "split", "near_duplicate")
 LANGUAGES = ("en", "es", "ja", "ar", "ru")

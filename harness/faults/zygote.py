@@ -1,0 +1,164 @@
+"""The zygote: a process that loaded the tiny models once and forks one child per job, so hundreds
+of kill -9 restarts fit in minutes (a fork costs milliseconds, loading a model ~10 s).
+
+    python -m harness.faults.zygote tiny-llama tiny-qwen3-next
+
+reads one job per stdin line and answers one line per job: the child's exit status and every event
+it reported. Jobs: "drive" (harness.faults.driver) and "sessions" (harness.faults.sessions).
+Depends on backends, serving.transcript and the campaign's own modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.faults.processes import campaign_env
+from serving.launcher import REPO, stop_process
+
+
+class Reporter:
+    """A child's events, one JSON line each, into the pipe its zygote reads (survives a SIGKILL:
+    every line is written before the next step)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def event(self, **fields: Any) -> None:
+        data = (json.dumps(fields, default=str) + "\n").encode()
+        while data:
+            data = data[os.write(self.fd, data):]
+
+
+@dataclass
+class ChildResult:
+    status: int                  # exit code, or -signal
+    events: list[dict[str, Any]]
+    seconds: float
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if kind in e]
+
+    @property
+    def error(self) -> str:
+        return next((e["error_trace"] for e in self.events if "error_trace" in e), "")
+
+
+class Zygote:
+    """A process that loaded the models once and forks one child per job (see `zygote_main`)."""
+
+    def __init__(self, models: Sequence[str], log: Path) -> None:
+        self.log = log
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "harness.faults.zygote", *models], cwd=REPO,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out,
+                                         env=campaign_env())
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith(b"ready"):
+            self.close()
+            raise RuntimeError(f"the zygote did not start:\n{log.read_text(errors='replace')[-3000:]}")
+        self.lock = threading.Lock()
+
+    def run(self, job: str, params: dict[str, Any], timeout: float = 300.0) -> ChildResult:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        with self.lock:
+            self.proc.stdin.write((json.dumps({"job": job, "params": params, "timeout": timeout}) + "\n").encode())
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the zygote died:\n{self.log.read_text(errors='replace')[-3000:]}")
+        reply = json.loads(line)
+        return ChildResult(reply["status"], reply["events"], reply["seconds"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)  # it ends at the end of its input
+            except subprocess.TimeoutExpired:
+                stop_process(self.proc)
+
+
+def zygote_main(models: Sequence[str]) -> int:
+    """Load the models, then for each job line on stdin fork a child that runs it and answer one
+    line: its exit status and every event it reported. The zygote itself never opens a gRPC
+    channel (children do), so forking stays safe."""
+    import torch
+
+    torch.set_num_threads(1)
+    from backends import load_backend
+    from harness.faults.driver import job_drive
+    from harness.faults.sessions import job_sessions
+    from serving.transcript import ChatFormat
+
+    jobs: dict[str, Callable[[Reporter, dict[str, tuple[Any, Any]], dict[str, Any]], None]] = {
+        "drive": job_drive, "sessions": job_sessions}
+
+    loaded: dict[str, tuple[Any, Any]] = {}
+    for model in models:
+        backend = load_backend("torch", model, capacity=2048)
+        loaded[model] = (backend, ChatFormat(backend.tokenizer))
+    out = sys.stdout.buffer
+    out.write(b"ready\n")
+    out.flush()
+    for line in sys.stdin.buffer:
+        request = json.loads(line)
+        started = time.monotonic()
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child
+            os.close(read_fd)
+            os.dup2(2, 1)  # stdout is the zygote's protocol
+            reporter = Reporter(write_fd)
+            code = 0
+            try:
+                jobs[request["job"]](reporter, loaded, request["params"])
+            except BaseException:  # noqa: BLE001 - reported, then the child exits
+                reporter.event(error_trace=traceback.format_exc()[-4000:])
+                code = 1
+            os._exit(code)
+        os.close(write_fd)
+        events, buffer = [], b""
+        deadline = started + float(request.get("timeout", 300.0))
+        killed = False
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 and not killed:
+                os.kill(pid, signal.SIGKILL)  # our own child, by pid
+                killed = True
+                events.append({"timeout": True})
+            ready, _, _ = select.select([read_fd], [], [], max(left, 0.5) if not killed else 5.0)
+            if not ready:
+                continue
+            chunk = os.read(read_fd, 1 << 16)
+            if not chunk:
+                break
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            events += [json.loads(x) for x in lines if x]
+        os.close(read_fd)
+        _, status = os.waitpid(pid, 0)
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        out.write((json.dumps({"status": code, "events": events, "seconds": time.monotonic() - started}) + "\n")
+                  .encode())
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(zygote_main(sys.argv[1:]))
