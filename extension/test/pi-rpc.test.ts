@@ -98,6 +98,6 @@ test("another provider: the status line goes, nothing of kv-elision reaches its 
   const back = await pi.send({ type: "set_model", provider: "kv-elision", modelId: "smollm2-135m" });
   assert.ok(back.success, JSON.stringify(back));
   type UiEvent = { method?: string; statusText?: string };
-  const want = "kv hot 2 · cold 0 · pinned 1 | attn 384/4096 | restored 1";
+  const want = "kv hot 3 · cold 0 · pinned 1 | attn 384/4096 | restored 1";
   await pi.waitFor((e: UiEvent) => e.method === "setStatus" && e.statusText === want, { from: mark, timeoutMs: 15_000 });
 });
