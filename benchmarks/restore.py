@@ -50,7 +50,7 @@ from contextd.client import Client, pb
 from contextd.wire import PageState
 from controller.pager import Decision
 from harness.corpus import SAMPLE_TEXT
-from harness.procfs import machine_cpu_seconds
+from harness.procfs import machine_cpu_seconds, other_cpu_share, process_cpu_seconds
 from serving.engine import ChatRequest, Engine, EngineConfig
 from serving.launcher import ContextdProcess
 from serving.paging import rewind
@@ -80,11 +80,6 @@ def dd_seconds(args: list[str]) -> float | None:
     if out.returncode != 0 or m is None:
         return None
     return float(m.group(1))
-
-
-def own_cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 def median_ms(samples: list[float]) -> float:
@@ -145,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="folder for the store (default: system temp)")
     args = parser.parse_args(argv)
 
-    machine0, own0 = machine_cpu_seconds(), own_cpu_seconds()
+    machine0, own0 = machine_cpu_seconds(), process_cpu_seconds(os.getpid())
     work = Path(tempfile.mkdtemp(prefix="kve-restore-", dir=args.dir))
     daemon = ContextdProcess(work / "root", work / "c.sock", extra=["--reserve-bytes", "0"])
     daemon.start()
@@ -226,12 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         daemon.stop()
         shutil.rmtree(work, ignore_errors=True)
 
-    machine1, own1 = machine_cpu_seconds(), own_cpu_seconds()
-    # Busy time of the whole machine that was not this process's, as a share of all cores' time:
-    # on a shared machine, a run above a few percent measured contention, not the code.
-    other_cpu = None
-    if machine0 is not None and machine1 is not None and machine1[1] > machine0[1]:
-        other_cpu = max(0.0, machine1[0] - machine0[0] - (own1 - own0)) / (machine1[1] - machine0[1])
+    other_cpu = other_cpu_share(machine0, machine_cpu_seconds(), process_cpu_seconds(os.getpid()) - own0)
     restore_ms = median_ms(restore_cold)
     recompute_ms = median_ms(recompute)
 

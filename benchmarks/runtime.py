@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.procfs import machine_cpu_seconds
+from harness.procfs import machine_cpu_seconds, other_cpu_share
 
 MODELS = {
     "torch": {"smollm2-135m": "smollm2-135m", "tiny-qwen3-next": "tiny-qwen3-next"},
@@ -242,9 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     machine1 = machine_cpu_seconds()
     children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     ours = (children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)
-    if machine0 is not None and machine1 is not None and machine1[1] > machine0[1]:
-        (busy0, total0), (busy1, total1) = machine0, machine1
-        result["other_processes_cpu_share"] = round(max(0.0, (busy1 - busy0 - ours) / (total1 - total0)), 3)
+    other = other_cpu_share(machine0, machine1, ours)
+    if other is not None:
+        result["other_processes_cpu_share"] = round(other, 3)
     print(json.dumps(result))
     return 0
 

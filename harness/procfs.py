@@ -47,6 +47,16 @@ def machine_cpu_seconds() -> tuple[float, float] | None:
     return (sum(fields) - idle) / ticks, sum(fields) / ticks
 
 
+def other_cpu_share(before: tuple[float, float] | None, after: tuple[float, float] | None,
+                    ours: float) -> float | None:
+    """The share of all cores' time between two `machine_cpu_seconds()` readings that went to
+    processes other than ours (`ours`: CPU seconds our own processes used meanwhile); None without
+    /proc/stat. A benchmark run above a few percent measured contention as much as code."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return max(0.0, after[0] - before[0] - ours) / (after[1] - before[1])
+
+
 def listening_addresses(port: int) -> list[str]:
     """Local addresses (hex, as /proc/net/tcp and tcp6 write them) listening on TCP `port`."""
     found = []
