@@ -51,6 +51,8 @@ __all__ = [
     "check_supported",
     "config_refusals",
     "gemma3_gguf_path",
+    "gguf_stamp",
+    "gguf_folder",
     "hf_cache_roots",
     "list_local_models",
     "lmstudio_model_roots",
@@ -324,17 +326,36 @@ def build_once(target: Path, build: Any) -> Path:
     return target
 
 
-def smollm2_tokenizer_folder() -> Path:
-    """SmolLM2's tokenizer (from the bundled GGUF) saved as a Hugging Face tokenizer folder, once."""
-    gguf = smollm2_gguf_path()
-    stamp = xxhash.xxh3_64(f"{gguf}:{gguf.stat().st_size}".encode()).hexdigest()
+def gguf_stamp(source: ModelSource) -> str:
+    """What a folder derived from a GGUF file is keyed on: the file (path, size, modification time)
+    and the transformers version that reads it (its converter decides the tokenizer files and the
+    dequantized weights)."""
+    import transformers
+
+    assert source.path is not None and source.gguf_file is not None
+    gguf = source.path / source.gguf_file
+    st = gguf.stat()
+    key = f"{gguf}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}"
+    return f"{gguf.stem}-{xxhash.xxh3_64(key.encode()).hexdigest()}"
+
+
+def gguf_folder(source: ModelSource) -> Path:
+    """The config (config.json: transformers' reading of the GGUF header, in full) and the tokenizer
+    of a GGUF source as a Hugging Face folder, written once under the cache folder. Why: reading
+    either from the GGUF parses the whole header with its vocabulary every time (about 8 s for
+    SmolLM2's 49,152 tokens on this 2-core machine, far more for Gemma 3's 262,144), and a server
+    start asked for it three times (config, weights, tokenizer)."""
+    assert source.path is not None and source.gguf_file is not None
+    path, gguf_file = source.path, source.gguf_file
 
     def build(tmp: Path) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
+        config = AutoConfig.from_pretrained(str(path), gguf_file=gguf_file).to_dict()
+        AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file).save_pretrained(str(tmp))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
 
-    return build_once(cache_dir() / "tokenizers" / f"smollm2-135m-{stamp}", build)
+    return build_once(cache_dir() / "gguf" / gguf_stamp(source), build)
 
 
 def tiny_folder(name: str) -> Path:
@@ -348,7 +369,7 @@ def tiny_folder(name: str) -> Path:
     seed = _TINY_SEEDS[name]
     key = json.dumps({"cfg": cfg, "seed": seed, "format": _TINY_FORMAT, "transformers": transformers.__version__},
                      sort_keys=True)
-    tokenizer = smollm2_tokenizer_folder()
+    tokenizer = gguf_folder(resolve("smollm2-135m"))
 
     def build(tmp: Path) -> None:
         import torch
@@ -361,7 +382,7 @@ def tiny_folder(name: str) -> Path:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
         model.save_pretrained(str(tmp))
         for f in tokenizer.iterdir():
-            if f.is_file():
+            if f.is_file() and f.name != "config.json":
                 shutil.copy(f, tmp / f.name)
 
     return build_once(cache_dir() / "tiny" / f"{name}-{xxhash.xxh3_64(key.encode()).hexdigest()}", build)
@@ -574,10 +595,8 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
 
     if source.path is None:
         raise UnsupportedModelError(f"model {source.name!r} has no tokenizer source")
-    if source.gguf_file is not None:
-        tok = AutoTokenizer.from_pretrained(str(source.path), gguf_file=source.gguf_file)
-    else:
-        tok = AutoTokenizer.from_pretrained(str(source.path))
+    folder = gguf_folder(source) if source.gguf_file is not None else source.path
+    tok = AutoTokenizer.from_pretrained(str(folder))
     if not isinstance(tok, Tokenizer):
         raise UnsupportedModelError(f"tokenizer of {source.name!r} lacks encode/decode")
     if source.chat_template and not getattr(tok, "chat_template", None):

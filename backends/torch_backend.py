@@ -40,10 +40,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import shutil
 import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -62,7 +64,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from . import rope
 from .loaded_model import LayerRoles, LoadedModel, WindowShape
-from .models import ModelSource, SourceKind, check_supported, read_config
+from .models import ModelSource, SourceKind, build_once, cache_dir, check_supported, gguf_folder, read_config
 from .protocol import (
     Backend,
     BackendError,
@@ -580,24 +582,40 @@ def _clone_linear_layer(layer: LinearAttentionLayer) -> LinearAttentionLayer:
 # Loading
 # ------------------------------------------------------------------------------------------------
 
-def _config(source: ModelSource) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """(transformers config, from_pretrained kwargs, the config dict the identity hashes)."""
+def _unpacked_gguf(source: ModelSource) -> Path:
+    """A GGUF source as a Hugging Face folder with its weights (float32, exactly as transformers'
+    GGUF loader dequantizes them), written once under the cache folder. Why: that loader parses the
+    header with its whole vocabulary and dequantizes every tensor on each load, 25 of the 30 s a
+    SmolLM2 server took to start on 2 cores (Gemma 3: 68 of 80 s); from the folder the same weights,
+    with the same identity, load in about a second."""
+    assert source.path is not None and source.gguf_file is not None
+    path, gguf_file, described = source.path, source.gguf_file, gguf_folder(source)
+
+    def build(tmp: Path) -> None:
+        from safetensors.torch import save_model
+
+        config = AutoConfig.from_pretrained(str(described))
+        model = AutoModelForCausalLM.from_pretrained(str(path), config=config, gguf_file=gguf_file,
+                                                     dtype=torch.float32)
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})  # tied weights once
+        shutil.copy(described / "config.json", tmp / "config.json")
+
+    return build_once(cache_dir() / "gguf-torch" / described.name, build)
+
+
+def _config(source: ModelSource) -> tuple[Any, Path, dict[str, Any]]:
+    """(transformers config, the folder its weights load from, the config dict the identity hashes)."""
     assert source.path is not None
     if source.kind is SourceKind.MLX_QUANT:
         raise UnsupportedModelError(f"{source.name} is an MLX-quantized copy (mlx_lm.convert): serve it with the mlx "
                                     "backend")
-    if source.kind is SourceKind.GGUF:
-        kw: dict[str, Any] = {"gguf_file": source.gguf_file}
-        config = AutoConfig.from_pretrained(str(source.path), **kw)
-        raw = config.to_dict()
-        check_supported(raw, source.name)
-        return config, kw, raw
-    raw = read_config(source.path)
+    raw = read_config(gguf_folder(source) if source.kind is SourceKind.GGUF else source.path)
     if isinstance(raw.get("quantization"), dict):
         raise UnsupportedModelError(f"{source.name}: MLX-quantized weights ({raw['quantization'].get('bits')}-bit, "
                                     "mlx_lm.convert): serve it with the mlx backend")
     check_supported(raw, source.name)
-    return AutoConfig.from_pretrained(str(source.path)), {}, raw
+    folder = _unpacked_gguf(source) if source.kind is SourceKind.GGUF else source.path
+    return AutoConfig.from_pretrained(str(folder)), folder, raw
 
 
 def _make_runtime(source: ModelSource, device: str, dtype: str, model_id: str | None) -> _Runtime:
@@ -608,15 +626,12 @@ def _make_runtime(source: ModelSource, device: str, dtype: str, model_id: str | 
         raise BackendUnavailableError("device 'cuda' was requested but torch.cuda.is_available() is False")
     if dev.type not in ("cpu", "cuda"):
         raise BackendUnavailableError(f"device {device!r} is not supported by the torch backend (cpu, cuda)")
-    config, kw, raw = _config(source)
+    config, folder, raw = _config(source)
     # The modules decide, before any weight is read: built on the meta device, nothing is allocated.
     with torch.device("meta"):
         classify(AutoModelForCausalLM.from_config(config))  # type: ignore[no-untyped-call]
-    assert source.path is not None
-    # The config read above is passed on: for a GGUF, reading it again means parsing the whole
-    # header, vocabulary included, once more (~25 s of a Gemma 3 load: 262,144 tokens).
-    model: Any = AutoModelForCausalLM.from_pretrained(str(source.path), config=config, dtype=_DTYPES[dtype],
-                                                      attn_implementation=ATTENTION_IMPLEMENTATION, **kw)
+    model: Any = AutoModelForCausalLM.from_pretrained(str(folder), config=config, dtype=_DTYPES[dtype],
+                                                      attn_implementation=ATTENTION_IMPLEMENTATION)
     model = model.eval().to(dev)
     shape = classify(model)
     roles = shape.roles
@@ -634,6 +649,7 @@ def _make_runtime(source: ModelSource, device: str, dtype: str, model_id: str | 
         identity = model_identity(raw, ((name, _np_from_tensor(p, copy=False), str(p.dtype))
                                         for name, p in model.named_parameters()))
     else:
+        assert source.path is not None
         identity = folder_identity(source.path, raw)
     rt = _Runtime(
         source=source, model=model, shape=shape, family=shape.family, roles=roles, device=dev, dtype=_DTYPES[dtype],

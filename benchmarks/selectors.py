@@ -11,7 +11,8 @@ that hold evidence text. Tuning seeds are harness.shapes.TUNING_SEEDS; nothing w
 HELD_OUT_SEEDS.
 
     python -m benchmarks.selectors [--shapes all] [--seeds held-out|tuning|101,102]
-        [--budgets 2048,4096] [--tokens 16000] [--ablation] [--controller-models smollm2-135m]
+        [--budgets 2048,4096] [--tokens 16000] [--selectors recency,attention,bm25,hybrid]
+        [--model smollm2-135m] [--ablation] [--controller-models smollm2-135m]
 
 Selectors: recency (no advice), attention (the model's keys, controller.keyindex), bm25 (lexical
 rarity alone: the 8 best pages by BM25 that fit), hybrid (the default, controller.hybrid). With
@@ -52,12 +53,15 @@ from serving.launcher import ContextdProcess
 from serving.transcript import ChatFormat
 
 MODEL = "smollm2-135m"
+BASE_SELECTORS = ("recency", "attention", "bm25", "hybrid")
 
 
-def selectors(ablation: bool) -> list[Selector]:
-    out: list[Selector] = [RecencySelector(), AttentionSelector(),
-                           HybridSelector(HybridConfig(coverage_decay=1.0, cutoff=0.0, neighbour_tokens=0), "bm25"),
-                           HybridSelector()]
+def selectors(names: Sequence[str], ablation: bool) -> list[Selector]:
+    made: dict[str, Selector] = {
+        "recency": RecencySelector(), "attention": AttentionSelector(),
+        "bm25": HybridSelector(HybridConfig(coverage_decay=1.0, cutoff=0.0, neighbour_tokens=0), "bm25"),
+        "hybrid": HybridSelector()}
+    out = [made[name] for name in names]
     if ablation:
         out += [HybridSelector(HybridConfig(coverage_decay=1.0), "hybrid - coverage"),
                 HybridSelector(HybridConfig(neighbour_tokens=0), "hybrid - neighbours"),
@@ -215,14 +219,14 @@ def seeds_of(text: str) -> list[int]:
 
 
 def run(shapes: list[str], seeds: list[int], budgets: list[int], tokens: int, chosen: list[Selector],
-        log: Any = print) -> dict[str, Any]:
+        model: str = MODEL, log: Any = print) -> dict[str, Any]:
     base = Path(tempfile.mkdtemp(prefix="kvb-sel-", dir="/tmp"))
     daemon = ContextdProcess(base / "root", base / "run" / "c.sock", extra=["--reserve-bytes", "0"])
     client = daemon.start()
     rows: list[dict[str, Any]] = []
     sessions: list[dict[str, Any]] = []
     try:
-        backend = load_backend("torch", MODEL, capacity=max(budgets) + 256)
+        backend = load_backend("torch", model, capacity=max(budgets) + 256)
         for budget in budgets:
             for shape in shapes:
                 for seed in seeds:
@@ -238,7 +242,7 @@ def run(shapes: list[str], seeds: list[int], budgets: list[int], tokens: int, ch
         daemon.stop()
         shutil.rmtree(base, ignore_errors=True)
     tuned = sorted(set(seeds) & set(TUNING_SEEDS))
-    return {"rows": rows, "summary": summarise(rows), "sessions": sessions, "tokens": tokens,
+    return {"model": model, "rows": rows, "summary": summarise(rows), "sessions": sessions, "tokens": tokens,
             "tuning_seeds": tuned, "held_out_seeds": sorted(set(seeds) - set(TUNING_SEEDS))}
 
 
@@ -248,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="held-out", help="held-out, tuning, or comma-separated seeds")
     parser.add_argument("--budgets", default="2048,4096")
     parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="approximate session length")
+    parser.add_argument("--selectors", default=",".join(BASE_SELECTORS),
+                        help=f"comma-separated, from {', '.join(BASE_SELECTORS)}")
+    parser.add_argument("--model", default=MODEL,
+                        help="the serving model; recency, bm25 and hybrid read token ids only, so any model with "
+                             "SmolLM2's tokenizer (tiny-llama) gives them the same figures in a fraction of the time")
     parser.add_argument("--ablation", action="store_true", help="also the hybrid without each part, and with keys")
     parser.add_argument("--controller-models", default="",
                         help="comma-separated embedded controller models to measure too (minutes each)")
@@ -258,10 +267,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(shapes) - set(SHAPES))
     if unknown:
         parser.error(f"unknown shapes {unknown}: use {', '.join(SHAPES)}")
-    chosen = selectors(args.ablation)
+    names = args.selectors.split(",")
+    if sorted(set(names) - set(BASE_SELECTORS)):
+        parser.error(f"unknown selectors {sorted(set(names) - set(BASE_SELECTORS))}: use {', '.join(BASE_SELECTORS)}")
+    chosen = selectors(names, args.ablation)
     if args.controller_models:
         chosen += controller_selectors(args.controller_models.split(","), args.controller_deadline)
-    result = run(shapes, seeds_of(args.seeds), [int(b) for b in args.budgets.split(",")], args.tokens, chosen)
+    result = run(shapes, seeds_of(args.seeds), [int(b) for b in args.budgets.split(",")], args.tokens, chosen,
+                 args.model)
     for name, budgets in result["summary"].items():
         for budget, entry in budgets.items():
             shapes_text = "  ".join(f"{shape} {rate:.2f}" for shape, rate in entry["by_shape"].items())

@@ -18,7 +18,7 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx.nn.layers.base import Module
 
-from ..models import ModelSource, check_supported
+from ..models import ModelSource, check_supported, gguf_folder, read_config
 from ..protocol import UnsupportedModelError
 from .host import DTYPES
 from .loading import mlx_config
@@ -60,8 +60,9 @@ def load_gguf(source: ModelSource, dtype: str) -> tuple[Module, dict[str, Any], 
 
     assert source.path is not None and source.gguf_file is not None
     path = Path(source.path) / source.gguf_file
-    config = AutoConfig.from_pretrained(str(source.path), gguf_file=source.gguf_file)
-    cfg = config.to_dict()
+    described = gguf_folder(source)
+    config = AutoConfig.from_pretrained(str(described))
+    cfg = read_config(described)
     check_supported(cfg, source.name)
     loaded = cast(tuple[dict[str, mx.array], dict[str, Any]], mx.load(str(path), return_metadata=True))
     tensors, meta = loaded

@@ -21,7 +21,7 @@ from typing import cast
 
 import mlx.core as mx
 
-from ..models import ModelSource, build_once, cache_dir, read_config, resolve
+from ..models import ModelSource, build_once, cache_dir, gguf_folder, read_config, resolve
 from .gguf import load_gguf
 from .loading import fix_weights, mlx_config
 
@@ -41,15 +41,15 @@ def _write_mlx_folder(source: ModelSource, out: Path, bits: int, group: int) -> 
         if source.gguf_file is not None:
             # transformers will not save a GGUF-loaded model: write the Hugging Face form this
             # module reads from the GGUF (the torch backend's exact weights) as the folder.
-            from transformers import AutoTokenizer
-
             base = work / "hf"
             base.mkdir()
             _, cfg, params = load_gguf(source, "float32")
             (base / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
             mx.save_safetensors(str(base / "model.safetensors"), dict(params), {"format": "pt"})
             del params
-            AutoTokenizer.from_pretrained(str(source.path), gguf_file=source.gguf_file).save_pretrained(str(base))
+            for f in gguf_folder(source).iterdir():
+                if f.is_file() and f.name != "config.json":
+                    shutil.copy(f, base / f.name)
         ready = work / "mlx-readable"
         ready.mkdir()
         raw = read_config(base)

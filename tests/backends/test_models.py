@@ -154,3 +154,28 @@ def test_gemma3_270m_resolves_to_the_packaged_gguf() -> None:
     assert source.path is not None and source.gguf_file is not None
     assert (source.path / source.gguf_file) == gemma3_gguf_path()
     assert describe_source(source).family == "gemma3"
+
+
+def test_a_gguf_is_parsed_once_into_a_folder_keyed_on_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """The config and tokenizer transformers reads from a GGUF are kept in a folder, and the same
+    GGUF changed on disk gets a folder of its own: nothing stale is read."""
+    from backends.models import gguf_folder, gguf_stamp, load_tokenizer, read_config, smollm2_gguf_path
+
+    monkeypatch.setenv("KV_ELISION_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m" / "model.gguf"
+    gguf.parent.mkdir()
+    shutil.copy(smollm2_gguf_path(), gguf)
+    source = resolve(str(gguf))
+    assert source.kind is SourceKind.GGUF
+    folder = gguf_folder(source)
+    assert folder.parent == tmp_path / "cache" / "gguf" and folder.name.startswith("model-")
+    config = read_config(folder)
+    assert config["model_type"] == "llama" and config["vocab_size"] == 49152
+    written = {f.name: f.stat().st_mtime_ns for f in folder.iterdir()}
+    assert gguf_folder(resolve(str(gguf))) == folder and {f.name: f.stat().st_mtime_ns
+                                                          for f in folder.iterdir()} == written
+    text = "def f(x):\n    return x**2  # é 中文"
+    assert load_tokenizer(source).encode(text) == load_tokenizer(resolve("smollm2-135m")).encode(text)
+    os.utime(gguf, ns=(gguf.stat().st_atime_ns, gguf.stat().st_mtime_ns + 10**9))
+    assert gguf_stamp(resolve(str(gguf))) not in (folder.name, "")

@@ -85,7 +85,7 @@ def test_attention_selector_restores_pages_for_a_question_about_a_cold_fact(serv
 def test_controller_selector_runs_the_embedded_model_and_stores_its_summaries(server_factory: Any) -> None:
     server: ServerProcess = server_factory("smollm2-135m", 1536, "--selector", "controller",
                                            "--controller-model", "smollm2-135m", "--controller-deadline", "0.2")
-    messages = grow(server, "c", files=4)
+    messages = grow(server, "c", files=2)
     notes = [server.stats("c")["last_selection"]]
     summaries: dict[str, str] = {}
     deadline = time.monotonic() + 300
