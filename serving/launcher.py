@@ -123,6 +123,18 @@ class ContextdProcess:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def exited(self, timeout: float) -> bool:
+        """Whether the process ends within `timeout` seconds. A daemon that dies on purpose (a crash
+        point) closes its socket before the kernel has finished tearing it down, so its clients can
+        see it gone a moment before `running` does."""
+        if self.proc is None:
+            return True
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def kill9(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)

@@ -512,7 +512,7 @@ TEN = [
     "Name a colour. One word.",
     "Name an animal. One word.",
     "Name a country. One word.",
-    "Name a planet. One word.",
+    "Count from one to forty in words, separated by commas.",
     "Name a metal. One word.",
     "Name a tree. One word.",
     "Name a sport. One word.",
@@ -526,7 +526,9 @@ def test_pi_ten_prompts_never_reprefill_and_never_tell_of_a_rebuild(
         case: str, server: ServerProcess, free_server: ServerProcess, pis: PiFactory) -> None:
     """cut: answers stop at the server's 24-token cap, which the extension advertises as the
     model's maxTokens, so Pi keeps every cut answer. free: answers end by themselves (one that
-    rambles stops at the advertised 64-token cap and is kept too).
+    rambles stops at the advertised 64-token cap and is kept too). One prompt asks for a long
+    answer, so some are cut whatever Pi's system prompt says that day (it holds the date and the
+    working folder: with one-word prompts only, a run once had no answer reach the cap).
     cut-pi-expects-more: the user's models.json says the model may answer 4,096 tokens, so Pi
     treats each cut answer as a truncated attempt and leaves it out of the next request; the
     server must drop it from its cache without a forward pass and without a rebuild."""

@@ -64,7 +64,7 @@ def test_contextd_killed_under_a_live_server_fails_the_turn_in_flight_with_503_a
         daemon.start()
     failed = server.chat(messages_for(sc.users, answers, 2), session="kd")
     assert failed.status == 503 and failed.body["error"]["type"] == "contextd_down", failed.body
-    assert not daemon.running
+    assert daemon.exited(timeout=30)
     with environ_set(CRASH_ENV, None):
         daemon.start()
     deadline = time.monotonic() + 30
