@@ -24,6 +24,7 @@ from .protocol import (
     Counters,
     LayerView,
     RecurrentSnapshot,
+    StoredBlock,
     Tokenizer,
     UnsupportedModelError,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "CorruptPayloadError",
     "LayerView",
     "RecurrentSnapshot",
+    "StoredBlock",
     "Tokenizer",
     "UnsupportedModelError",
     "RUNTIMES",

@@ -47,6 +47,7 @@ __all__ = [
     "SectionReader",
     "checksum",
     "pack",
+    "read_ahead",
     "read_rows",
     "read_verified",
     "unpack",
@@ -248,6 +249,24 @@ def _open_sized(path: str | os.PathLike[str], size: int) -> Any:
         f.close()
         raise ContainerError(f"{os.fspath(path)} has {actual} bytes, the manifest says {size}")
     return f
+
+
+def read_ahead(paths: list[str | os.PathLike[str]]) -> None:
+    """Ask the kernel to start reading these whole files now (posix_fadvise WILLNEED), so the disk
+    works on all of them while the caller consumes the first; a no-op where the call is missing
+    (macOS) and for a file that cannot be opened (its reader reports that)."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            advise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
 
 
 def read_verified(path: str | os.PathLike[str], expected_checksum: str, size: int) -> memoryview:

@@ -40,6 +40,7 @@ __all__ = [
     "ROPE_LAYOUT_NONE",
     "RecurrentSnapshot",
     "STORAGE_DTYPES",
+    "StoredBlock",
     "Tokenizer",
     "UnsupportedModelError",
     "storage_dtype",
@@ -342,6 +343,20 @@ class BlockStream:
 
 
 @dataclasses.dataclass(frozen=True)
+class StoredBlock:
+    """A stored block file to insert: where it is, what its manifest says it is, and where it goes
+    (before the held token now at index `at`). With `token_ids`, a file holding other tokens is
+    corrupt; with `position`, its tokens take the positions from there on exactly."""
+
+    path: str | os.PathLike[str]
+    at: int
+    checksum: str
+    size: int
+    token_ids: np.ndarray | None = None
+    position: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class RecurrentSnapshot:
     """Conv and recurrent states of every linear-attention (e.g. Gated DeltaNet) layer.
 
@@ -555,6 +570,15 @@ class Backend(Protocol):
         refused (CorruptPayloadError, as is a file failing its size or checksum) before anything is
         copied. Nothing becomes visible unless the whole file verifies.
         Returns the verified block (its arrays view the read buffer)."""
+        ...
+
+    def insert_block_files(self, files: Sequence[StoredBlock]) -> list[Block | BlockFormatError]:
+        """Insert several stored blocks in one page operation (`at` in ascending order, each counted
+        in the held order before the call; blocks at the same place go in list order), with every
+        file read ahead and in parallel and every held key re-anchored at most once. A block that
+        fails its checks is left out and its error returned in its place (the others are placed
+        as if it had never been asked for); a block of another model raises BlockMismatchError
+        before anything is copied. Returns, per file, the verified block or the error."""
         ...
 
     def compact_positions(self) -> int:

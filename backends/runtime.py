@@ -34,23 +34,26 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from . import blockfile
 from .loaded_model import LayerRoles, LoadedModel
 from .models import ModelSource, SourceKind, load_tokenizer, resolve
 from .protocol import (
     STORAGE_DTYPES,
     BackendError,
     Block,
+    BlockFormatError,
     BlockMismatchError,
     BlockStream,
     CorruptPayloadError,
     Counters,
     LayerView,
     RecurrentSnapshot,
+    StoredBlock,
     Tokenizer,
     UnsupportedModelError,
 )
 from .slot_store import SlotStore
-from .slots import InsertPlan, checked_token_ids, pick_token, plan_insert
+from .slots import BatchPlan, InsertPlan, checked_token_ids, pick_token, plan_insert, plan_inserts
 
 __all__ = ["SlotBackend", "keep_torch_out"]
 
@@ -71,6 +74,25 @@ def keep_torch_out(model: str) -> bool:
 
 
 B = TypeVar("B", bound="SlotBackend")
+
+
+# The read buffers one `insert_block_files` batch holds at once: 32 SmolLM2 float32 pages (5.9 MB
+# each) go in one batch; a long plan for a big model goes in several, each still read in parallel.
+INSERT_BATCH_BYTES = 256 << 20
+
+
+def _batches(files: Sequence[StoredBlock]) -> Iterator[list[int]]:
+    """Indices of `files` in consecutive runs of at most INSERT_BATCH_BYTES (at least one file)."""
+    run: list[int] = []
+    total = 0
+    for i, f in enumerate(files):
+        if run and total + f.size > INSERT_BATCH_BYTES:
+            yield run
+            run, total = [], 0
+        run.append(i)
+        total += f.size
+    if run:
+        yield run
 
 
 def _wanted_positions(saved: np.ndarray, position: int | None) -> np.ndarray:
@@ -432,16 +454,118 @@ class SlotBackend(abc.ABC):
 
     def insert_block_file(self, path: str | os.PathLike[str], at: int, *, checksum: str, size: int,
                           token_ids: np.ndarray | None = None, position: int | None = None) -> Block:
-        self._check_insert_at(at)
-        with BlockStream(path, checksum, size, expect=self._rt.view) as rd, self._page_op():
-            held = rd.small("token_ids")
-            if token_ids is not None and not np.array_equal(held, token_ids):
-                raise CorruptPayloadError(f"{os.fspath(path)} holds other tokens than the transcript at that place")
-            verified: list[Block] = []
-            self._insert(at, _wanted_positions(rd.small("positions"), position), position is not None, held,
-                         lambda a0, a1: rd.rows("keys", a0, a1), lambda a0, a1: rd.rows("values", a0, a1),
-                         lambda: verified.append(rd.finish()))
-            return verified[0]
+        result = self.insert_block_files([StoredBlock(path, at, checksum, size, token_ids, position)])[0]
+        if isinstance(result, BlockFormatError):
+            raise result
+        return result
+
+    def insert_block_files(self, files: Sequence[StoredBlock]) -> list[Block | BlockFormatError]:
+        for f in files:
+            self._check_insert_at(f.at)
+        results: list[Block | BlockFormatError | None] = [None] * len(files)
+        inserted = 0
+        with self._page_op():
+            for chunk in _batches(files):
+                inserted += self._insert_files(files, chunk, inserted, results)
+        assert all(r is not None for r in results)
+        return [r for r in results if r is not None]
+
+    def _insert_files(self, files: Sequence[StoredBlock], chunk: list[int], shift: int,
+                      results: list[Block | BlockFormatError | None]) -> int:
+        """One batch of `insert_block_files` (its `at`s moved on by the `shift` tokens inserted
+        before it); returns the tokens inserted. Every file is opened at once, so their reader
+        threads keep the disk busy while the first ones are copied in; nothing becomes visible
+        before every block that goes in has verified."""
+        blockfile.read_ahead([files[i].path for i in chunk])
+        streams: dict[int, BlockStream] = {}
+        try:
+            for i in chunk:
+                f = files[i]
+                try:
+                    streams[i] = BlockStream(f.path, f.checksum, f.size, expect=self._rt.view)
+                    held = streams[i].small("token_ids")
+                    if f.token_ids is not None and not np.array_equal(held, f.token_ids):
+                        raise CorruptPayloadError(f"{os.fspath(f.path)} holds other tokens than the transcript at "
+                                                  "that place")
+                except BlockFormatError as e:
+                    results[i] = e
+                    if i in streams:
+                        streams.pop(i).close()
+            wanted = {i: _wanted_positions(rd.small("positions"), files[i].position) for i, rd in streams.items()}
+            return self._place_blocks(files, streams, wanted, shift, results)
+        finally:
+            for rd in streams.values():
+                rd.close()
+
+    def _place_blocks(self, files: Sequence[StoredBlock], streams: dict[int, BlockStream],
+                      wanted: dict[int, np.ndarray], shift: int,
+                      results: list[Block | BlockFormatError | None]) -> int:
+        """Copy the opened blocks into free slots at the positions the batch plan gives them,
+        verify each, then commit the ones that verified and re-anchor each held key at most once."""
+        st = self._store
+
+        def plan_for(ids: list[int]) -> tuple[BatchPlan, dict[int, np.ndarray]]:
+            plan = plan_inserts(st.pos, st.order, [(files[i].at + shift, wanted[i], files[i].position is not None)
+                                                   for i in ids], self.position_limit)
+            fresh = plan.sources < 0
+            placed = plan.positions[fresh][np.argsort(-1 - plan.sources[fresh])]
+            ends = np.cumsum([wanted[i].shape[0] for i in ids])
+            return plan, {i: placed[end - wanted[i].shape[0]:end] for i, end in zip(ids, ends, strict=True)}
+
+        live = sorted(streams)
+        if not live:
+            return 0
+        plan, placed = plan_for(live)
+        slots = st.allocate(int(sum(wanted[i].shape[0] for i in live)))
+        ends = np.cumsum([wanted[i].shape[0] for i in live])
+        where = {i: slots[end - wanted[i].shape[0]:end] for i, end in zip(live, ends, strict=True)}
+        blocks: dict[int, Block] = {}
+        try:
+            for i in live:
+                rd = streams[i]
+                try:
+                    groups = list(st.layer_groups(int(where[i].shape[0])))
+                    for a0, a1 in groups:
+                        st.write_keys(where[i], a0, a1, rd.rows("keys", a0, a1), placed[i])
+                    for a0, a1 in groups:
+                        st.write_values(where[i], a0, a1, rd.rows("values", a0, a1))
+                    blocks[i] = rd.finish()
+                except BlockFormatError as e:
+                    st.clear(where[i])
+                    results[i] = e
+            if not blocks:
+                return 0
+            kept = sorted(blocks)
+            if kept != live:
+                # Placed as if the failed blocks had never been asked for: the survivors' keys are
+                # rotated again where their positions moved.
+                plan, moved_to = plan_for(kept)
+                for i in kept:
+                    if not np.array_equal(placed[i], moved_to[i]):
+                        st.reanchor(where[i], moved_to[i])
+                placed = moved_to
+        except BaseException:
+            st.clear(slots)
+            raise
+        new_slots = np.concatenate([where[i] for i in kept])
+        order = plan.sources.copy()
+        fresh = order < 0
+        order[fresh] = new_slots[-1 - order[fresh]]
+        moved = ~fresh
+        moved[~fresh] = st.pos[order[~fresh]] != plan.positions[~fresh]
+        if moved.any():
+            st.reanchor(order[moved], plan.positions[moved])
+        st.occupied[new_slots] = True
+        st.tokens[new_slots] = np.concatenate([blocks[i].token_ids for i in kept])
+        st.pos[new_slots] = np.concatenate([placed[i] for i in kept])
+        st.order = order
+        for i in kept:
+            results[i] = blocks[i]
+        n = int(new_slots.shape[0])
+        self._counters.restored_tokens += n
+        self._counters.reanchored_keys += n + int(moved.sum())
+        self._counters.compactions += plan.compactions
+        return n
 
     def _insert(self, at: int, saved_positions: np.ndarray, exact: bool, token_ids: np.ndarray,
                 keys: Callable[[int, int], np.ndarray], values: Callable[[int, int], np.ndarray],

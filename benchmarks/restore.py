@@ -58,6 +58,17 @@ from serving.session import Session
 from serving.transcript import ChatFormat
 
 K_PAGES = (1, 8, 32)
+# Above this share of the CPU taken by other processes, a run measured contention, not the code.
+UNRELIABLE_OTHER_CPU = 0.10
+
+
+def _torch_threads(backend: str) -> int | None:
+    """The intra-op threads the recompute ran on (the restore runs on one, see backends.torch_backend)."""
+    if backend != "torch":
+        return None
+    import torch
+
+    return int(torch.get_num_threads())
 
 
 def drop_from_page_cache(path: Path) -> None:
@@ -185,6 +196,18 @@ def main(argv: list[str] | None = None) -> int:
         block_path = restorer.files([page])[0]
         block_bytes = block_path.stat().st_size
 
+        # dd on the page's own file, before the compressed copy below replaces it in the store.
+        dd_path = block_path.parent / "dd.bin"
+        dd_write: list[float] = []
+        dd_read: list[float] = []
+        for _ in range(args.repeats):
+            w = dd_seconds([f"if={block_path}", f"of={dd_path}", f"bs={IO_CHUNK_BYTES // 1024}K", "conv=fsync"])
+            dd_seconds([f"if={dd_path}", "iflag=nocache", "count=0"])
+            r = dd_seconds([f"if={dd_path}", "of=/dev/null", f"bs={IO_CHUNK_BYTES // 1024}K"])
+            if w is not None:
+                dd_write.append(w)
+            if r is not None:
+                dd_read.append(r)
         # The same page stored compressed (its manifest record now names the compressed file):
         # the server's restore again, cold.
         record = engine.contextd.get_pages("bench", [session.pager.pages[page].page_id])[0]
@@ -204,17 +227,6 @@ def main(argv: list[str] | None = None) -> int:
             engine.mover.store(session, [written])
             write_s.append(time.perf_counter() - started)
 
-        dd_path = block_path.parent / "dd.bin"
-        dd_write: list[float] = []
-        dd_read: list[float] = []
-        for _ in range(args.repeats):
-            w = dd_seconds([f"if={block_path}", f"of={dd_path}", f"bs={IO_CHUNK_BYTES // 1024}K", "conv=fsync"])
-            dd_seconds([f"if={dd_path}", "iflag=nocache", "count=0"])
-            r = dd_seconds([f"if={dd_path}", "of=/dev/null", f"bs={IO_CHUNK_BYTES // 1024}K"])
-            if w is not None:
-                dd_write.append(w)
-            if r is not None:
-                dd_read.append(r)
         counters = session.counters
         backend_counters = backend.counters
     finally:
@@ -239,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         "compression_ratio": round(block_bytes / packed.byte_size, 3),
         "bytes_per_token": round(block_bytes / 128),
         "bytes_per_token_compressed": round(packed.byte_size / 128),
+        "restore_warm_mbps": round(block_bytes / median_ms(restore_warm) / 1e3, 1),
+        "restore_32_mbps": round(32 * block_bytes / median_ms(by_k[32]) / 1e3, 1),
+        "restore_32_over_dd_read": None if not dd_read else round(
+            32 * block_bytes / median_ms(by_k[32]) / 1e3 / (block_bytes / statistics.median(dd_read) / 1e6), 3),
         "store_write_mbps": mbps(write_s),
         "dd_write_mbps": mbps(dd_write),
         "dd_read_mbps": mbps(dd_read),
@@ -258,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         "build_tok_s": round(session.transcript.tokens / build_s, 1),
         "load_s": round(load_s, 1),
         "other_processes_cpu_share": None if other_cpu is None else round(other_cpu, 3),
+        "reliable": other_cpu is not None and other_cpu <= UNRELIABLE_OTHER_CPU,
+        "torch_threads": _torch_threads(args.backend),
     }
     rows: list[tuple[str, str]] = [
         ("restore 1 page, cold file (server path: manifest to re-anchored keys)", f"{restore_ms:.2f} ms"),
@@ -273,11 +291,15 @@ def main(argv: list[str] | None = None) -> int:
         ("store write (save+writev+checksum+fsync+rename)", f"{result['store_write_mbps']} MB/s"),
         ("dd write (bs=64K conv=fsync)", f"{result['dd_write_mbps']} MB/s"),
         ("dd read (bs=64K, after iflag=nocache)", f"{result['dd_read_mbps']} MB/s"),
+        ("restore of 32 cold pages, payload rate", f"{result['restore_32_mbps']} MB/s"),
+        ("restore 1 page in page cache, payload rate", f"{result['restore_warm_mbps']} MB/s"),
         ("historical forward tokens during restore", str(result["historical_forward_during_restore"])),
         ("CPU taken by other processes during the run", "n/a" if other_cpu is None else f"{100 * other_cpu:.0f} %"),
     ]
     print(f"{args.backend} / {backend.device} / {backend.model_name} {args.dtype}: a {session.transcript.tokens}-token "
           f"session, {len(restorer.cold)} cold pages, budget {args.budget}")
+    if not result["reliable"]:
+        print(f"  UNRELIABLE: other processes took more than {UNRELIABLE_OTHER_CPU:.0%} of the CPU during the run")
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"  {name:<{width}}  {value:>12}")

@@ -136,9 +136,11 @@ class Client:
             "UpsertPages", pb.UpsertPagesRequest(session_id=session_id, pages=list(pages)), pb.WriteAck
         )
 
-    def set_page_states(self, session_id: str, changes: Iterable[pb.PageStateChange]) -> pb.WriteAck:
-        return self._call("SetPageStates", pb.SetPageStatesRequest(session_id=session_id, changes=list(changes)),
-                          pb.WriteAck)
+    def set_page_states(self, session_id: str, changes: Iterable[pb.PageStateChange],
+                        leases: Iterable[pb.Lease] = ()) -> pb.WriteAck:
+        """Page state changes and, in the same commit, leases put on pages."""
+        return self._call("SetPageStates", pb.SetPageStatesRequest(session_id=session_id, changes=list(changes),
+                                                                   leases=list(leases)), pb.WriteAck)
 
     def delete_pages(self, session_id: str, page_ids: Iterable[str]) -> pb.WriteAck:
         return self._call("DeletePages", pb.DeletePagesRequest(session_id=session_id, page_ids=list(page_ids)),

@@ -281,8 +281,14 @@ class Daemon:
                 self.reclaim(over, session_id, partial=True)
         return info
 
-    def set_page_states(self, session_id: str, changes: Sequence[StateChange]) -> CommitInfo:
-        _check_batch(changes, "state changes")
+    def set_page_states(self, session_id: str, changes: Sequence[StateChange],
+                        leases: Sequence[tuple[str, LeaseRow]] = ()) -> CommitInfo:
+        """Move pages between HOT and COLD and, in the same commit, put `leases` on pages (a lease
+        changes no count)."""
+        _check_batch([*changes, *leases], "state changes")
+        for page_id, lease in leases:
+            check_id(page_id, "page_id")
+            lease.check(page_id)
         for change in changes:
             check_id(change.page_id, "page_id")
             if change.score != change.score:
@@ -306,6 +312,10 @@ class Daemon:
                 if old.state in (DROPPED, CORRUPT):
                     page = replace(page, locator="", checksum="", byte_size=0)
                 counts = self._put_page(txn, session_id, counts, old, page)
+            for page_id, lease in leases:
+                if txn.get(MANIFEST, PageKey(session_id, page_id)) is None:
+                    raise NotFound(f"{LEASES.name}: session {session_id} has no page {page_id!r}")
+                txn.put(LEASES, PageKey(session_id, page_id), lease)
             return counts
 
         return self._change_pages(session_id, move)

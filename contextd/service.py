@@ -170,8 +170,9 @@ class ContextdService(pb_grpc.ContextdServicer):
 
     def SetPageStates(self, request: pb.SetPageStatesRequest, context: grpc.ServicerContext) -> pb.WriteAck:
         return self._call(context, lambda: _ack(self.daemon.set_page_states(
-            request.session_id, [_row(StateChange, c, f"page {c.page_id}") for c in request.changes]),
-            len(request.changes)))
+            request.session_id, [_row(StateChange, c, f"page {c.page_id}") for c in request.changes],
+            [(lease.page_id, _row(LeaseRow, lease, f"lease on {lease.page_id}")) for lease in request.leases]),
+            len(request.changes) + len(request.leases)))
 
     def DeletePages(self, request: pb.DeletePagesRequest, context: grpc.ServicerContext) -> pb.WriteAck:
         page_ids = list(request.page_ids)

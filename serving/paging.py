@@ -8,10 +8,10 @@ the session can resume from:
   store     the page's block is written as an immutable file (contextd.client.Payloads, the one
             durable write path), then recorded in the manifest (UpsertPages);
   evict     only stored pages leave attention; the manifest says COLD after they have;
-  restore   the manifest record is looked up by id (GetPages), the file is streamed into free
-            cache slots, verified and re-anchored (Backend.insert_block_file: copies and
-            arithmetic, never a forward pass), and only then is the page HOT in the pager and in
-            the manifest, with a lease;
+  restore   the decision's manifest records are looked up in one call (GetPages), the files are
+            read in parallel into free cache slots, verified and re-anchored, each held key at
+            most once (Backend.insert_block_files: copies and arithmetic, never a forward
+            pass), and only then are the pages HOT in the pager and in the manifest, with leases;
   persist   at the end of a turn: every resident page not yet stored, the pins, then the
             session record (counters, transcript segments) and the recurrent snapshots (at the
             end of the turn and before its answer) in one transaction, and last the deletion of
@@ -31,7 +31,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from backends import Backend, Block, BlockFormatError, BlockMismatchError, RecurrentSnapshot
+from backends import Backend, Block, BlockFormatError, RecurrentSnapshot, StoredBlock
 from contextd import crashpoints
 from contextd.client import Client, pb
 from contextd.errors import DataCorrupt
@@ -134,33 +134,37 @@ class PageMover:
         changes += [pb.PageStateChange(page_id=pager.pages[i].page_id, state=PageState.HOT.value,
                                        last_used_turn=pager.turn, score=(scores or {}).get(i, 0.0))
                     for i in restored]
-        if changes:
-            self.contextd.set_page_states(session.session_id, changes)
-        if restored:
-            self.contextd.set_leases(session.session_id, add=[
+        if changes:  # one durable write for the decision: states, and the restored pages' leases
+            self.contextd.set_page_states(session.session_id, changes, leases=[
                 pb.Lease(page_id=pager.pages[i].page_id, until_turn=pager.pages[i].lease_until_turn) for i in restored])
         self.tally.peak(session, self.backend.attention_tokens)
         return restored
 
     def _restore(self, session: Session, indices: list[int]) -> list[int]:
-        """Stream each page's stored file into attention at its place in the timeline (ascending, so
-        each lands after the ones before it); return those that came back."""
+        """Stream the pages' stored files into attention at their places in the timeline, all in
+        one backend call (files read in parallel, each held key re-anchored once); return those
+        that came back. A page whose payload is gone or corrupt stays out (said in the log)."""
         if not indices:
             return []
         pager = session.pager
         records = {r.page_id: r for r in self.contextd.get_pages(session.session_id,
                                                                  [pager.pages[i].page_id for i in indices])}
-        restored = []
+        asked: list[tuple[int, pb.Page]] = []
         for index in indices:
             record = records.get(pager.pages[index].page_id)
             if record is None or PageState(record.state) is not PageState.COLD or not record.locator:
                 log.warning("session %s: page %d has no valid payload; it stays out", session.session_id, index)
                 pager.pages[index].stored = False
                 continue
-            try:
-                self._insert(session, record, index, pager.logical_start(index))
-            except DataCorrupt as exc:
-                log.warning("session %s: %s; it stays out", session.session_id, exc)
+            asked.append((index, record))
+        # Places in the held order before any of them goes in (ascending, as the call wants).
+        files = [self._stored_block(session, record, index, pager.logical_start(index)) for index, record in asked]
+        restored = []
+        for (index, record), result in zip(asked, self.backend.insert_block_files(files), strict=True):
+            if isinstance(result, BlockFormatError):
+                reason = f"page {record.page_id}: {result}"
+                self.contextd.report_corrupt(session.session_id, record.page_id, reason)
+                log.warning("session %s: %s; it stays out", session.session_id, reason)
                 pager.pages[index].stored = False
                 continue
             pager.apply(Decision(evict=[], restore=[index], plan_used=False))
@@ -168,22 +172,13 @@ class PageMover:
             crashpoints.reached("serving.restore.inserted")
         return restored
 
-    def _insert(self, session: Session, record: pb.Page, index: int, at: int, position: int | None = None) -> Block:
-        """The server's restore of one page, from its manifest record to keys re-anchored in the
-        cache (timed by benchmarks.restore): a verified streaming read, no forward pass. A payload
-        that fails its checksum or holds other tokens is reported corrupt to contextd."""
+    def _stored_block(self, session: Session, record: pb.Page, index: int, at: int,
+                      position: int | None = None) -> StoredBlock:
+        """What the backend needs to insert a page from its manifest record: the file, its checksum
+        and size, and the transcript's tokens at the page's place (a file holding others is corrupt)."""
         page = session.pager.pages[index]
-        expected = session.transcript.ids[page.token_start:page.token_end]
-        try:
-            return self.backend.insert_block_file(self.payloads.path(record.locator), at, checksum=record.checksum,
-                                                  size=record.byte_size, token_ids=_int32(expected),
-                                                  position=position)
-        except (BlockFormatError, BlockMismatchError) as exc:
-            if isinstance(exc, BlockMismatchError):
-                raise  # a block of another model: a configuration error, not a corrupt page (CorruptPayloadError)
-            reason = f"page {record.page_id}: {exc}"
-            self.contextd.report_corrupt(session.session_id, record.page_id, reason)
-            raise DataCorrupt(reason) from None
+        return StoredBlock(self.payloads.path(record.locator), at, record.checksum, record.byte_size,
+                           _int32(session.transcript.ids[page.token_start:page.token_end]), position)
 
     def close_gaps(self, session: Session) -> None:
         """Renumber the held tokens 0..n-1 (re-anchoring the keys that move; no forward pass).
@@ -411,13 +406,23 @@ class PageMover:
         pager = session.pager
         resident = [pager.pages[i] for i in pager.resident]
         records = {r.page_id: r for r in self.contextd.get_pages(session.session_id, [p.page_id for p in resident])}
+        files = []
         for page in resident:
             record = records.get(page.page_id)
             if record is None or not record.locator or PageState(record.state) in (
                     PageState.DROPPED, PageState.CORRUPT):
                 raise DataCorrupt(f"session {session.session_id}: resident page {page.index} has no stored payload")
-            block = self._insert(session, record, page.index, self.backend.attention_tokens,
-                                 session.persisted.resident_positions.get(page.index))
+            files.append(self._stored_block(session, record, page.index, self.backend.attention_tokens,
+                                            session.persisted.resident_positions.get(page.index)))
+        results = self.backend.insert_block_files(files)
+        failed = [(page, result) for page, result in zip(resident, results, strict=True)
+                  if isinstance(result, BlockFormatError)]
+        for page, error in failed:
+            self.contextd.report_corrupt(session.session_id, page.page_id, f"page {page.page_id}: {error}")
+        if failed:
+            raise DataCorrupt(f"page {failed[0][0].page_id}: {failed[0][1]}")
+        for page, block in zip(resident, results, strict=True):
+            assert isinstance(block, Block)
             crashpoints.reached("serving.recover.resident_page")
             index = session.key_index
             if index is not None and page.tokens == PAGE_TOKENS and page.index not in index.pages:

@@ -195,12 +195,14 @@ class PageStateChange(_message.Message):
     def __init__(self, page_id: _Optional[str] = ..., state: _Optional[_Union[PageState, str]] = ..., last_used_turn: _Optional[int] = ..., score: _Optional[float] = ...) -> None: ...
 
 class SetPageStatesRequest(_message.Message):
-    __slots__ = ("session_id", "changes")
+    __slots__ = ("session_id", "changes", "leases")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CHANGES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     changes: _containers.RepeatedCompositeFieldContainer[PageStateChange]
-    def __init__(self, session_id: _Optional[str] = ..., changes: _Optional[_Iterable[_Union[PageStateChange, _Mapping]]] = ...) -> None: ...
+    leases: _containers.RepeatedCompositeFieldContainer[Lease]
+    def __init__(self, session_id: _Optional[str] = ..., changes: _Optional[_Iterable[_Union[PageStateChange, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ...) -> None: ...
 
 class DeletePagesRequest(_message.Message):
     __slots__ = ("session_id", "page_ids")

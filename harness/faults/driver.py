@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from backends import BlockFormatError
 from contextd.wire import PageState
 from harness.faults.scenarios import SCENARIOS, messages_for
 from harness.faults.zygote import Reporter
@@ -77,18 +78,21 @@ class Driver:
         import xxhash
 
         backend = self.engine.backend
-        original = backend.insert_block_file
+        original = backend.insert_block_files
 
-        def insert(path: Any, at: int, *, checksum: str, size: int, **kw: Any) -> Any:
-            block = original(path, at, checksum=checksum, size=size, **kw)
-            page_id = Path(path).name.split(".")[0]
-            self.inserted.append(page_id)
-            data = Path(path).read_bytes() if Path(path).exists() else b""
-            if len(data) != size or xxhash.xxh3_128_hexdigest(data) != checksum:
-                self.served_corrupt.append(page_id)
-            return block
+        def insert(files: Any) -> Any:
+            results = original(files)
+            for stored, result in zip(files, results, strict=True):
+                if isinstance(result, BlockFormatError):
+                    continue
+                page_id = Path(stored.path).name.split(".")[0]
+                self.inserted.append(page_id)
+                data = Path(stored.path).read_bytes() if Path(stored.path).exists() else b""
+                if len(data) != stored.size or xxhash.xxh3_128_hexdigest(data) != stored.checksum:
+                    self.served_corrupt.append(page_id)
+            return results
 
-        backend.insert_block_file = insert  # type: ignore[method-assign]
+        backend.insert_block_files = insert  # type: ignore[method-assign]
 
     def turn(self, messages: list[dict[str, Any]]) -> tuple[int, Any]:
         """One request through the worker: (200, TurnResult) or (status, message)."""

@@ -22,6 +22,7 @@ from backends import (
     BlockMismatchError,
     CorruptPayloadError,
     RecurrentSnapshot,
+    StoredBlock,
     UnsupportedModelError,
     load_backend,
 )
@@ -227,6 +228,56 @@ def test_file_restore_equals_insert_and_refuses_corruption(models: Models, tmp_p
     assert [be.decode() for _ in range(3)] == [before.decode() for _ in range(3)]
     with pytest.raises(BlockMismatchError):
         models.fresh("tiny-llama").insert_block_file(path, 0, checksum=digest, size=size)
+
+
+def test_many_files_in_one_call_equal_inserting_them_one_by_one(models: Models, tmp_path: Path) -> None:
+    """Five pages spread over a compacted session come back in one `insert_block_files` call: the
+    same order, positions, rotated keys and logits as inserting the blocks one at a time (where
+    each pushed every later key), and each moved key re-anchored once. With one file corrupt, the
+    others land as if it had never been asked for."""
+    be = models.fresh("tiny-qwen3")
+    be.prefill(models.tokens[:1000])
+    pages = [(64 * i * 2 + 64, 64 * i * 2 + 128) for i in range(5)]  # 64, 192, 320, 448, 576 (+64)
+    files = []
+    for start, end in pages:
+        block = be.save_block(start, end)
+        path = tmp_path / f"{start}.kvblock"
+        files.append((block, path, *_write(path, block.to_bytes())))
+    for start, end in reversed(pages):
+        be.remove_attention_range(start, end)
+    be.compact_positions()
+    held = be.attention_tokens
+    ats = [start - 64 * i for i, (start, _) in enumerate(pages)]  # the places in the held order now
+    one_by_one = be.fork()
+    for i, (block, *_ignored) in enumerate(files):
+        one_by_one.insert_block(block, ats[i] + 64 * i)
+    batched = be.fork()
+    before = batched.counters
+    results = batched.insert_block_files([StoredBlock(path, at, digest, size, block.token_ids)
+                                          for at, (block, path, digest, size) in zip(ats, files, strict=True)])
+    assert all(isinstance(r, Block) for r in results)
+    np.testing.assert_array_equal(batched.positions(), one_by_one.positions())
+    np.testing.assert_array_equal(batched.rotated_keys(), one_by_one.rotated_keys())
+    assert batched.attention_tokens == one_by_one.attention_tokens == held + 5 * 64
+    assert batched.counters.restored_tokens - before.restored_tokens == 5 * 64
+    assert batched.counters.reanchored_keys - before.reanchored_keys <= batched.attention_tokens
+    assert [batched.decode() for _ in range(3)] == [one_by_one.decode() for _ in range(3)]
+
+    block, path, digest, size = files[2]
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x10
+    _write(path, bytes(data))
+    without = be.fork()
+    for i in (0, 1, 3, 4):
+        without.insert_block(files[i][0], ats[i] + 64 * (i - (i > 2)))
+    partial = be.fork()
+    results = partial.insert_block_files([StoredBlock(path, at, digest, size, block.token_ids)
+                                          for at, (block, path, digest, size) in zip(ats, files, strict=True)])
+    assert isinstance(results[2], CorruptPayloadError) and "checksum" in str(results[2])
+    assert all(isinstance(results[i], Block) for i in (0, 1, 3, 4))
+    np.testing.assert_array_equal(partial.positions(), without.positions())
+    np.testing.assert_array_equal(partial.rotated_keys(), without.rotated_keys())
+    assert [partial.decode() for _ in range(3)] == [without.decode() for _ in range(3)]
 
 
 def test_corrupt_or_foreign_bytes_are_refused(models: Models) -> None:

@@ -62,6 +62,16 @@ def test_batched_upserts_and_state_changes_round_trip(daemon: ContextdProcess) -
                                                      score=2.5)])
     restored = client.get_pages("s1", ["p000001"])[0]
     assert restored.state == PageState.HOT.value and restored.locator == cold[1].locator and restored.score == 2.5
+    # ... and with its lease in the same commit; a lease on a page that does not exist undoes it all
+    client.set_page_states("s1", [pb.PageStateChange(page_id="p000002", state=PageState.HOT.value)],
+                           leases=[pb.Lease(page_id="p000002", until_turn=9)])
+    assert client.get_pages("s1", ["p000002"])[0].state == PageState.HOT.value
+    assert {lease.page_id: lease.until_turn for lease in client.query_leases("s1")} == {"p000002": 9}
+    with pytest.raises(NotFound, match="ghost"):
+        client.set_page_states("s1", [pb.PageStateChange(page_id="p000003", state=PageState.HOT.value)],
+                               leases=[pb.Lease(page_id="ghost", until_turn=9)])
+    assert client.get_pages("s1", ["p000003"])[0].state == PageState.COLD.value
+    client.set_leases("s1", remove=["p000002"])
     path = daemon.root / "store" / restored.locator
     assert path.read_bytes() == bytes([1]) * 4096 and (path.stat().st_mode & 0o777) == 0o600
     assert (path.parent.stat().st_mode & 0o777) == 0o700

@@ -16,8 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 THE_MOVER = REPO / "serving" / "paging.py"
 DRIVERS = ("serving", "controller", "contextd", "benchmarks", "harness")
 # The backend protocol's page-moving methods (backends/protocol.py).
-PAGE_MOVES = frozenset({"insert_block", "insert_block_file", "remove_attention_range", "save_block", "reset",
-                        "compact_positions", "reposition", "restore_recurrent"})
+PAGE_MOVES = frozenset({"insert_block", "insert_block_file", "insert_block_files", "remove_attention_range",
+                        "save_block", "reset", "compact_positions", "reposition", "restore_recurrent"})
 
 
 def page_moves(path: Path) -> list[tuple[int, str]]:
@@ -41,7 +41,7 @@ def test_no_page_moves_outside_the_mover(path: Path) -> None:
 
 
 def test_the_mover_is_where_pages_move() -> None:
-    assert {method for _, method in page_moves(THE_MOVER)} >= {"insert_block_file", "remove_attention_range",
+    assert {method for _, method in page_moves(THE_MOVER)} >= {"insert_block_files", "remove_attention_range",
                                                                "save_block", "reset", "compact_positions"}
 
 
