@@ -19,6 +19,7 @@ import numpy as np
 
 from .loaded_model import KeyLayout, LoadedModel
 from .protocol import storage_dtype
+from .slots import pick_free_slots
 
 __all__ = ["SlotStore"]
 
@@ -72,12 +73,12 @@ class SlotStore(abc.ABC):
         self.capacity = capacity
 
     def allocate(self, n: int) -> np.ndarray:
-        """The `n` lowest free slots (growing the buffers if needed); keeps the high-water mark low."""
+        """`n` free slots (growing the buffers if needed), as `slots.pick_free_slots` chooses them."""
         free = np.flatnonzero(~self.occupied)
         if free.shape[0] < n:
             self.grow(max(2 * self.capacity, self.capacity + n - free.shape[0]))
             free = np.flatnonzero(~self.occupied)
-        return free[:n].astype(np.int64)
+        return pick_free_slots(free, n, self.high_water())
 
     def take_entered(self) -> int:
         """The tokens the embedding saw since the last call (see `entered`)."""

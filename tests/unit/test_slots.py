@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from backends.slots import as_run, checked_token_ids, model_identity, pick_token, plan_insert
+from backends.slots import as_run, checked_token_ids, model_identity, pick_free_slots, pick_token, plan_insert
 
 
 def test_a_block_keeps_its_saved_positions_when_they_fit_and_later_tokens_move_only_to_the_next_gap() -> None:
@@ -40,3 +40,13 @@ def test_runs_ids_and_identity() -> None:
     assert base == model_identity({"hidden_size": 2, "_name_or_path": "b"}, weights)  # ignored key
     assert base != model_identity({"hidden_size": 3}, weights)
     assert base != model_identity({"hidden_size": 2}, [("w", np.zeros((2, 2), dtype=np.float32), "torch.float32")])
+
+
+def test_free_slots_come_as_a_run_when_one_fits_below_the_high_water_mark() -> None:
+    free = np.array([2, 5, 6, 7, 8, 20, 21, 22, 23, 30], dtype=np.int64)
+    # The 4 lowest (2, 5, 6, 7) reach 7 and slots up to 19 are held: the run 5..8 is taken.
+    assert pick_free_slots(free, 4, high_water=20).tolist() == [5, 6, 7, 8]
+    # A session holding nothing above 7: the run 20..23 would raise the mark, so the lowest come.
+    assert pick_free_slots(free, 4, high_water=8).tolist() == [2, 5, 6, 7]
+    assert pick_free_slots(free, 5, high_water=29).tolist() == [2, 5, 6, 7, 8]  # no run of 5
+    assert pick_free_slots(free, 1, high_water=0).tolist() == [2]
