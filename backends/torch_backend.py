@@ -76,7 +76,7 @@ from .runtime import SlotBackend
 from .slot_store import SlotStore
 from .slots import as_run, folder_identity, model_identity
 
-__all__ = ["TorchBackend", "ATTENTION_IMPLEMENTATION", "classify", "load"]
+__all__ = ["TorchBackend", "ATTENTION_IMPLEMENTATION", "classify", "load", "unpacked_gguf"]
 
 ATTENTION_IMPLEMENTATION = "kv_elision_slots"
 
@@ -582,7 +582,7 @@ def _clone_linear_layer(layer: LinearAttentionLayer) -> LinearAttentionLayer:
 # Loading
 # ------------------------------------------------------------------------------------------------
 
-def _unpacked_gguf(source: ModelSource) -> Path:
+def unpacked_gguf(source: ModelSource) -> Path:
     """A GGUF source as a Hugging Face folder with its weights (float32, exactly as transformers'
     GGUF loader dequantizes them), written once under the cache folder. Why: that loader parses the
     header with its whole vocabulary and dequantizes every tensor on each load, 25 of the 30 s a
@@ -614,7 +614,7 @@ def _config(source: ModelSource) -> tuple[Any, Path, dict[str, Any]]:
         raise UnsupportedModelError(f"{source.name}: MLX-quantized weights ({raw['quantization'].get('bits')}-bit, "
                                     "mlx_lm.convert): serve it with the mlx backend")
     check_supported(raw, source.name)
-    folder = _unpacked_gguf(source) if source.kind is SourceKind.GGUF else source.path
+    folder = unpacked_gguf(source) if source.kind is SourceKind.GGUF else source.path
     return AutoConfig.from_pretrained(str(folder)), folder, raw
 
 

@@ -27,7 +27,8 @@ in the canonical store. Then, interleaved so both see the same machine state:
 
 Also reported: the share of the machine's CPU other processes used during the run
 (`other_processes_cpu_share`): on a shared machine, a run above a few percent measured
-contention, not the code. Times are medians. Last line: one JSON object.
+contention, not the code; above 10% `reliable` is false and a line above the table says so.
+Times are medians. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from typing import Any
 
 from backends import Block, load_backend
 from backends.blockfile import IO_CHUNK_BYTES
+from benchmarks.stats import reliable, unreliable_warning
 from contextd.client import Client, pb
 from contextd.wire import PageState
 from controller.pager import Decision
@@ -58,8 +60,6 @@ from serving.session import Session
 from serving.transcript import ChatFormat
 
 K_PAGES = (1, 8, 32)
-# Above this share of the CPU taken by other processes, a run measured contention, not the code.
-UNRELIABLE_OTHER_CPU = 0.10
 
 
 def _torch_threads(backend: str) -> int | None:
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         "build_tok_s": round(session.transcript.tokens / build_s, 1),
         "load_s": round(load_s, 1),
         "other_processes_cpu_share": None if other_cpu is None else round(other_cpu, 3),
-        "reliable": other_cpu is not None and other_cpu <= UNRELIABLE_OTHER_CPU,
+        "reliable": reliable(other_cpu),
         "torch_threads": _torch_threads(args.backend),
     }
     rows: list[tuple[str, str]] = [
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.backend} / {backend.device} / {backend.model_name} {args.dtype}: a {session.transcript.tokens}-token "
           f"session, {len(restorer.cold)} cold pages, budget {args.budget}")
     if not result["reliable"]:
-        print(f"  UNRELIABLE: other processes took more than {UNRELIABLE_OTHER_CPU:.0%} of the CPU during the run")
+        print("  " + unreliable_warning(other_cpu))
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"  {name:<{width}}  {value:>12}")

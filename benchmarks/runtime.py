@@ -18,7 +18,7 @@ attention layer; its 4-bit MLX copy for MLX). Speeds are tokens per second of wa
 is the arm's `ru_maxrss`. Per runtime the ratios are ours / theirs on SmolLM2 (the models entry has
 every model's): `prefill_ratio`, `decode_ratio` (goal >= 0.9), `rss_ratio` (goal <= 1.2). Also
 reported: the share of the machine's CPU other processes took meanwhile (`other_processes_cpu_share`;
-above a few percent the run measured contention as much as code). Last line: one JSON object.
+above 10% `reliable` is false and a line above the JSON says so). Last line: one JSON object.
 
 `--make-mlx-folder DIR` writes SmolLM2 (or `--model`) as an mlx-lm 4-bit folder (GGUF -> Hugging
 Face folder -> `mlx_lm.convert -q`), for `kv-elision serve --backend mlx --model DIR`.
@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.stats import reliable, unreliable_warning
 from harness.procfs import machine_cpu_seconds, other_cpu_share
 
 MODELS = {
@@ -88,12 +89,15 @@ def _torch_theirs(model: str, prompt: list[int], decode: int, device: str) -> di
     from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
 
-    from backends.models import resolve
+    from backends.models import SourceKind, resolve
+    from backends.torch_backend import unpacked_gguf
 
     source = resolve(model)
+    # The files ours loads: for a GGUF, the float32 folder both load from (backends.torch_backend), so the
+    # arms differ in the runtime, not in a GGUF parse and dequantization only one of them pays.
+    folder = unpacked_gguf(source) if source.kind is SourceKind.GGUF else source.path
     t0 = time.perf_counter()
-    kw: dict[str, Any] = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    hf = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32, **kw).eval().to(device)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval().to(device)
     load_s = time.perf_counter() - t0
     hf.generation_config.eos_token_id = None
     stamps: list[float] = []
@@ -243,8 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     ours = (children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)
     other = other_cpu_share(machine0, machine1, ours)
-    if other is not None:
-        result["other_processes_cpu_share"] = round(other, 3)
+    result["other_processes_cpu_share"] = None if other is None else round(other, 3)
+    result["reliable"] = reliable(other)
+    if not result["reliable"]:
+        print(unreliable_warning(other))
     print(json.dumps(result))
     return 0
 

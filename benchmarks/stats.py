@@ -1,4 +1,4 @@
-"""The one percentile of the benchmarks' figures.
+"""The one percentile of the benchmarks' figures, and when a run's figures count.
 
 Depends on nothing.
 """
@@ -21,3 +21,22 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = int(k)
     hi = min(lo + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+# Above this share of the machine's CPU taken by other processes, a run measured contention as
+# much as code: its figures are printed, marked unreliable, and not quoted as results.
+UNRELIABLE_OTHER_CPU = 0.10
+
+
+def reliable(other_processes_cpu_share: float | None) -> bool:
+    """Whether a run's figures count: the other processes' CPU share was measured and at most
+    UNRELIABLE_OTHER_CPU (without /proc/stat it cannot be known, so it does not count)."""
+    return other_processes_cpu_share is not None and other_processes_cpu_share <= UNRELIABLE_OTHER_CPU
+
+
+def unreliable_warning(other_processes_cpu_share: float | None) -> str:
+    """The line a benchmark prints above its figures when `reliable` is false."""
+    if other_processes_cpu_share is None:
+        return "UNRELIABLE: the CPU other processes took could not be measured (no /proc/stat)"
+    return (f"UNRELIABLE: other processes took {other_processes_cpu_share:.0%} of the CPU during the run "
+            f"(more than {UNRELIABLE_OTHER_CPU:.0%})")
