@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -53,7 +54,7 @@ from .protocol import (
     UnsupportedModelError,
 )
 from .slot_store import SlotStore
-from .slots import BatchPlan, InsertPlan, checked_token_ids, pick_token, plan_insert, plan_inserts
+from .slots import BatchPlan, checked_token_ids, pick_token, plan_inserts
 
 __all__ = ["SlotBackend", "keep_torch_out"]
 
@@ -93,6 +94,39 @@ def _batches(files: Sequence[StoredBlock]) -> Iterator[list[int]]:
         total += f.size
     if run:
         yield run
+
+
+class _Rows(Protocol):
+    """Where a block's layers come from while it is placed: a stored file being read
+    (`BlockStream`) or a block already in memory (`_HeldBlock`)."""
+
+    def rows(self, section: str, start: int, stop: int) -> np.ndarray: ...
+
+    def finish(self) -> Block: ...
+
+
+class _HeldBlock:
+    """A block in memory, read the way a stored file is."""
+
+    def __init__(self, block: Block) -> None:
+        self.block = block
+
+    def rows(self, section: str, start: int, stop: int) -> np.ndarray:
+        return self.block.keys[start:stop] if section == "keys" else self.block.values[start:stop]
+
+    def finish(self) -> Block:
+        return self.block
+
+
+@dataclasses.dataclass(frozen=True)
+class _Incoming:
+    """One block to place: before the held token `at`, at `wanted` positions (exactly, or where
+    they fit), its layers from `source`."""
+
+    at: int
+    wanted: np.ndarray
+    exact: bool
+    source: _Rows
 
 
 def _wanted_positions(saved: np.ndarray, position: int | None) -> np.ndarray:
@@ -448,9 +482,10 @@ class SlotBackend(abc.ABC):
     def insert_block(self, blk: Block, at: int, *, position: int | None = None) -> None:
         self._rt.view.require_same(blk.view)
         self._check_insert_at(at)
+        results: list[Block | BlockFormatError | None] = [None]
         with self._page_op():
-            self._insert(at, _wanted_positions(blk.positions, position), position is not None, blk.token_ids,
-                         lambda a0, a1: blk.keys[a0:a1], lambda a0, a1: blk.values[a0:a1], None)
+            self._place_blocks({0: _Incoming(at, _wanted_positions(blk.positions, position), position is not None,
+                                             _HeldBlock(blk))}, 0, results)
 
     def insert_block_file(self, path: str | os.PathLike[str], at: int, *, checksum: str, size: int,
                           token_ids: np.ndarray | None = None, position: int | None = None) -> Block:
@@ -491,38 +526,46 @@ class SlotBackend(abc.ABC):
                     results[i] = e
                     if i in streams:
                         streams.pop(i).close()
-            wanted = {i: _wanted_positions(rd.small("positions"), files[i].position) for i, rd in streams.items()}
-            return self._place_blocks(files, streams, wanted, shift, results)
+            return self._place_blocks({i: _Incoming(files[i].at, _wanted_positions(rd.small("positions"),
+                                                                                  files[i].position),
+                                                    files[i].position is not None, rd)
+                                       for i, rd in streams.items()}, shift, results)
         finally:
             for rd in streams.values():
                 rd.close()
 
-    def _place_blocks(self, files: Sequence[StoredBlock], streams: dict[int, BlockStream],
-                      wanted: dict[int, np.ndarray], shift: int,
+    def _place_blocks(self, incoming: dict[int, _Incoming], shift: int,
                       results: list[Block | BlockFormatError | None]) -> int:
-        """Copy the opened blocks into free slots at the positions the batch plan gives them,
-        verify each, then commit the ones that verified and re-anchor each held key at most once."""
+        """Copy blocks into free slots at the positions the batch plan gives them, layer group by
+        layer group, keys first, then values (a streamed file is consumed in its on-disk order);
+        verify each, then commit the ones that verified and re-anchor each held key at most once.
+        Until the commit the slots stay free, so a failure leaves no trace beyond zeroed free slots.
+        An exact block must take its wanted positions as they are (a recovery puts each page back
+        where it was, so attention sees the same relative distances as before). Returns the tokens
+        inserted; `results[i]` gets the block, or its error."""
         st = self._store
 
+        def split(values: np.ndarray, ids: list[int]) -> dict[int, np.ndarray]:
+            """`values` cut into consecutive pieces, one per block in `ids`, of its token count."""
+            ends = np.cumsum([incoming[i].wanted.shape[0] for i in ids])
+            return {i: values[end - incoming[i].wanted.shape[0]:end] for i, end in zip(ids, ends, strict=True)}
+
         def plan_for(ids: list[int]) -> tuple[BatchPlan, dict[int, np.ndarray]]:
-            plan = plan_inserts(st.pos, st.order, [(files[i].at + shift, wanted[i], files[i].position is not None)
+            plan = plan_inserts(st.pos, st.order, [(incoming[i].at + shift, incoming[i].wanted, incoming[i].exact)
                                                    for i in ids], self.position_limit)
             fresh = plan.sources < 0
-            placed = plan.positions[fresh][np.argsort(-1 - plan.sources[fresh])]
-            ends = np.cumsum([wanted[i].shape[0] for i in ids])
-            return plan, {i: placed[end - wanted[i].shape[0]:end] for i, end in zip(ids, ends, strict=True)}
+            return plan, split(plan.positions[fresh][np.argsort(-1 - plan.sources[fresh])], ids)
 
-        live = sorted(streams)
+        live = sorted(incoming)
         if not live:
             return 0
         plan, placed = plan_for(live)
-        slots = st.allocate(int(sum(wanted[i].shape[0] for i in live)))
-        ends = np.cumsum([wanted[i].shape[0] for i in live])
-        where = {i: slots[end - wanted[i].shape[0]:end] for i, end in zip(live, ends, strict=True)}
+        slots = st.allocate(int(sum(incoming[i].wanted.shape[0] for i in live)))
+        where = split(slots, live)
         blocks: dict[int, Block] = {}
         try:
             for i in live:
-                rd = streams[i]
+                rd = incoming[i].source
                 try:
                     groups = list(st.layer_groups(int(where[i].shape[0])))
                     for a0, a1 in groups:
@@ -567,36 +610,6 @@ class SlotBackend(abc.ABC):
         self._counters.compactions += plan.compactions
         return n
 
-    def _insert(self, at: int, saved_positions: np.ndarray, exact: bool, token_ids: np.ndarray,
-                keys: Callable[[int, int], np.ndarray], values: Callable[[int, int], np.ndarray],
-                verify: Callable[[], None] | None) -> None:
-        """Copy a block into free slots layer group by layer group, then (verified) make it visible.
-
-        Keys first, then values, so a streamed file is consumed in its on-disk order. Until the
-        commit the slots stay free, so a failure leaves no trace beyond zeroed free slots. With
-        `exact`, the block must take `saved_positions` as they are (a recovery puts each page back
-        where it was, so attention sees the same relative distances as before)."""
-        st = self._store
-        n = int(saved_positions.shape[0])
-        plan = self._plan_insert(at, saved_positions)
-        if exact and (plan.compact or not np.array_equal(plan.block_pos, saved_positions)):
-            raise ValueError(f"positions {int(saved_positions[0])}..{int(saved_positions[-1])} do not fit at {at} "
-                             "between the held neighbours")
-        slots = st.allocate(n)
-        positions = None if plan.compact else plan.block_pos
-        try:
-            groups = list(st.layer_groups(n))
-            for a0, a1 in groups:
-                st.write_keys(slots, a0, a1, keys(a0, a1), positions)
-            for a0, a1 in groups:
-                st.write_values(slots, a0, a1, values(a0, a1))
-            if verify is not None:
-                verify()
-        except BaseException:
-            st.clear(slots)
-            raise
-        self._commit_insert(at, plan, slots, token_ids)
-
     def compact_positions(self) -> int:
         with self._page_op():
             return self._compact()
@@ -632,27 +645,6 @@ class SlotBackend(abc.ABC):
         st = self._store
         last = int(st.pos[st.order[-1]]) if st.order.shape[0] else -1
         return last + n >= self.position_limit and last + 1 > st.order.shape[0]
-
-    def _plan_insert(self, at: int, saved_positions: np.ndarray) -> InsertPlan:
-        return plan_insert(self._store.pos, self._store.order, at, saved_positions, self.position_limit)
-
-    def _commit_insert(self, at: int, plan: InsertPlan, slots: np.ndarray, token_ids: np.ndarray) -> None:
-        st = self._store
-        n = int(slots.shape[0])
-        st.occupied[slots] = True
-        st.tokens[slots] = token_ids
-        st.order = np.concatenate([st.order[:at], slots, plan.later])
-        self._counters.restored_tokens += n
-        if plan.compact:
-            # Positions would leave the allowed range: renumber everything densely instead. The
-            # sentinel marks the block's keys as changed so compaction rotates them too.
-            st.pos[slots] = -1
-            self._compact()
-        else:
-            st.pos[slots] = plan.block_pos
-            moved = plan.later_new != plan.later_old
-            st.reanchor(plan.later[moved], plan.later_new[moved])
-            self._counters.reanchored_keys += n + int(moved.sum())
 
     def _compact(self) -> int:
         st = self._store
