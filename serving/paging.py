@@ -162,15 +162,20 @@ class PageMover:
         restored = []
         for (index, record), result in zip(asked, self.backend.insert_block_files(files), strict=True):
             if isinstance(result, BlockFormatError):
-                reason = f"page {record.page_id}: {result}"
-                self.contextd.report_corrupt(session.session_id, record.page_id, reason)
-                log.warning("session %s: %s; it stays out", session.session_id, reason)
+                log.warning("session %s: %s; it stays out", session.session_id,
+                            self._report_corrupt(session, record.page_id, result))
                 pager.pages[index].stored = False
                 continue
             pager.apply(Decision(evict=[], restore=[index], plan_used=False))
             restored.append(index)
             crashpoints.reached("serving.restore.inserted")
         return restored
+
+    def _report_corrupt(self, session: Session, page_id: str, error: BlockFormatError) -> str:
+        """Mark the page CORRUPT in contextd (its payload failed its checks); return the reason."""
+        reason = f"page {page_id}: {error}"
+        self.contextd.report_corrupt(session.session_id, page_id, reason)
+        return reason
 
     def _stored_block(self, session: Session, record: pb.Page, index: int, at: int,
                       position: int | None = None) -> StoredBlock:
@@ -415,12 +420,10 @@ class PageMover:
             files.append(self._stored_block(session, record, page.index, self.backend.attention_tokens,
                                             session.persisted.resident_positions.get(page.index)))
         results = self.backend.insert_block_files(files)
-        failed = [(page, result) for page, result in zip(resident, results, strict=True)
-                  if isinstance(result, BlockFormatError)]
-        for page, error in failed:
-            self.contextd.report_corrupt(session.session_id, page.page_id, f"page {page.page_id}: {error}")
+        failed = [self._report_corrupt(session, page.page_id, result)
+                  for page, result in zip(resident, results, strict=True) if isinstance(result, BlockFormatError)]
         if failed:
-            raise DataCorrupt(f"page {failed[0][0].page_id}: {failed[0][1]}")
+            raise DataCorrupt(failed[0])
         for page, block in zip(resident, results, strict=True):
             assert isinstance(block, Block)
             crashpoints.reached("serving.recover.resident_page")
