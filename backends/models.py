@@ -50,6 +50,7 @@ __all__ = [
     "cache_dir",
     "check_supported",
     "config_refusals",
+    "copy_gguf_tokenizer",
     "gemma3_gguf_path",
     "gguf_stamp",
     "gguf_folder",
@@ -358,6 +359,13 @@ def gguf_folder(source: ModelSource) -> Path:
     return build_once(cache_dir() / "gguf" / gguf_stamp(source), build)
 
 
+def copy_gguf_tokenizer(source: ModelSource, into: Path) -> None:
+    """The tokenizer files of a GGUF source's folder (`gguf_folder`, not its config) into `into`."""
+    for f in gguf_folder(source).iterdir():
+        if f.is_file() and f.name != "config.json":
+            shutil.copy(f, into / f.name)
+
+
 def tiny_folder(name: str) -> Path:
     """The Hugging Face folder of tiny model `name` (config.json, model.safetensors, SmolLM2's
     tokenizer), built on first use with a fixed seed on a forked RNG, float32."""
@@ -369,7 +377,6 @@ def tiny_folder(name: str) -> Path:
     seed = _TINY_SEEDS[name]
     key = json.dumps({"cfg": cfg, "seed": seed, "format": _TINY_FORMAT, "transformers": transformers.__version__},
                      sort_keys=True)
-    tokenizer = gguf_folder(resolve("smollm2-135m"))
 
     def build(tmp: Path) -> None:
         import torch
@@ -381,9 +388,7 @@ def tiny_folder(name: str) -> Path:
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
         model.save_pretrained(str(tmp))
-        for f in tokenizer.iterdir():
-            if f.is_file() and f.name != "config.json":
-                shutil.copy(f, tmp / f.name)
+        copy_gguf_tokenizer(resolve("smollm2-135m"), tmp)
 
     return build_once(cache_dir() / "tiny" / f"{name}-{xxhash.xxh3_64(key.encode()).hexdigest()}", build)
 

@@ -21,7 +21,7 @@ from typing import cast
 
 import mlx.core as mx
 
-from ..models import ModelSource, build_once, cache_dir, gguf_folder, read_config, resolve
+from ..models import ModelSource, build_once, cache_dir, copy_gguf_tokenizer, read_config, resolve
 from .gguf import load_gguf
 from .loading import fix_weights, mlx_config
 
@@ -47,9 +47,7 @@ def _write_mlx_folder(source: ModelSource, out: Path, bits: int, group: int) -> 
             (base / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
             mx.save_safetensors(str(base / "model.safetensors"), dict(params), {"format": "pt"})
             del params
-            for f in gguf_folder(source).iterdir():
-                if f.is_file() and f.name != "config.json":
-                    shutil.copy(f, base / f.name)
+            copy_gguf_tokenizer(source, base)
         ready = work / "mlx-readable"
         ready.mkdir()
         raw = read_config(base)
