@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from backends import Backend, load_backend
+from serving.chat_format import ChatFormat
 from serving.likelihood import continuation_logprobs
 from serving.paging import rewind
-from serving.transcript import ChatFormat
 
 PAGE_TOKENS = 128
 BOOTSTRAP_DRAWS = 2000

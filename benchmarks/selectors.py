@@ -48,9 +48,9 @@ from controller.selectors import (
 )
 from controller.units import Unit
 from harness.shapes import DEFAULT_TOKENS, HELD_OUT_SEEDS, SHAPES, TUNING_SEEDS, Workload, make
+from serving.chat_format import ChatFormat
 from serving.engine import ChatRequest, Engine, EngineConfig
 from serving.launcher import ContextdProcess
-from serving.transcript import ChatFormat
 
 MODEL = "smollm2-135m"
 BASE_SELECTORS = ("recency", "attention", "bm25", "hybrid")

@@ -57,8 +57,8 @@ def _selector(args: argparse.Namespace) -> Selector:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from backends import load_backend
+    from serving.chat_format import ChatFormat
     from serving.http import Server
-    from serving.transcript import ChatFormat
 
     if args.backend == "mlx" and (args.selector != "controller" or args.controller_url):
         from backends.runtime import keep_torch_out  # a local controller model would run on torch

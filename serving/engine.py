@@ -13,7 +13,7 @@ restores that session's resident pages and recurrent state from the store: copie
 forward pass. The same path (serving.recovery) brings a session back after a crash.
 
 Depends on backends (protocol, slots), controller, contextd.client and serving.paging /
-recovery / session / transcript / likelihood.
+recovery / session / transcript / chat_format / likelihood.
 """
 
 from __future__ import annotations
@@ -37,15 +37,14 @@ from controller.lexical import DEFAULT_LEXICAL, LexicalConfig, LexicalIndex
 from controller.pager import Decision, Pager, PagerConfig, Plan
 from controller.selectors import RecencySelector, SelectionContext, Selector
 from controller.units import Unit, UnitIndex
+from serving.chat_format import ChatFormat, Rendering
 from serving.likelihood import ViewCapture, ViewReading, capture_view
 from serving.paging import PageMover, Tally
 from serving.recovery import Recovery
 from serving.session import LastAnswer, Session, SessionCounters, TurnTimings
 from serving.transcript import (
     Alignment,
-    ChatFormat,
     Fingerprint,
-    Rendering,
     Segment,
     Transcript,
     TranscriptError,
@@ -236,12 +235,16 @@ class Engine:
         started = time.perf_counter()
         before = self.backend.counters
         fingerprint = self.format.fingerprint(request.tools, request.thinking)
-        self.format.normalize(request.messages, request.tools, {})  # a malformed request fails before any work
+        known = self.sessions.get(request.session_id)
+        # A malformed request fails before any work.
+        self.format.check(request.messages, known.render_memo if known is not None else None)
         session = self._activate(request.session_id, fingerprint)
         refreshed_before = session.counters.refresh_forward_tokens
         session.phase_ms = {}
         preparing = time.perf_counter()
-        rendering = self.format.render(request.messages, request.tools, request.thinking, session.transcript.generated)
+        rendering = self.format.render(request.messages, request.tools, request.thinking, session.transcript.generated,
+                                       session.render_memo)
+        session.render_memo = rendering.memo
         rendered = rendering.text
         session.pager.begin_turn()
         self.tally.count(session, turns=1)
@@ -576,7 +579,8 @@ class Engine:
         selectors (benchmarks.selectors and the retrieval tests)."""
         fingerprint = self.format.fingerprint(request.tools, request.thinking)
         session = self._activate(request.session_id, fingerprint)
-        rendering = self.format.render(request.messages, request.tools, request.thinking, session.transcript.generated)
+        rendering = self.format.render(request.messages, request.tools, request.thinking, session.transcript.generated,
+                                       session.render_memo)
         alignment = align(session.transcript, fingerprint, rendering.text, request.message_hashes)
         if alignment.rebuild or not alignment.new_text:
             raise TranscriptError("a probe must extend the cached transcript")

@@ -6,7 +6,7 @@ model-native key index, the recurrent snapshots of a hybrid and the bookkeeping 
 contextd already. Its durable form is the manifest (page states, pins, leases: contextd is the
 truth for where a page is) plus the session record (serving.paging writes both).
 
-Depends on backends (RecurrentSnapshot), controller and serving.transcript.
+Depends on backends (RecurrentSnapshot), controller and serving.transcript / chat_format.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from controller.keyindex import KeyIndex
 from controller.lexical import LexicalIndex
 from controller.pager import Pager
 from controller.units import UnitIndex
+from serving.chat_format import RenderMemo
 from serving.transcript import Transcript
 
 
@@ -138,6 +139,7 @@ class Session:
     phase_ms: dict[str, float] = field(default_factory=dict)   # this turn so far, by PHASES
     recovery_notes: list[str] = field(default_factory=list)    # what recovery found and fixed
     restore_scores: dict[int, float] = field(default_factory=dict)  # page -> score that last brought it back
+    render_memo: RenderMemo | None = None   # the last request's render, for rendering only what the next adds
 
     def timed(self, phase: str, started: float) -> None:
         """Add the time since `started` (time.perf_counter) to this turn's `phase`."""

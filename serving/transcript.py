@@ -1,4 +1,4 @@
-"""The chat transcript as the model sees it: rendering, alignment with the cache, fingerprints.
+"""The chat transcript as the model sees it: segments, alignment with the cache, fingerprints.
 
 The client (Pi) owns the transcript and sends all of it every turn. The cache holds tokens that
 spell one exact text: the rendered prompts of earlier turns plus the raw text the model generated.
@@ -14,8 +14,8 @@ Fail closed: the cache is trusted only while the tokenizer, the chat template, t
 and the thinking mode are those that built it and the cached text is a prefix of the new render.
 Otherwise `align` says how much can be kept (whole segments before the first difference) and why.
 
-Depends on xxhash, controller.lexical (vocabulary bytes) and a tokenizer object (encode / decode /
-apply_chat_template).
+Rendering the client's messages with the chat template is serving.chat_format's. Depends on
+xxhash only.
 """
 
 from __future__ import annotations
@@ -24,12 +24,9 @@ import json
 import re
 from array import array
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import xxhash
-
-from controller.lexical import vocabulary_bytes
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 _TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(\{.*?\})\s*" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
@@ -42,23 +39,6 @@ class TranscriptError(ValueError):
 def digest(value: Any) -> str:
     """16 hex digits of xxh64 over a canonical JSON form."""
     return xxhash.xxh64_hexdigest(json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode())
-
-
-def _text_of(content: Any, where: str) -> str:
-    """OpenAI content: a string, null, or a list of parts of which only text is supported."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        pieces = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise TranscriptError(f"{where}: content part of type {kind!r} is not supported (text only)")
-            pieces.append(str(part.get("text", "")))
-        return "".join(pieces)
-    raise TranscriptError(f"{where}: content must be a string or a list of text parts")
 
 
 def tool_call_text(call: dict[str, Any]) -> str:
@@ -242,197 +222,6 @@ class Transcript:
             if segment.opener:
                 return end
         return None
-
-
-@dataclass(frozen=True)
-class Rendering:
-    """A transcript rendered with the chat template, and what rendered it (for message ends)."""
-
-    text: str
-    normal: list[dict[str, str]]    # the normalized messages
-    shift: int                      # 1 when normalize() put a system message in front, else 0
-    tools: list[dict[str, Any]] | None
-    thinking: str
-
-
-# Tokens that end a model's turn in the chat formats served here (whichever the vocabulary has).
-TURN_ENDS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>")
-
-
-class ChatFormat:
-    """Renders OpenAI chat messages with the model's own chat template."""
-
-    def __init__(self, tokenizer: Any, template: str | None = None) -> None:
-        self.tokenizer = tokenizer
-        self.template = template or getattr(tokenizer, "chat_template", None)
-        if not self.template:
-            raise TranscriptError("the tokenizer has no chat template; pass one explicitly")
-        vocab = sorted(tokenizer.get_vocab().items())
-        self.tokenizer_id = digest([vocab, getattr(tokenizer, "all_special_tokens", [])])
-        self.template_id = digest(self.template)
-        # Templates that know nothing of tools get the tool schemas in the system message instead.
-        self.native_tools = "tools" in self.template
-        self._special_tokens: dict[str, Any] = dict(getattr(tokenizer, "special_tokens_map", {}) or {})
-        self._compiled: Any = None
-        self._compiled = self._direct_renderer()
-
-    def fingerprint(self, tools: list[dict[str, Any]] | None, thinking: str) -> Fingerprint:
-        return Fingerprint(self.tokenizer_id, self.template_id, digest(tools or []), thinking)
-
-    def normalize(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                  generated: dict[str, list[str]]) -> list[dict[str, str]]:
-        """Flatten content parts, write tool calls as text, and put back the cache's own copy of
-        every assistant message the model generated."""
-        if not isinstance(messages, list) or not messages:
-            raise TranscriptError("messages must be a non-empty list")
-        out: list[dict[str, str]] = []
-        occurrences: dict[str, int] = {}
-        for n, message in enumerate(messages):
-            if not isinstance(message, dict):
-                raise TranscriptError(f"messages[{n}] is not an object")
-            role = message.get("role")
-            if role == "developer":
-                role = "system"
-            if role not in ("system", "user", "assistant", "tool"):
-                raise TranscriptError(f"messages[{n}]: unsupported role {role!r}")
-            text = _text_of(message.get("content"), f"messages[{n}]")
-            if role == "assistant":
-                calls = message.get("tool_calls") or []
-                if not isinstance(calls, list):
-                    raise TranscriptError(f"messages[{n}].tool_calls must be a list")
-                for k, call in enumerate(calls):
-                    function = call.get("function", call) if isinstance(call, dict) else None
-                    if not isinstance(function, dict) or not isinstance(function.get("name", ""), str):
-                        raise TranscriptError(f"messages[{n}].tool_calls[{k}] must be an object with a "
-                                              "`function` object that has a string `name`")
-                key = assistant_key(text, calls)
-                raws = generated.get(key)
-                seen = occurrences[key] = occurrences.get(key, 0) + 1
-                if raws:
-                    text = raws[min(seen, len(raws)) - 1]
-                elif calls:
-                    text = "\n".join([text.strip()] * bool(text.strip()) + [tool_call_text(c) for c in calls])
-            out.append({"role": role, "content": text})
-        if tools and not self.native_tools:
-            listing = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
-            preamble = ("You can call tools. Available tools, one JSON schema per line:\n" + listing +
-                        f"\nTo call a tool, answer with {TOOL_CALL_OPEN}{{\"name\": ..., \"arguments\": {{...}}}}"
-                        f"{TOOL_CALL_CLOSE}.")
-            if out[0]["role"] == "system":
-                out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + preamble}
-            else:
-                out.insert(0, {"role": "system", "content": preamble})
-        return out
-
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, thinking: str,
-               generated: dict[str, list[str]]) -> Rendering:
-        """The whole transcript as the model sees it, and where each message's rendering ends."""
-        normal = self.normalize(messages, tools, generated)
-        text = self._render(normal, tools, thinking, add_generation_prompt=normal[-1]["role"] != "assistant")
-        # normalize() may put a system message in front for the tool schemas: message n is normal[n + shift].
-        return Rendering(text, normal, len(normal) - len(messages), tools, thinking)
-
-    def _render(self, normal: list[dict[str, str]], tools: list[dict[str, Any]] | None, thinking: str,
-                add_generation_prompt: bool) -> str:
-        kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt}
-        if self.native_tools and tools:
-            kwargs["tools"] = tools
-        if thinking in ("on", "off"):
-            kwargs["enable_thinking"] = thinking == "on"
-        try:
-            if self._compiled is not None:
-                return str(self._compiled.render(messages=normal, documents=None, **self._special_tokens,
-                                                 **{"tools": None, **kwargs}))
-            return str(self.tokenizer.apply_chat_template(normal, chat_template=self.template, tokenize=False,
-                                                          **kwargs))
-        except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
-            raise TranscriptError(f"the chat template could not render these messages: {exc}") from None
-
-    def _direct_renderer(self) -> Any:
-        """The chat template compiled once and rendered directly: transformers'
-        `apply_chat_template` copies and converts every message first, which made a
-        million-token transcript render in ~80 ms instead of ~20 ms. Used only when it renders
-        probe conversations (with and without tools, thinking on and off) exactly as
-        `apply_chat_template` does."""
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
-        try:
-            compiled = _compile_jinja_template(self.template)
-        except Exception:  # noqa: BLE001 - a template transformers cannot compile here renders the slow way
-            return None
-        self._compiled = compiled
-        probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
-                 {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}]
-        tool = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {
-            "type": "object", "properties": {"x": {"type": "string"}}}}}]
-        for tools in (None, tool):
-            for thinking in ("default", "on", "off"):
-                for end in (3, 4):
-                    direct = self._render(probe[:end], tools, thinking, add_generation_prompt=end == 4)
-                    self._compiled = None
-                    slow = self._render(probe[:end], tools, thinking, add_generation_prompt=end == 4)
-                    self._compiled = compiled
-                    if direct != slow:
-                        return None
-        return compiled
-
-    def message_ends(self, rendering: Rendering, after: int) -> list[tuple[int, int]]:
-        """(character offset in the rendering, message index) where each message after offset
-        `after` ends, newest last; the last message's end is where the turn opener starts. Only
-        offsets where the template renders prefixes stably are returned."""
-        ends: list[tuple[int, int]] = []
-        total = len(rendering.normal) - rendering.shift
-        for count in range(total, 0, -1):
-            try:
-                prefix = self._render(rendering.normal[:count + rendering.shift], rendering.tools, rendering.thinking,
-                                      add_generation_prompt=False)
-            except TranscriptError:  # a prefix the template refuses is simply not a boundary
-                continue
-            if len(prefix) <= after:
-                break
-            if rendering.text.startswith(prefix) and len(prefix) < len(rendering.text):
-                ends.append((len(prefix), count - 1))
-        return sorted(ends)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
-
-    @cached_property
-    def stop_ids(self) -> frozenset[int]:
-        """The ids that end an answer: the tokenizer's end of sequence and the turn ends of the
-        chat formats served here (ChatML's `<|im_end|>`, `<|endoftext|>`, Gemma's
-        `<end_of_turn>`), those this vocabulary has."""
-        tokenizer = self.tokenizer
-        unknown = getattr(tokenizer, "unk_token_id", -1)
-        found = (tokenizer.eos_token_id, *(tokenizer.convert_tokens_to_ids(t) for t in TURN_ENDS))
-        return frozenset(int(t) for t in found if t is not None and int(t) >= 0 and int(t) != unknown)
-
-    @cached_property
-    def template_ids(self) -> list[int]:
-        """The ids the chat template writes around every message (role markers, the newline after
-        a role), found by rendering empty messages of every role: they say nothing about what a
-        page holds, so the lexical index leaves them out (controller.lexical)."""
-        ids: set[int] = set()
-        for role in ("user", "assistant", "tool"):
-            for opener in (False, True):
-                text = self._render([{"role": "system", "content": ""}, {"role": role, "content": ""}], None,
-                                    "default", add_generation_prompt=opener)
-                ids.update(self.encode(text))
-        return sorted(ids)
-
-    @cached_property
-    def token_bytes(self) -> list[bytes]:
-        """Each id's bytes (for byte n-grams across token boundaries, controller.lexical). A
-        vocabulary whose pieces carry GPT-2's stand-in for a space (U+0120) is byte-level BPE."""
-        vocab: dict[str, int] = self.tokenizer.get_vocab()
-        pieces = [""] * (max(vocab.values()) + 1)
-        for piece, i in vocab.items():
-            pieces[i] = piece
-        byte_level = any(p.startswith(chr(0x120)) for p in pieces)
-        return vocabulary_bytes(pieces, byte_level)
 
 
 CHANGED_TEXT = "transcript changed before the cached end (edited or retried)"

@@ -5,7 +5,7 @@ of kill -9 restarts fit in minutes (a fork costs milliseconds, loading a model ~
 
 reads one job per stdin line and answers one line per job: the child's exit status and every event
 it reported. Jobs: "drive" (harness.faults.driver) and "sessions" (harness.faults.sessions).
-Depends on backends, serving.transcript and the campaign's own modules.
+Depends on backends, serving.chat_format and the campaign's own modules.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def zygote_main(models: Sequence[str]) -> int:
     from backends import load_backend
     from harness.faults.driver import job_drive
     from harness.faults.sessions import job_sessions
-    from serving.transcript import ChatFormat
+    from serving.chat_format import ChatFormat
 
     jobs: dict[str, Callable[[Reporter, dict[str, tuple[Any, Any]], dict[str, Any]], None]] = {
         "drive": job_drive, "sessions": job_sessions}

@@ -18,10 +18,10 @@ import pytest
 from backends import Backend, load_backend
 from contextd.client import Client
 from controller.selectors import HybridSelector
+from serving.chat_format import ChatFormat
 from serving.engine import Engine, EngineConfig
 from serving.launcher import ContextdProcess
 from serving.likelihood import continuation_logprobs, log_softmax
-from serving.transcript import ChatFormat
 from tests.serving.engines import restarted_copy, turn
 
 CONFIG = EngineConfig(budget_tokens=1024, tail_tokens=128, max_new_tokens=4)

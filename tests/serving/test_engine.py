@@ -17,9 +17,9 @@ from backends import Backend, load_backend
 from contextd.client import Client, pb
 from contextd.wire import PageState
 from controller.selectors import AttentionSelector, HybridSelector
+from serving.chat_format import ChatFormat
 from serving.engine import ChatRequest, Engine, EngineConfig, Prepared, TurnResult
 from serving.launcher import ContextdProcess
-from serving.transcript import ChatFormat
 from tests.serving.engines import restarted_copy, turn
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. Be brief."}

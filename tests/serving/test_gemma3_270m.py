@@ -14,9 +14,9 @@ import pytest
 from backends import load_backend
 from contextd.client import Client
 from controller.selectors import HybridSelector
+from serving.chat_format import ChatFormat
 from serving.engine import Engine, EngineConfig
 from serving.launcher import ContextdProcess
-from serving.transcript import ChatFormat
 from tests.marks import needs_gemma3
 from tests.serving.engines import turn
 
