@@ -109,6 +109,7 @@ class ChatRequest:
     message_hashes: list[str] | None = None
     plan: Plan | None = None
     cancelled: Callable[[], bool] | None = None  # polled between decoded tokens (the client went away)
+    received_ms: float = 0.0   # reading and parsing the request body (counted in the turn's overhead)
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,7 @@ class Engine:
         self.format.check(request.messages, known.render_memo if known is not None else None)
         session = self._activate(request.session_id, fingerprint)
         refreshed_before = session.counters.refresh_forward_tokens
-        session.phase_ms = {}
+        session.phase_ms = {"receive": request.received_ms}
         preparing = time.perf_counter()
         rendering = self.format.render(request.messages, request.tools, request.thinking, session.transcript.generated,
                                        session.render_memo)
@@ -529,7 +530,8 @@ class Engine:
         self.mover.persist(session, lambda: self._record(session))
         self._index_units(session)
         session.timed("persist", persisting)
-        session.last_turn = TurnTimings(total_ms=(time.perf_counter() - started) * 1e3,
+        elapsed_ms = (time.perf_counter() - started) * 1e3
+        session.last_turn = TurnTimings(total_ms=elapsed_ms + session.phase_ms["receive"],
                                         forward_ms=(after.forward_ns - before.forward_ns) / 1e6,
                                         phases=dict(session.phase_ms))
         return TurnResult(content=content, tool_calls=calls, finish_reason=FinishReason.TOOL_CALLS if calls else finish,

@@ -18,7 +18,7 @@ headers say what the server did: `X-KV-Session`, `X-KV-Prefilled-Tokens`, and `X
 `X-KV-Sampled` with a reason when it had to.
 
 Bad requests get a 4xx with an OpenAI-style error body; nothing a client sends crashes the worker.
-Depends on serving.engine, serving.transcript and contextd.errors.
+Depends on serving.engine, serving.request_body, serving.transcript and contextd.errors.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from urllib.parse import parse_qs, urlparse
 from contextd.errors import ContextdError, DaemonUnavailable, StoreFull
 from serving import views
 from serving.engine import ChatRequest, Engine, Prepared, TurnEvent, TurnResult
+from serving.request_body import BodyParser
 from serving.transcript import TOOL_CALL_OPEN, TranscriptError, digest
 
 log = logging.getLogger("kv_elision.server")
@@ -153,6 +154,11 @@ def _thinking(body: dict[str, Any], context: dict[str, Any] | None) -> str:
     return "default"
 
 
+def session_header(headers: Any) -> str | None:
+    """The session a request names; Pi sends its own id (provider compat `sendSessionAffinityHeaders`)."""
+    return headers.get("X-KV-Session") or headers.get("X-Session-Affinity") or None
+
+
 def parse_chat(body: Any, headers: Any, model_id: str) -> tuple[ChatRequest, bool, bool]:
     """Validate a chat body; return the engine request, whether to stream, whether to add usage."""
     if not isinstance(body, dict):
@@ -185,8 +191,7 @@ def parse_chat(body: Any, headers: Any, model_id: str) -> tuple[ChatRequest, boo
             raise RequestError(HTTPStatus.BAD_REQUEST, "X-KV-Context is not JSON") from None
         if not isinstance(context, dict) or not isinstance(context.get("messages", []), list):
             raise RequestError(HTTPStatus.BAD_REQUEST, "X-KV-Context must be an object with a messages list")
-    # Pi sends its session id itself (provider compat `sendSessionAffinityHeaders`).
-    session_id = headers.get("X-KV-Session") or headers.get("X-Session-Affinity") or ""
+    session_id = session_header(headers) or ""
     if not session_id:
         opening = [m for m in messages if m.get("role") in ("system", "developer")][:1] + \
                   [m for m in messages if m.get("role") == "user"][:1]
@@ -237,6 +242,7 @@ class _ContentFilter:
 def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_tokens: int,
                  contextd_socket: str, api_key: str | None, client_timeout: float) -> type[BaseHTTPRequestHandler]:
     expected = f"Bearer {api_key}".encode() if api_key else None
+    bodies = BodyParser()
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -360,12 +366,13 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                     raise RequestError(HTTPStatus.BAD_REQUEST, str(exc)) from None
             self._json(HTTPStatus.ACCEPTED, {"session": body["session"], "watching": len(candidates)})
 
-        def _body(self) -> Any:
+        def _body(self, session: str | None = None) -> Any:
+            """The JSON body; with a session, parsed past the messages its last body held (serving.request_body)."""
             length = int(self.headers.get("Content-Length") or 0)
             if length > MAX_BODY_BYTES:
                 raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {MAX_BODY_BYTES} bytes")
             try:
-                return json.loads(self.rfile.read(length) or b"null")
+                return bodies.parse(self.rfile.read(length) or b"null", session)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise RequestError(HTTPStatus.BAD_REQUEST, "the request body is not valid JSON") from None
             except RecursionError:
@@ -380,7 +387,10 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                     return
                 if path != "/v1/chat/completions":
                     raise RequestError(HTTPStatus.NOT_FOUND, f"no route {self.path}", "not_found")
-                request, stream, include_usage = parse_chat(self._body(), self.headers, model_id)
+                receiving = time.perf_counter()
+                request, stream, include_usage = parse_chat(self._body(session_header(self.headers)), self.headers,
+                                                            model_id)
+                request.received_ms = (time.perf_counter() - receiving) * 1e3
             except RequestError as exc:
                 self._error(exc)
                 return

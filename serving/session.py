@@ -78,7 +78,8 @@ class SessionCounters:
 class TurnTimings:
     """Where one turn's time went. `overhead_ms` is everything that is not the model's forward
     passes (render, align, page decisions, selection, stores, restores, contextd calls): the part
-    of the pause before an answer that kv-elision adds (benchmarks.scale tracks it over a session)."""
+    of the pause before an answer that kv-elision adds (benchmarks.scale tracks it over a session).
+    It includes reading and parsing the request body, which the HTTP layer times before the turn."""
 
     total_ms: float
     forward_ms: float
@@ -94,9 +95,10 @@ class TurnTimings:
                 **{f"{name}_ms": round(self.phases.get(name, 0.0), 2) for name in PHASES}}
 
 
-# Where a turn's overhead goes: render, align and tokenize the request; the selector's decision;
-# payload writes and their records; restores (reads, checks, inserts); the end-of-turn write-through.
-PHASES = ("prepare", "select", "store", "restore", "persist")
+# Where a turn's overhead goes: read and parse the request body (HTTP); render, align and tokenize
+# the request; the selector's decision; payload writes and their records; restores (reads, checks,
+# inserts); the end-of-turn write-through.
+PHASES = ("receive", "prepare", "select", "store", "restore", "persist")
 
 
 @dataclass(frozen=True)
