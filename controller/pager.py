@@ -389,8 +389,12 @@ class Pager:
         for index in decision.restore:
             page = self.pages[index]
             self._set_state(index, PageState.HOT)
-            self._lease(index, self.turn + self.config.lease_turns)
+            self._lease(index, self.restore_lease_until())
             page.last_used_turn = self.turn
+
+    def restore_lease_until(self) -> int:
+        """The turn until which a page restored now is leased (kept in attention)."""
+        return self.turn + self.config.lease_turns
 
     def logical_start(self, index: int) -> int:
         """Where page `index` sits (or would sit) among the tokens held in attention: every

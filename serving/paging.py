@@ -8,10 +8,12 @@ the session can resume from:
   store     the page's block is written as an immutable file (contextd.client.Payloads, the one
             durable write path), then recorded in the manifest (UpsertPages);
   evict     only stored pages leave attention; the manifest says COLD after they have;
-  restore   the decision's manifest records are looked up in one call (GetPages), the files are
-            read in parallel into free cache slots, verified and re-anchored, each held key at
-            most once (Backend.insert_block_files: copies and arithmetic, never a forward
-            pass), and only then are the pages HOT in the pager and in the manifest, with leases;
+  restore   the decision's manifest records are looked up in one call (GetPages); the decision's
+            one state commit (the evicted pages COLD, the restored ones HOT with their leases)
+            runs while the files are read in parallel into free cache slots, verified and
+            re-anchored, each held key at most once (Backend.insert_block_files: copies and
+            arithmetic, never a forward pass); the pager calls a page HOT only once both are
+            done, and a page whose payload failed its checks is then marked CORRUPT;
   persist   at the end of a turn: every resident page not yet stored, the pins, then the
             session record (counters, transcript segments) and the recurrent snapshots (at the
             end of the turn and before its answer) in one transaction, and last the deletion of
@@ -27,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from enum import StrEnum
 
 import numpy as np
@@ -89,6 +92,9 @@ class PageMover:
         self.contextd = contextd
         self.payloads = contextd.payloads()
         self.tally = tally
+        # The restore's state commit runs on this thread while the payloads go in: ~2.5 ms of a
+        # ~12 ms warm SmolLM2 page restore (benchmarks.restore's breakdown) no longer adds to it.
+        self._commits = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-elision-commit")
 
     # ------------------------------------------------------------------ during a turn
 
@@ -123,30 +129,28 @@ class PageMover:
         crashpoints.reached("serving.evict.removed")
         pager.apply(Decision(evict=decision.evict, restore=[], plan_used=decision.plan_used))
         restoring = time.perf_counter()
-        restored = self._restore(session, sorted(decision.restore))
+        evicted = [pb.PageStateChange(page_id=pager.pages[i].page_id, state=PageState.COLD.value,
+                                      last_used_turn=pager.turn) for i in decision.evict]
+        restored = self._restore(session, sorted(decision.restore), evicted, scores or {})
         session.timed("restore", restoring)
         for index in restored:
             session.restore_scores[index] = (scores or {}).get(index, 0.0)
         self.tally.count(session, evicted_pages=len(decision.evict), evicted_pages_turn=len(decision.evict),
                          restored_pages=len(restored), restored_pages_turn=len(restored))
-        changes = [pb.PageStateChange(page_id=pager.pages[i].page_id, state=PageState.COLD.value,
-                                      last_used_turn=pager.turn) for i in decision.evict]
-        changes += [pb.PageStateChange(page_id=pager.pages[i].page_id, state=PageState.HOT.value,
-                                       last_used_turn=pager.turn, score=(scores or {}).get(i, 0.0))
-                    for i in restored]
-        if changes:  # one durable write for the decision: states, and the restored pages' leases
-            self.contextd.set_page_states(session.session_id, changes, leases=[
-                pb.Lease(page_id=pager.pages[i].page_id, until_turn=pager.pages[i].lease_until_turn) for i in restored])
         self.tally.peak(session, self.backend.attention_tokens)
         return restored
 
-    def _restore(self, session: Session, indices: list[int]) -> list[int]:
+    def _restore(self, session: Session, indices: list[int], evicted: list[pb.PageStateChange],
+                 scores: dict[int, float]) -> list[int]:
         """Stream the pages' stored files into attention at their places in the timeline, all in
-        one backend call (files read in parallel, each held key re-anchored once); return those
-        that came back. A page whose payload is gone or corrupt stays out (said in the log)."""
-        if not indices:
-            return []
+        one backend call (files read in parallel, each held key re-anchored once), while the
+        decision's one state commit (`evicted`, then these pages HOT with leases) runs; return the
+        pages that came back. A page whose payload is gone or corrupt stays out (said in the log)."""
         pager = session.pager
+        if not indices:
+            if evicted:
+                self.contextd.set_page_states(session.session_id, evicted)
+            return []
         records = {r.page_id: r for r in self.contextd.get_pages(session.session_id,
                                                                  [pager.pages[i].page_id for i in indices])}
         asked: list[tuple[int, pb.Page]] = []
@@ -159,11 +163,23 @@ class PageMover:
             asked.append((index, record))
         # Places in the held order before any of them goes in (ascending, as the call wants).
         files = [self._stored_block(session, record, index, pager.logical_start(index)) for index, record in asked]
+        changes = evicted + [pb.PageStateChange(page_id=record.page_id, state=PageState.HOT.value,
+                                                last_used_turn=pager.turn, score=scores.get(index, 0.0))
+                             for index, record in asked]
+        until = pager.restore_lease_until()
+        commit = self._commits.submit(self.contextd.set_page_states, session.session_id, changes,
+                                      [pb.Lease(page_id=record.page_id, until_turn=until) for _, record in asked]
+                                      ) if changes else None
+        try:
+            results = self.backend.insert_block_files(files)
+        finally:
+            _settle(commit)
         restored = []
-        for (index, record), result in zip(asked, self.backend.insert_block_files(files), strict=True):
+        for (index, record), result in zip(asked, results, strict=True):
             if isinstance(result, BlockFormatError):
                 log.warning("session %s: %s; it stays out", session.session_id,
                             self._report_corrupt(session, record.page_id, result))
+                self.contextd.set_leases(session.session_id, remove=[record.page_id])
                 pager.pages[index].stored = False
                 continue
             pager.apply(Decision(evict=[], restore=[index], plan_used=False))
@@ -450,6 +466,13 @@ def rewind(scratch: Backend, held: int, snap: RecurrentSnapshot | None = None) -
     scratch.remove_attention_range(held, scratch.attention_tokens)
     if snap is not None:
         scratch.restore_recurrent(snap)
+
+
+def _settle(commit: Future[pb.WriteAck] | None) -> None:
+    """Wait for a commit begun beside other work; its error, if any, is raised (over the other
+    work's error: the turn fails either way, and the commit's says what contextd holds)."""
+    if commit is not None:
+        commit.result()
 
 
 def _int32(ids: list[int]) -> np.ndarray:

@@ -144,6 +144,7 @@ def test_a_corrupt_payload_is_reported_and_never_served(backend: Backend, contex
     restored = engine.mover.execute(session, Decision(evict=[], restore=[target.index], plan_used=False))
     assert restored == [] and target.state is PageState.COLD and not target.stored
     assert client.get_pages("c", [target.page_id])[0].state == PageState.CORRUPT
+    assert target.page_id not in {lease.page_id for lease in client.query_leases("c")}
     # the session goes on: the next turn is served, the page stays out
     result = turn(engine, "c", [*messages, {"role": "user", "content": "next"}])
     assert result.finish_reason in ("stop", "length")
