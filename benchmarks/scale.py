@@ -11,24 +11,27 @@ result of ~2,000 tokens per turn, from harness.workload):
 - SmolLM2-135M to `--model-tokens` (128k by default), the embedded model at a real size.
 
 Per turn, from the server's /v1/kv/stats (`last_turn`): the control-plane time (everything that
-is not the model's forward: render, align, page decisions, selection, stores, restores, contextd
-calls), the selector's decision time, the page indexes' bytes; from /proc, the server's resident
-memory; from the disk, contextd's database and store sizes. At the end of each session the
-server is killed with SIGKILL and started again: `recovery_s` is the time from the restart to the
-session's next answer (process start, model load, recovery from contextd, the turn itself).
-Figures per size are over the turns in a window around that size (p50 / p95).
+is not the model's forward: reading and parsing the request body, render, align, page decisions,
+selection, stores, restores, contextd calls), the selector's decision time, the page indexes'
+bytes; from /proc, the server's resident memory; from the disk, contextd's database and store
+sizes. At the end of each session the server is killed with SIGKILL and started again:
+`recovery_s` is the time from the restart to the session's next answer (process start, model
+load, recovery from contextd, the turn itself). Figures per size are over the turns in a window
+around that size (p50 / p95).
 
 Output: a table, `bench-out/scale.png` (per-turn overhead against session tokens) and, last, one
 JSON line: per size `turn_overhead_ms_p50/p95`, `select_ms_p95`, `index_rss_mb`, `rss_mb`,
-`db_mb`, `store_mb`, `bytes_per_token`, `phase_ms_p95` (the overhead by phase: prepare, select,
-store, restore, persist), and per session `recovery_s`; plus
-`growth_16k_to_1m` = overhead p95 at 1M / overhead p95 at 16k (tiny model).
+`db_mb`, `store_mb`, `bytes_per_token`, `phase_ms_p95` (the overhead by phase: receive, prepare,
+select, store, restore, persist), and per session `recovery_s`; plus `growth_16k_to_1m` = overhead
+p95 at 1M / overhead p95 at 16k (tiny model), and `other_processes_cpu_share` with `reliable`
+(benchmarks.stats: false above 10%).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import shutil
 import statistics
 import tempfile
@@ -37,8 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.stats import reliable, unreliable_warning
 from harness.agent import AgentRun, TurnRecord
-from harness.procfs import status_field
+from harness.procfs import machine_cpu_seconds, other_cpu_share, status_field
 from harness.workload import evidence_files
 from serving.launcher import ServerProcess
 from serving.session import PHASES
@@ -109,6 +113,13 @@ def grow(model: str, tokens: int, budget: int, work: Path, seed: int) -> Grown:
     return grown
 
 
+def _our_cpu_seconds() -> float:
+    """CPU seconds of this process and its reaped children (the servers and their contextd,
+    stopped by the time it is read at the end)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def window(samples: list[Sample], size: int) -> list[Sample]:
     """The turns closest to `size` tokens (at most WINDOW_TURNS of them)."""
     return sorted(samples, key=lambda s: abs(s.session_tokens - size))[:WINDOW_TURNS]
@@ -159,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=11)
     args = parser.parse_args(argv)
+    machine0, ours0 = machine_cpu_seconds(), _our_cpu_seconds()
     work = Path(tempfile.mkdtemp(prefix="kvb-scale-", dir="/tmp"))
     try:
         runs = {"tiny-llama": grow("tiny-llama", args.tiny_tokens, args.budget, work, args.seed)}
@@ -183,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     tiny = result["tiny-llama"]["sizes"]
     if "1m" in tiny and "16k" in tiny:
         result["growth_16k_to_1m"] = round(tiny["1m"]["turn_overhead_ms_p95"] / tiny["16k"]["turn_overhead_ms_p95"], 2)
+    other = other_cpu_share(machine0, machine_cpu_seconds(), _our_cpu_seconds() - ours0)
+    result["other_processes_cpu_share"] = None if other is None else round(other, 3)
+    result["reliable"] = reliable(other)
+    if not result["reliable"]:
+        print(unreliable_warning(other))
     print(json.dumps(result))
     return 0
 
