@@ -511,7 +511,9 @@ class SlotBackend(abc.ABC):
         before it); returns the tokens inserted. Every file is opened at once, so their reader
         threads keep the disk busy while the first ones are copied in; nothing becomes visible
         before every block that goes in has verified."""
-        blockfile.read_ahead([files[i].path for i in chunk])
+        # Not the first file: its reader starts on it at once, and WILLNEED (which queues the whole
+        # file's reads before it returns) made one cold SmolLM2 page cost 12.4-18.8 ms, 10.9-11.0 without.
+        blockfile.read_ahead([files[i].path for i in chunk[1:]])
         streams: dict[int, BlockStream] = {}
         try:
             for i in chunk:
