@@ -414,9 +414,11 @@ class PageMover:
                        if index >= len(pager.pages) or pager.pages[index].page_id != page_id})
         persisted.superseded = []
         if gone:
-            self.contextd.set_pins(sid, remove=sorted(set(gone) & persisted.pins))
+            pinned = sorted(set(gone) & persisted.pins)
+            if pinned:
+                self.contextd.set_pins(sid, remove=pinned)
+                persisted.pins -= set(pinned)
             self.contextd.set_leases(sid, remove=gone)
-            persisted.pins -= set(gone)
             self.contextd.delete_pages(sid, gone)
 
     # ------------------------------------------------------------------ sessions
