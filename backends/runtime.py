@@ -511,12 +511,14 @@ class SlotBackend(abc.ABC):
         before it); returns the tokens inserted. Every file is opened at once, so their reader
         threads keep the disk busy while the first ones are copied in; nothing becomes visible
         before every block that goes in has verified."""
-        # Not the first file: its reader starts on it at once, and WILLNEED (which queues the whole
-        # file's reads before it returns) made one cold SmolLM2 page cost 12.4-18.8 ms, 10.9-11.0 without.
-        blockfile.read_ahead([files[i].path for i in chunk[1:]])
         streams: dict[int, BlockStream] = {}
         try:
-            for i in chunk:
+            for n, i in enumerate(chunk):
+                if n == 1:
+                    # After the first file's reader has started on it, and not for it: WILLNEED
+                    # queues a whole file's reads before it returns, which made one cold SmolLM2
+                    # page cost 12.4-18.8 ms, 10.9-11.0 without.
+                    blockfile.read_ahead([files[j].path for j in chunk[1:]])
                 f = files[i]
                 try:
                     streams[i] = BlockStream(f.path, f.checksum, f.size, expect=self._rt.view)

@@ -6,16 +6,20 @@ every prefix again to find where the new messages end, cost ~40 ms a turn on a 2
 transcript with SmolLM2's template (503 messages: normalize 7 ms, twice; render 11 ms; message
 ends 12 ms), and grew with the session. So a render leaves a `RenderMemo`, and a next request that
 repeats those messages and adds some normalizes and renders only the added ones, in a *frame*:
-the conversation's opening (system and first user message, which templates treat specially)
-followed by the new messages. What the frame renders after its opening is what the whole render
-has after the remembered prefix.
+the conversation's opening (system and first user message, which templates treat specially),
+the last remembered message, then the new messages. What the frame renders after the last
+remembered message is what the whole render has after the remembered text.
 
-That holds only for templates that render each message on its own, and `ChatFormat` checks it
-once, on probe conversations: every split of each, with and without tools, thinking on, off and
-by default, including an assistant message with a `<think>` block (Qwen3-style templates render
-one differently once a later user message exists) and a tool exchange. A template that fails any
-probe is rendered in full every turn. A memo is also unused (a full render) whenever an earlier
-message, the tools, the thinking mode or the cache's copy of an earlier generated answer differs.
+That holds for templates that render each message by itself and its neighbours. Neighbours are
+checked every turn: the last remembered message must render in the frame, followed by the new
+ones, exactly as the memo's text ends (Qwen2.5 groups consecutive tool results under one turn, so
+a tool result after a tool result is rendered whole). The rest `ChatFormat` checks once, on probe
+conversations: every split of each, with and without tools, thinking on, off and by default,
+including an assistant message with a `<think>` block (Qwen3-style templates render one
+differently once a later user message exists) and consecutive tool results. A template that fails
+any probe, or reads the clock, is rendered in full every turn. A memo is also unused (a full
+render) whenever an earlier message (compared with types: 1 is not 1.0 or true), the tools, the
+thinking mode or the cache's copy of an earlier generated answer differs.
 
 Depends on serving.transcript (message helpers, Fingerprint), controller.lexical (vocabulary
 bytes) and a tokenizer object (encode / decode / apply_chat_template).
@@ -24,6 +28,7 @@ bytes) and a tokenizer object (encode / decode / apply_chat_template).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -61,6 +66,23 @@ def _text_of(content: Any, where: str) -> str:
 
 
 
+def _same(a: Any, b: Any) -> bool:
+    """JSON values equal as the template sees them: identical objects (a request body parser
+    hands back the last request's), or equal with the same types, key order and float sign
+    (Python's `==` takes 1, 1.0 and True for one another, which render differently)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(value, b[key]) for key, value in a.items())
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float):
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+    return bool(a == b)
+
+
 @dataclass(frozen=True)
 class Normalized:
     """Messages in the form the template renders, and what normalizing more of them needs."""
@@ -84,20 +106,20 @@ class RenderMemo:
     def repeated_by(self, messages: list[dict[str, Any]]) -> bool:
         """`messages` begins with every remembered message, unchanged, and adds at least one."""
         held = len(self.messages)
-        return len(messages) > held and messages[:held] == self.messages
+        return len(messages) > held and _same(messages[:held], self.messages)
 
     def reusable(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, thinking: str,
                  generated: dict[str, list[str]]) -> bool:
         """The remembered render is the start of `messages`' render: same messages, tools, thinking
         mode, and the same generated answers put back into them."""
-        return (tools == self.tools and thinking == self.thinking and self.repeated_by(messages)
+        return (_same(tools, self.tools) and thinking == self.thinking and self.repeated_by(messages)
                 and all(tuple(generated.get(key, ())) == raws for key, raws in self.normalized.used.items()))
 
 
 @dataclass(frozen=True)
 class Rendering:
     """A transcript rendered with the chat template, and how: in full, or as a remembered prefix
-    (`reused` normalized messages) followed by the part of a frame after its opening."""
+    (`reused` normalized messages) followed by the part of a frame after the last of them."""
 
     text: str
     normal: list[dict[str, str]]    # the normalized messages
@@ -107,8 +129,8 @@ class Rendering:
     memo: RenderMemo | None         # for the next turn's render; None where the template is rendered in full
     frame: str                      # the frame's render (the whole `text` for a full render)
     reused: int = 0                 # leading normalized messages whose render came from a memo
-    opening: int = 0                # normalized messages the frame renders before the new ones
-    frame_start: int = 0            # where the new messages' render begins in `text`
+    opening: int = 0                # normalized messages the frame renders before the last remembered one
+    frame_start: int = 0            # where the new messages' render begins in `text` (the memo's end)
     frame_offset: int = 0           # a position in `frame` plus this is the same position in `text`
 
 
@@ -129,7 +151,9 @@ class ChatFormat:
         self._compiled: Any = None
         self._compiled = self._direct_renderer()
         self.incremental = False
-        self.incremental = self._frames_match()
+        # A template that reads the clock (strftime_now: Llama 3's date line) renders the same
+        # messages differently from one day to the next: it is rendered whole every turn.
+        self.incremental = "strftime_now" not in self.template and self._frames_match()
 
     def fingerprint(self, tools: list[dict[str, Any]] | None, thinking: str) -> Fingerprint:
         return Fingerprint(self.tokenizer_id, self.template_id, digest(tools or []), thinking)
@@ -236,35 +260,40 @@ class ChatFormat:
 
     @staticmethod
     def _opening(normal: list[dict[str, str]], reused: int) -> int | None:
-        """How many leading messages a frame renders before the new ones: through the first
-        non-system message, one more where needed to keep the parity of the new messages'
-        positions (templates that check user/assistant alternation by index), never more than
-        `reused`."""
+        """How many leading messages a frame renders before the last remembered one: through the
+        first non-system message, one more where needed to keep the parity of the messages'
+        positions (templates that check user/assistant alternation by index), never into the
+        last remembered message."""
         first = next((i for i, m in enumerate(normal) if m["role"] != "system"), len(normal))
-        opening = first + 1 + (first + 1 - reused) % 2
-        return opening if opening <= reused else None
+        opening = first + 1 + (first + 2 - reused) % 2
+        return opening if opening <= reused - 1 else None
 
     def _render_framed(self, normalized: Normalized, memo: RenderMemo, tools: list[dict[str, Any]] | None,
                        thinking: str) -> tuple[str, str, str, int, int] | None:
         """(text, text without the generation prompt, frame, opening, frame offset), or None where
-        the frame does not render as a prefix plus the new messages."""
+        the frame does not render as the remembered text plus the new messages. The frame holds
+        the last remembered message too, and its render there must be the memo's ending: a
+        template that renders a message by its neighbours (Qwen2.5 groups consecutive tool
+        results under one turn) fails that check when the neighbours matter, and is rendered whole."""
         normal = normalized.normal
         reused = len(memo.normalized.normal)
         opening = self._opening(normal, reused)
         if opening is None:
             return None
-        context, framed = normal[:opening], normal[:opening] + normal[reused:]
+        context, framed = normal[:opening], normal[:opening] + normal[reused - 1:]
         prompt = normal[-1]["role"] != "assistant"
         try:
             base = self._render(context, tools, thinking, add_generation_prompt=False)
+            held = self._render(context + [normal[reused - 1]], tools, thinking, add_generation_prompt=False)
             body = self._render(framed, tools, thinking, add_generation_prompt=False)
             frame = self._render(framed, tools, thinking, add_generation_prompt=True) if prompt else body
         except TranscriptError:
             return None   # rendered in full, which raises if the request itself is at fault
-        if not (body.startswith(base) and frame.startswith(body)):
+        if not (held.startswith(base) and memo.text.endswith(held[len(base):]) and body.startswith(held)
+                and frame.startswith(body)):
             return None
-        whole_body = memo.text + body[len(base):]
-        return whole_body + frame[len(body):], whole_body, frame, opening, len(memo.text) - len(base)
+        whole_body = memo.text + body[len(held):]
+        return whole_body + frame[len(body):], whole_body, frame, opening, len(memo.text) - len(held)
 
     def _render(self, normal: list[dict[str, str]], tools: list[dict[str, Any]] | None, thinking: str,
                 add_generation_prompt: bool) -> str:
@@ -320,8 +349,9 @@ class ChatFormat:
         conversations = [
             [system, users[0], answers[0], users[1], answers[1], users[2], answers[2], users[3]],
             [users[0], answers[0], users[1], answers[1], users[2]],
-            [system, users[0], {"role": "assistant", "content": call}, {"role": "tool", "content": "r"},
-             answers[1], users[1], {"role": "assistant", "content": call}, {"role": "tool", "content": "r2"}],
+            [system, users[0], {"role": "assistant", "content": think + "\n" + call}, {"role": "tool", "content": "r"},
+             {"role": "tool", "content": "r2"}, answers[0], users[1], users[2],
+             {"role": "assistant", "content": call}, {"role": "tool", "content": "r3"}],
         ]
         tool = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {
             "type": "object", "properties": {"x": {"type": "string"}}}}}]
@@ -367,7 +397,7 @@ class ChatFormat:
         `after` ends, newest last; the last message's end is where the turn opener starts. Only
         offsets where the template renders prefixes stably are returned."""
         if rendering.reused and after >= rendering.frame_start:
-            context, new = rendering.normal[:rendering.opening], rendering.normal[rendering.reused:]
+            context, new = rendering.normal[:rendering.opening], rendering.normal[rendering.reused - 1:]
             frame, offset = rendering.frame, rendering.frame_offset
         else:
             context, new, frame, offset = [], rendering.normal, rendering.text, 0

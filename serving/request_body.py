@@ -27,6 +27,7 @@ from typing import Any
 
 _DECODER = json.JSONDecoder()
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
+_AFTER_ITEM = (",", "]", " ", "\t", "\n", "\r")
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class BodyParser:
     def parse(self, raw: bytes, session: str | None) -> Any:
         """The body's JSON value. Raises json.JSONDecodeError (a ValueError), UnicodeDecodeError
         or RecursionError as `json.loads` would for a body it refuses."""
-        text = raw.decode("utf-8-sig")
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")   # as json.loads(bytes) decodes
         start = _skip(text, 0)
         if session is None or text[start:start + 1] != "{":
             return json.loads(text)
@@ -111,8 +112,12 @@ def _parse_object(text: str, pos: int, known: _Remembered | None) -> tuple[dict[
 def _parse_messages(text: str, opened: int, known: _Remembered | None) -> tuple[list[Any], int, _Remembered]:
     """The array at `opened` (its `[`): (items, index after it, what to remember of it). Items the
     remembered text already held are reused when this body begins with that text."""
-    if known is not None and known.opened == opened and text.startswith(known.text):
-        items, pos = list(known.messages), len(known.text)
+    held = len(known.text) if known is not None else 0
+    # The remembered text must end where the last remembered item does in this body too: `[1]`
+    # then `[12]` share the text `[1`, not the item.
+    if known is not None and known.opened == opened and text.startswith(known.text) and \
+            text[held:held + 1] in _AFTER_ITEM:
+        items, pos = list(known.messages), held
     else:
         items, pos = [], opened + 1
     while True:

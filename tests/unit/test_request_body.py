@@ -96,3 +96,24 @@ def test_a_repeated_key_keeps_its_last_value_as_json_loads_does() -> None:
     parser.parse(b'{"messages": [1]}', "a")
     raw = b'{"messages": [1, 2], "messages": [3]}'
     assert parser.parse(raw, "a") == json.loads(raw) == {"messages": [3]}
+
+
+@pytest.mark.parametrize("first, second", [
+    (b'{"messages": [1]}', b'{"messages": [12]}'),
+    (b'{"messages": [2.5]}', b'{"messages": [2.5e3, 1]}'),
+    (b'{"messages": [1 ]}', b'{"messages": [1 , 2]}'),
+])
+def test_a_remembered_last_item_is_reused_only_where_it_ends_in_the_new_body_too(first: bytes, second: bytes) -> None:
+    parser = BodyParser()
+    parser.parse(first, "a")
+    assert parser.parse(second, "a") == json.loads(second)
+
+
+@pytest.mark.parametrize("raw", [
+    '{"messages": [{"role": "user", "content": "\u00e9"}]}'.encode("utf-16"),
+    '{"messages": []}'.encode("utf-32-le"), b'\xef\xbb\xbf{"messages": []}', b'"\xed\xa0\x80"',
+])
+def test_bodies_are_decoded_as_json_loads_decodes_bytes(raw: bytes) -> None:
+    parser = BodyParser()
+    assert parser.parse(raw, "a") == json.loads(raw)
+    assert parser.parse(raw, None) == json.loads(raw)
