@@ -101,6 +101,13 @@ def _check_batch(items: Sequence[Any], what: str) -> None:
         raise InvalidArgument(f"{len(items)} {what} in one request; at most {MAX_BATCH} are allowed")
 
 
+def _check_marks(marks: Sequence[tuple[str, PinRow | LeaseRow]]) -> None:
+    """Pins or leases to put on pages: valid ids and marks, before anything is written."""
+    for page_id, mark in marks:
+        check_id(page_id, "page_id")
+        mark.check(page_id)
+
+
 @dataclass(frozen=True)
 class Retention:
     """What a user keeps, on top of the free-space reserve and the store's total quota: a cap on
@@ -286,9 +293,7 @@ class Daemon:
         """Move pages between HOT and COLD and, in the same commit, put `leases` on pages (a lease
         changes no count)."""
         _check_batch([*changes, *leases], "state changes")
-        for page_id, lease in leases:
-            check_id(page_id, "page_id")
-            lease.check(page_id)
+        _check_marks(leases)
         for change in changes:
             check_id(change.page_id, "page_id")
             if change.score != change.score:
@@ -521,9 +526,7 @@ class Daemon:
                   remove: Sequence[str]) -> CommitInfo:
         """Pins or leases (`table`): put each of `add` on its page, take those of `remove` off."""
         _check_batch([*add, *remove], table.name)
-        for page_id, mark in add:
-            check_id(page_id, "page_id")
-            mark.check(page_id)
+        _check_marks(add)
         for page_id in remove:
             check_id(page_id, "page_id")
 
