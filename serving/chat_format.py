@@ -139,9 +139,10 @@ class ChatFormat:
 
     def __init__(self, tokenizer: Any, template: str | None = None) -> None:
         self.tokenizer = tokenizer
-        self.template = template or getattr(tokenizer, "chat_template", None)
-        if not self.template:
+        found = template or getattr(tokenizer, "chat_template", None)
+        if not found:
             raise TranscriptError("the tokenizer has no chat template; pass one explicitly")
+        self.template: str = str(found)
         vocab = sorted(tokenizer.get_vocab().items())
         self.tokenizer_id = digest([vocab, getattr(tokenizer, "all_special_tokens", [])])
         self.template_id = digest(self.template)
