@@ -487,6 +487,9 @@ class Daemon:
             old = txn.get(MANIFEST, key)
             if old is None:
                 raise NotFound(f"session {session_id} has no page {page_id!r}")
+            # A page that can never be served again keeps no lease (a restore leases the pages it
+            # reads before it knows whether they verify; a lease changes no count).
+            txn.delete(LEASES, key)
             if old.state == CORRUPT:
                 return session.pages
             page = replace(old, state=CORRUPT, updated_unix=now, corrupt_reason=reason[:512])

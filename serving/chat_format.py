@@ -46,6 +46,9 @@ from serving.transcript import (
 
 # Tokens that end a model's turn in the chat formats served here (whichever the vocabulary has).
 TURN_ENDS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>")
+# The one tool schema of the conversations a ChatFormat renders both ways when it is built.
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {
+    "type": "object", "properties": {"x": {"type": "string"}}}}}]
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -151,7 +154,6 @@ class ChatFormat:
         self._special_tokens: dict[str, Any] = dict(getattr(tokenizer, "special_tokens_map", {}) or {})
         self._compiled: Any = None
         self._compiled = self._direct_renderer()
-        self.incremental = False
         # A template that reads the clock (strftime_now: Llama 3's date line) renders the same
         # messages differently from one day to the next: it is rendered whole every turn.
         self.incremental = "strftime_now" not in self.template and self._frames_match()
@@ -327,9 +329,7 @@ class ChatFormat:
         self._compiled = compiled
         probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
                  {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}]
-        tool = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {
-            "type": "object", "properties": {"x": {"type": "string"}}}}}]
-        for tools in (None, tool):
+        for tools in (None, _PROBE_TOOLS):
             for thinking in ("default", "on", "off"):
                 for end in (3, 4):
                     direct = self._render(probe[:end], tools, thinking, add_generation_prompt=end == 4)
@@ -354,14 +354,12 @@ class ChatFormat:
              {"role": "tool", "content": "r2"}, answers[0], users[1], users[2],
              {"role": "assistant", "content": call}, {"role": "tool", "content": "r3"}],
         ]
-        tool = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {
-            "type": "object", "properties": {"x": {"type": "string"}}}}}]
         # `enable_thinking` reaches the template only as a variable: one that never reads it
         # renders the same for all three modes.
         modes = ("default", "on", "off") if "enable_thinking" in self.template else ("default",)
         self.incremental = True
         try:
-            for tools in (None, tool):
+            for tools in (None, _PROBE_TOOLS):
                 for thinking in modes:
                     for conversation in conversations:
                         for end in (len(conversation) - 1, len(conversation)):

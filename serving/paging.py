@@ -13,7 +13,8 @@ the session can resume from:
             runs while the files are read in parallel into free cache slots, verified and
             re-anchored, each held key at most once (Backend.insert_block_files: copies and
             arithmetic, never a forward pass); the pager calls a page HOT only once both are
-            done, and a page whose payload failed its checks is then marked CORRUPT;
+            done, and a page whose payload failed its checks is then marked CORRUPT (which
+            takes its lease off);
   persist   at the end of a turn: every resident page not yet stored, the pins, then the
             session record (counters, transcript segments) and the recurrent snapshots (at the
             end of the turn and before its answer) in one transaction, and last the deletion of
@@ -179,7 +180,6 @@ class PageMover:
             if isinstance(result, BlockFormatError):
                 log.warning("session %s: %s; it stays out", session.session_id,
                             self._report_corrupt(session, record.page_id, result))
-                self.contextd.set_leases(session.session_id, remove=[record.page_id])
                 pager.pages[index].stored = False
                 continue
             pager.apply(Decision(evict=[], restore=[index], plan_used=False))
@@ -188,7 +188,8 @@ class PageMover:
         return restored
 
     def _report_corrupt(self, session: Session, page_id: str, error: BlockFormatError) -> str:
-        """Mark the page CORRUPT in contextd (its payload failed its checks); return the reason."""
+        """Mark the page CORRUPT in contextd (its payload failed its checks; contextd takes its
+        lease off); return the reason."""
         reason = f"page {page_id}: {error}"
         self.contextd.report_corrupt(session.session_id, page_id, reason)
         return reason

@@ -239,8 +239,10 @@ def test_flipped_byte_is_caught_by_verify_and_a_corrupt_page_is_never_served_aga
 
     # a reader that finds a mismatch (the server's block reader) reports it; the page is then corrupt
     flip("p000000")
+    client.set_leases("c", add=[pb.Lease(page_id="p000000", until_turn=5)])  # as a restore leases what it reads
     client.report_corrupt("c", "p000000", "checksum mismatch")
     assert client.query_pages("c", [PageState.CORRUPT])[0].page_id == "p000000"
+    assert client.query_leases("c") == []   # a page never served again keeps no lease
     with pytest.raises(FailedPrecondition):  # it cannot be marked cold again without a new payload
         client.set_page_states("c", states([("p000000", PageState.COLD)]))
 
