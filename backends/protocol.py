@@ -581,6 +581,17 @@ class Backend(Protocol):
         before anything is copied. Returns, per file, the verified block or the error."""
         ...
 
+    def score_after_blocks(self, blocks: Sequence[Block], token_ids: Sequence[int]) -> tuple[np.ndarray, int]:
+        """How likely `token_ids` are right after each block, each block on its own: float64
+        log p(token_ids[j] | block, token_ids[:j]) for j >= 1, [len(blocks), len(token_ids) - 1],
+        and the tokens the scoring forward took. The blocks' exact K/V are the context (re-anchored
+        right before their copy of the tokens; no forward over their tokens), and all copies run
+        in one forward whose mask keeps each copy to its own block. This session's cache, counters
+        and logits are untouched. Raises UnsupportedModelError for a model with sliding-window or
+        recurrent layers (their state is a stream, not separable per block), BlockMismatchError
+        for a block of another model, ValueError for fewer than two tokens or no block."""
+        ...
+
     def compact_positions(self) -> int:
         """Renumber held tokens densely from 0; re-anchor only keys whose position changed.
         Returns the number of token keys re-anchored."""

@@ -47,6 +47,9 @@ class SlotStore(abc.ABC):
         # Set for the duration of one forward: where this forward's tokens go, how far attention reads.
         self.fwd_slots: np.ndarray | None = None
         self.fwd_high_water = 0
+        # Set only in a scoring session (`SlotBackend.score_after_blocks`): each slot's group; a
+        # query then attends only to keys of its own group.
+        self.groups: np.ndarray | None = None
         # Tokens the model's embedding took in during the running forward: counted by the session
         # when the forward lands (`SlotBackend._landed`), or dropped with a step that never does.
         self.entered = 0
@@ -84,6 +87,14 @@ class SlotStore(abc.ABC):
         """The tokens the embedding saw since the last call (see `entered`)."""
         n, self.entered = self.entered, 0
         return n
+
+    def slot_mask(self, slots: np.ndarray, high_water: int) -> np.ndarray:
+        """[len(slots), high_water] bool: which slots the queries in `slots` attend to (occupied,
+        at a position no later than the query's, and in the query's group when groups are set)."""
+        seen: np.ndarray = self.occupied[None, :high_water] & (self.pos[None, :high_water] <= self.pos[slots][:, None])
+        if self.groups is not None:
+            seen &= self.groups[None, :high_water] == self.groups[slots][:, None]
+        return seen
 
     def high_water(self) -> int:
         occ = np.flatnonzero(self.occupied)

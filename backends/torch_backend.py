@@ -730,14 +730,18 @@ class TorchBackend(SlotBackend):
         dev = rt.device
         s = int(positions.shape[0])
         shortcuts: dict[int, str] = {}
-        dense = as_run(slots) == (high_water - s, high_water) and bool(st.occupied[:high_water].all())
+        dense = (st.groups is None and as_run(slots) == (high_water - s, high_water)
+                 and bool(st.occupied[:high_water].all()))
         if dense and s == 1:
             full = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=dev).expand(1, 1, 1, high_water)
         else:
             q_pos = torch.from_numpy(positions).to(dev)
             key_pos = torch.from_numpy(st.pos[:high_water]).to(dev)
             occupied = torch.from_numpy(st.occupied[:high_water]).to(dev)
-            full = (occupied[None, :] & (key_pos[None, :] <= q_pos[:, None]))[None, None]
+            seen = occupied[None, :] & (key_pos[None, :] <= q_pos[:, None])
+            if st.groups is not None:
+                seen &= torch.from_numpy(st.groups[:high_water][None, :] == st.groups[slots][:, None]).to(dev)
+            full = seen[None, None]
         if dense and (s == 1 or s == high_water):
             shortcuts[id(full)] = "all" if s == 1 else "causal"
         if not rt.shape.mask_dict:

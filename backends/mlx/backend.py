@@ -119,24 +119,24 @@ class MlxBackend(SlotBackend):
         n = int(ids.shape[1])
         # Without a gap below the high-water slot and with this forward in the last slots, the slot
         # mask is plain causal attention: mlx's own (none for one token) runs its fastest kernel.
-        dense = bool(st.occupied[:high_water].all()) and as_run(slots) == (high_water - n, high_water)
+        dense = (st.groups is None and bool(st.occupied[:high_water].all())
+                 and as_run(slots) == (high_water - n, high_water))
         st.fwd_slots, st.fwd_high_water, st.fwd_offset = slots, high_water, int(positions[0])
         try:
             if dense:
                 st.fwd_mask = None if n == 1 else "causal"
             else:
-                mask = st.occupied[None, :high_water] & (st.pos[None, :high_water] <= positions[:, None])
-                st.fwd_mask = mx.array(mask)[None, None]
+                st.fwd_mask = mx.array(st.slot_mask(slots, high_water))[None, None]
             if rt.roles.window:
                 if st.win_len + n <= rt.roles.window_size:
                     st.fwd_win_mask = None if n == 1 else "causal"
                 else:
                     st.fwd_win_mask = window_mask(st.win_len, n, rt.roles.window_size)[None, None]
-            rt.active = st
+            rt.active, rt.all_positions = st, every
             try:
                 out = rt.model(ids, cache=self._cache)
             finally:
-                rt.active = None
+                rt.active, rt.all_positions = None, False
             logits: mx.array = (out[0] if every else out[0, -1]).astype(mx.float32)
         finally:
             st.fwd_slots, st.fwd_mask, st.fwd_win_mask = None, None, None

@@ -50,9 +50,8 @@ class SlotLayer:
 
     def _array_mask(self, n: int) -> mx.array:
         st = self.store
-        hw = st.fwd_high_water
-        q = st.pos[st.fwd_slots]
-        return mx.array(st.occupied[None, :hw] & (st.pos[None, :hw] <= q[:, None]))
+        assert st.fwd_slots is not None
+        return mx.array(st.slot_mask(st.fwd_slots, st.fwd_high_water))
 
     def is_trimmable(self) -> bool:
         return False

@@ -56,15 +56,17 @@ class _Tap(Module):
 
 
 class _LastPosition(Module):
-    """The decoder's final norm on the last position only: the output head then runs once per
-    forward, whatever head (tied, softcapped, ...) the model has."""
+    """The decoder's final norm on the last position only, unless `all_positions()` says this
+    forward wants every position's logits (`prefill_logits`, scoring): the output head then runs
+    once per forward, whatever head (tied, softcapped, ...) the model has."""
 
-    def __init__(self, inner: Module) -> None:
+    def __init__(self, inner: Module, all_positions: Callable[[], bool]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.inner: Any = inner
+        self._all_positions = all_positions
 
     def __call__(self, x: mx.array) -> mx.array:
-        out: mx.array = self.inner(x[:, -1:, :])
+        out: mx.array = self.inner(x if self._all_positions() else x[:, -1:, :])
         return out
 
 
@@ -79,6 +81,7 @@ class MlxModel(LoadedModel):
     rope: Any
     array_offsets_exact: bool
     win_rope: Any = None
+    all_positions: bool = False  # the running forward returns every position's logits
 
     def rotate(self, x: mx.array, positions: np.ndarray) -> mx.array:
         return rotate_keys(self.rope, self.array_offsets_exact, x, positions)
@@ -167,4 +170,4 @@ def _install_taps(rt: MlxModel) -> None:
     norm = next((n for n in ("norm", "norm_f", "final_norm") if n in decoder), None)
     if norm is None:
         raise UnsupportedModelError(f"{rt.family}: no final norm found in the decoder")
-    setattr(decoder, norm, _LastPosition(getattr(decoder, norm)))
+    setattr(decoder, norm, _LastPosition(getattr(decoder, norm), lambda: rt.all_positions))

@@ -442,6 +442,53 @@ def test_head_and_tail_pages_restore_in_place(models: Models) -> None:
     assert be.counters.reanchored_keys == 256
 
 
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
+def test_scoring_after_blocks_equals_each_block_in_a_session_of_its_own(models: Models, model: str) -> None:
+    """One forward scores the tokens after every block: each copy must read what a session holding
+    only its block, at the same positions, reads (the slot groups keep the copies apart), and the
+    scoring session's work touches nothing of the caller's."""
+    be = models.fresh(model)
+    be.prefill(models.tokens[:600])
+    blocks = [be.save_block(0, 128), be.save_block(300, 428), be.save_block(500, 537)]
+    question = models.tokens[700:712]
+    before, keys, logits = be.counters, be.rotated_keys(), be.last_logits()
+    scores, forwarded = be.score_after_blocks(blocks, question)
+    assert scores.shape == (3, len(question) - 1) and forwarded == 3 * len(question)
+    assert be.counters == before and be.attention_tokens == 600
+    np.testing.assert_array_equal(be.rotated_keys(), keys)
+    np.testing.assert_array_equal(be.last_logits(), logits)
+    n, lead = len(question), 128
+    for i, blk in enumerate(blocks):
+        alone = models.fresh(model)
+        alone.insert_block(blk, 0, position=lead + i * n - blk.n_tokens)
+        steps = alone.prefill_logits(question)[:-1].astype(np.float64)
+        steps -= steps.max(axis=1, keepdims=True)
+        expected = steps[np.arange(n - 1), question[1:]] - np.log(np.exp(steps).sum(axis=1))
+        np.testing.assert_allclose(scores[i], expected, atol=2e-4)
+    assert np.abs(scores[0] - scores[1]).max() > 1e-3  # the blocks do make a difference
+
+
+@pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-qwen3-next"])
+def test_scoring_after_blocks_is_refused_for_stream_state(models: Models, model: str) -> None:
+    be = models.fresh(model)
+    be.prefill(models.tokens[:200])
+    with pytest.raises(UnsupportedModelError, match="full attention"):
+        be.score_after_blocks([be.save_block(0, 128)], models.tokens[:8])
+
+
+def test_scoring_after_blocks_checks_its_input(models: Models) -> None:
+    be = models.fresh("tiny-llama")
+    be.prefill(models.tokens[:200])
+    blk = be.save_block(0, 128)
+    with pytest.raises(ValueError, match="two tokens"):
+        be.score_after_blocks([blk], models.tokens[:1])
+    with pytest.raises(ValueError, match="one block"):
+        be.score_after_blocks([], models.tokens[:8])
+    with pytest.raises(BlockMismatchError):
+        be.score_after_blocks([_block(models, "tiny-qwen3")[1]],
+                              models.tokens[:8])
+
+
 @pytest.mark.parametrize("model", TINY)
 def test_accounting_invariant_after_random_mixes(models: Models, harness: Harness, model: str) -> None:
     """Random prefill / decode / evict / restore / compact, with a small position limit so automatic

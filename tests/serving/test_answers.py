@@ -195,9 +195,10 @@ def test_refresh_prefills_the_restored_pages_again_and_counts_it_apart(backend: 
                     for t in session.transcript.ids[pages[i].token_start:pages[i].token_start + pages[i].tokens]]
 
 
+@pytest.mark.parametrize("runtime", ["torch", "mlx"])
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3-next"])
-def test_prefill_logits_are_the_logits_of_prefilling_one_token_at_a_time(model: str) -> None:
-    one, chunked = load_backend("torch", model, capacity=128), load_backend("torch", model, capacity=128)
+def test_prefill_logits_are_the_logits_of_prefilling_one_token_at_a_time(runtime: str, model: str) -> None:
+    one, chunked = load_backend(runtime, model, capacity=128), load_backend(runtime, model, capacity=128)
     one.prefill([3, 4, 5])
     chunked.prefill([3, 4, 5])
     steps = chunked.prefill_logits([6, 7, 8])
