@@ -403,10 +403,11 @@ class SlotBackend(abc.ABC):
         groups[slots] = np.repeat(np.arange(k), n)
         st.groups = groups
         logits = scratch._forward(ids * k, positions, slots, st.high_water(), every=True)
-        z = logits.astype(np.float64).reshape(k, n, -1)[:, :-1]
-        z -= z.max(axis=-1, keepdims=True)
+        z = logits.reshape(k, n, -1)[:, :-1]
+        top = z.max(axis=-1, keepdims=True)
         picked = np.take_along_axis(z, np.asarray(ids[1:], dtype=np.int64)[None, :, None], axis=-1)[..., 0]
-        return picked - np.log(np.exp(z).sum(axis=-1)), k * n
+        total = np.exp(z - top).sum(axis=-1, dtype=np.float64)
+        return (picked - top[..., 0]).astype(np.float64) - np.log(total), k * n
 
     def _hold(self, token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Free slots entered in the table as holding `token_ids` at `positions`, last in the order."""

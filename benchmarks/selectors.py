@@ -15,10 +15,14 @@ HELD_OUT_SEEDS.
         [--model smollm2-135m] [--ablation] [--controller-models smollm2-135m]
 
 Selectors: recency (no advice), attention (the model's keys, controller.keyindex), bm25 (lexical
-rarity alone: the 8 best pages by BM25 that fit), hybrid (the default, controller.hybrid). With
+rarity alone: the 8 best pages by BM25 that fit), hybrid (the default, controller.hybrid), rerank
+(the hybrid's choice re-ranked by query likelihood over the stored K/V, controller.rerank; it
+reads the model's weights, so it needs the real model, not tiny-llama). With
 `--ablation`, the hybrid without each of its parts and with the key evidence added. Last line: one
 JSON object: `rows` (per selector, shape, seed and budget: hit_rate, hits, questions, pages,
-precision, p50_ms, p95_ms) and `summary` (per selector and budget, by shape, over the seeds run).
+precision, p50_ms, p95_ms, controller_forward_tokens), `sessions` (per session: its size, cold
+pages, and the serving session's `historical_forward` and whether model_forward_tokens ==
+new_prefill_tokens + decoded_tokens held) and `summary` (per selector and budget, by shape).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from controller.selectors import (
     ControllerSelector,
     HybridSelector,
     RecencySelector,
+    RerankSelector,
     SelectionContext,
     Selector,
 )
@@ -53,14 +58,14 @@ from serving.engine import ChatRequest, Engine, EngineConfig
 from serving.launcher import ContextdProcess
 
 MODEL = "smollm2-135m"
-BASE_SELECTORS = ("recency", "attention", "bm25", "hybrid")
+BASE_SELECTORS = ("recency", "attention", "bm25", "hybrid", "rerank")
 
 
 def selectors(names: Sequence[str], ablation: bool) -> list[Selector]:
     made: dict[str, Selector] = {
         "recency": RecencySelector(), "attention": AttentionSelector(),
         "bm25": HybridSelector(HybridConfig(coverage_decay=1.0, cutoff=0.0, neighbour_tokens=0), "bm25"),
-        "hybrid": HybridSelector()}
+        "hybrid": HybridSelector(), "rerank": RerankSelector()}
     out = [made[name] for name in names]
     if ablation:
         out += [HybridSelector(HybridConfig(coverage_decay=1.0), "hybrid - coverage"),
@@ -140,7 +145,8 @@ def measure_session(backend: Backend, client: Any, workload: Workload, budget: i
     text, spans = token_spans(engine, session_id)
     located = locate(text, spans, workload)
     session = engine.sessions[session_id]
-    results = {s.name: {"hits": 0, "questions": 0, "pages": [], "useful": 0, "ms": []} for s in chosen}
+    results = {s.name: {"hits": 0, "questions": 0, "pages": [], "useful": 0, "ms": [], "controller_tokens": 0}
+               for s in chosen}
     for question, where in zip(workload.questions, located, strict=True):
         cold = {p.index for p in session.pager.pages if p.state is PageState.COLD}
         if not any(pages & cold for pages in where.needed):
@@ -154,8 +160,12 @@ def measure_session(backend: Backend, client: Any, workload: Workload, budget: i
             r["pages"].append(len(probe.restore))
             r["useful"] += len(set(probe.restore) & where.touched)
             r["ms"].append(probe.decided_ms)
+            r["controller_tokens"] += probe.controller_forward_tokens
+    counters = fresh.counters  # the serving session's own forwards; scoring ran on scratch sessions
     context = {"session_tokens": session.transcript.tokens, "cold_pages": sum(
-        1 for p in session.pager.pages if p.state is PageState.COLD), "build_s": round(build_s, 1)}
+        1 for p in session.pager.pages if p.state is PageState.COLD), "build_s": round(build_s, 1),
+        "historical_forward": counters.historical_forward_during_restore,
+        "forward_invariant": counters.model_forward_tokens == counters.new_prefill_tokens + counters.decoded_tokens}
     return results, context
 
 
@@ -166,7 +176,8 @@ def row(name: str, r: dict[str, Any], shape: str, seed: int, budget: int) -> dic
             "hit_rate": round(r["hits"] / max(1, r["questions"]), 3), "hits": r["hits"],
             "questions": r["questions"], "pages": round(restored / max(1, len(r["pages"])), 2),
             "precision": round(r["useful"] / restored, 3) if restored else 0.0,
-            "p50_ms": round(percentile(ms, 50), 2), "p95_ms": round(percentile(ms, 95), 2)}
+            "p50_ms": round(percentile(ms, 50), 2), "p95_ms": round(percentile(ms, 95), 2),
+            "controller_forward_tokens": r["controller_tokens"]}
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -81,12 +81,13 @@ def coverage_order(evidence: np.ndarray, decay: float, count: int) -> tuple[list
     return order, gains
 
 
-def choose_pages(evidence: np.ndarray, candidates: list[int], room_pages: int, config: HybridConfig,
-                 edges: Callable[[int], tuple[bool, bool]] | None = None,
-                 cold: Collection[int] | None = None) -> list[int]:
-    """Pages to restore, best first: coverage order, cut where the gain falls under `cutoff` of the
-    first, each followed by the neighbour its match leans on (`edges(page)` -> (before, after)) when
-    that neighbour is cold (`cold`: every cold page; the candidates by default)."""
+def choose_groups(evidence: np.ndarray, candidates: list[int], room_pages: int, config: HybridConfig,
+                  edges: Callable[[int], tuple[bool, bool]] | None = None,
+                  cold: Collection[int] | None = None) -> list[list[int]]:
+    """Pages to restore, best first, in groups: a page of the coverage order (cut where the gain
+    falls under `cutoff` of the first), then the neighbours its match leans on (`edges(page)` ->
+    (before, after)) when they are cold (`cold`: every cold page; the candidates by default).
+    At most `min(max_pages, room_pages)` pages in all."""
     limit = min(config.max_pages, room_pages)
     if limit < 1 or not candidates or evidence.size == 0:
         return []
@@ -94,19 +95,30 @@ def choose_pages(evidence: np.ndarray, candidates: list[int], room_pages: int, c
     order, gains = coverage_order(evidence, config.coverage_decay, limit)
     if not gains or gains[0] <= 0:
         return []
-    chosen: list[int] = []
+    groups: list[list[int]] = []
+    taken: set[int] = set()
     for row, gain in zip(order, gains, strict=True):
-        if len(chosen) >= limit or gain <= 0 or (chosen and gain < config.cutoff * gains[0]):
+        if len(taken) >= limit or gain <= 0 or (groups and gain < config.cutoff * gains[0]):
             break
         page = candidates[row]
-        if page not in chosen:
-            chosen.append(page)
+        group = [] if page in taken else [page]
+        taken.update(group)
         if edges is not None and gain >= config.neighbour_share * gains[0]:
             before, after = edges(page)
             for flag, other in ((after, page + 1), (before, page - 1)):
-                if flag and other in cold and other not in chosen and len(chosen) < limit:
-                    chosen.append(other)
-    return chosen
+                if flag and other in cold and other not in taken and len(taken) < limit:
+                    group.append(other)
+                    taken.add(other)
+        if group:
+            groups.append(group)
+    return groups
+
+
+def choose_pages(evidence: np.ndarray, candidates: list[int], room_pages: int, config: HybridConfig,
+                 edges: Callable[[int], tuple[bool, bool]] | None = None,
+                 cold: Collection[int] | None = None) -> list[int]:
+    """`choose_groups`, one page after another."""
+    return [page for group in choose_groups(evidence, candidates, room_pages, config, edges, cold) for page in group]
 
 
 def match_edges(profile: np.ndarray, neighbour_tokens: int) -> tuple[bool, bool]:

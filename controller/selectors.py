@@ -5,6 +5,10 @@
               the chat template's own ids left out), a coverage order over the best-scoring pages,
               a cutoff where the evidence falls off, and the neighbour a match leans on
               (controller.hybrid). Optionally the key index's evidence beside it.
+  rerank      the hybrid's choice re-ranked by query likelihood: the serving model reads each
+              candidate's stored K/V and then the turn's own words, all candidates in one forward
+              (the host's `SelectionContext.scorer`); the candidates within a margin of the best
+              come back (controller.rerank).
   attention   model-native, no second model: the turn's new tokens are matched against every cold
               page in the serving model's own key space (controller.keyindex); the best pages
               that fit the room come back.
@@ -15,7 +19,7 @@
 Whatever a selector says goes through controller.planner.validate and the pager's rules. No
 selector, and nothing in the host, looks at the words of the transcript.
 Depends on numpy, contextd.wire (PageState), controller.pager, controller.units, controller.planner,
-controller.keyindex, controller.lexical and controller.hybrid.
+controller.keyindex, controller.lexical, controller.hybrid and controller.rerank.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from contextd.wire import PageState
-from controller.hybrid import HybridConfig, choose_pages, match_edges
+from controller.hybrid import HybridConfig, choose_groups, match_edges
 from controller.keyindex import KeyIndex
 from controller.lexical import LexicalIndex
 from controller.pager import PAGE_TOKENS, Pager, Plan
@@ -44,9 +48,16 @@ from controller.planner import (
     summary_prompt,
     validate,
 )
+from controller.rerank import RerankConfig, keep_by_margin, mean_logprob, question_ids
 from controller.units import Unit, UnitIndex
 
 log = logging.getLogger("kv_elision.selectors")
+
+
+# The host's query likelihood: for cold pages and token ids, each page's float64 log p(ids[j] | page,
+# ids[:j]) for j >= 1, read over the page's stored K/V (no forward over history). A page that
+# cannot be scored (its payload failed its checks) is left out of the answer.
+PageScorer = Callable[[list[int], list[int]], dict[int, np.ndarray]]
 
 
 @dataclass
@@ -60,6 +71,7 @@ class SelectionContext:
     room_tokens: int = 0                   # what restores may fill under the low watermark
     lexical_index: LexicalIndex | None = None  # the session's stored full pages as terms
     incoming_ids: Sequence[int] | None = None  # token ids of the turn's new tokens (aligned with incoming_keys)
+    scorer: PageScorer | None = None       # the host's query likelihood over stored pages (rerank)
 
 
 @dataclass
@@ -153,31 +165,83 @@ class HybridSelector:
 
     def select(self, ctx: SelectionContext) -> Selection:
         started = time.perf_counter()
-        lexical, incoming = ctx.lexical_index, ctx.incoming_ids
-        if lexical is None or incoming is None or len(incoming) == 0:
-            return Selection(None, _ms(started), "no lexical index or incoming ids")
-        cold = [p.index for p in ctx.pager.pages if p.state is PageState.COLD and p.index in lexical.pages]
-        if not cold:
-            return Selection(None, _ms(started), "nothing to score")
-        ids = np.asarray(incoming, dtype=np.int64)[-self.config.incoming_tokens:]
-        match = lexical.match(ids, cold)
-        shortlist = lexical.top(match, self.config.shortlist_pages)
-        evidence = lexical.evidence(match, shortlist)
-        keys = ctx.key_index
-        if self.config.key_weight > 0 and keys is not None and ctx.incoming_keys is not None and shortlist \
-                and all(p in keys.pages for p in shortlist):
-            by_key = keys.evidence(ctx.incoming_keys, shortlist, ~np.isin(ids, lexical.stop_ids))
-            scale = evidence.sum(axis=1).max() / max(float(by_key.sum(axis=1).max()), 1e-9)
-            evidence = np.concatenate([evidence, self.config.key_weight * scale * by_key], axis=1)
-        room_pages = ctx.room_tokens // PAGE_TOKENS   # only full pages are indexed
-
-        def edges(page: int) -> tuple[bool, bool]:
-            return match_edges(lexical.profile(page, match), self.config.neighbour_tokens)
-
-        chosen = choose_pages(evidence, shortlist, room_pages, self.config, edges, set(cold))
-        bm25 = dict(zip(shortlist, evidence.sum(axis=1).tolist(), strict=True))
+        groups, bm25, unscored = hybrid_groups(ctx, self.config)
+        if unscored:
+            return Selection(None, _ms(started), unscored)
+        chosen = [page for group in groups for page in group]
         return Selection(Plan(restore=sorted(chosen)), _ms(started), f"restore {len(chosen)} pages",
                          {p: bm25.get(p, 0.0) for p in chosen})
+
+    def after_turn(self, ctx: SelectionContext, closed: list[Unit], text_of: Callable[[Unit], str]) -> None:
+        return None
+
+
+def hybrid_groups(ctx: SelectionContext, config: HybridConfig) -> tuple[list[list[int]], dict[int, float], str]:
+    """The hybrid's choice as page groups (controller.hybrid.choose_groups) and each page's BM25
+    score; or, when there was nothing to score, why (else "")."""
+    lexical, incoming = ctx.lexical_index, ctx.incoming_ids
+    if lexical is None or incoming is None or len(incoming) == 0:
+        return [], {}, "no lexical index or incoming ids"
+    cold = [p.index for p in ctx.pager.pages if p.state is PageState.COLD and p.index in lexical.pages]
+    if not cold:
+        return [], {}, "nothing to score"
+    ids = np.asarray(incoming, dtype=np.int64)[-config.incoming_tokens:]
+    match = lexical.match(ids, cold)
+    shortlist = lexical.top(match, config.shortlist_pages)
+    evidence = lexical.evidence(match, shortlist)
+    keys = ctx.key_index
+    if config.key_weight > 0 and keys is not None and ctx.incoming_keys is not None and shortlist \
+            and all(p in keys.pages for p in shortlist):
+        by_key = keys.evidence(ctx.incoming_keys, shortlist, ~np.isin(ids, lexical.stop_ids))
+        scale = evidence.sum(axis=1).max() / max(float(by_key.sum(axis=1).max()), 1e-9)
+        evidence = np.concatenate([evidence, config.key_weight * scale * by_key], axis=1)
+    room_pages = ctx.room_tokens // PAGE_TOKENS   # only full pages are indexed
+
+    def edges(page: int) -> tuple[bool, bool]:
+        return match_edges(lexical.profile(page, match), config.neighbour_tokens)
+
+    groups = choose_groups(evidence, shortlist, room_pages, config, edges, set(cold))
+    bm25 = dict(zip(shortlist, evidence.sum(axis=1).tolist(), strict=True))
+    return groups, bm25, ""
+
+
+class RerankSelector:
+    """The hybrid's choice, re-ranked by how likely the turn's own words are after each candidate,
+    read over its stored K/V by the serving model (controller.rerank): the host scores, this policy
+    keeps the candidates within a margin of the best. A choice of one candidate is not scored."""
+
+    uses_key_index = False
+    uses_lexical_index = True
+
+    def __init__(self, config: RerankConfig | None = None, hybrid: HybridConfig | None = None,
+                 name: str = "rerank") -> None:
+        self.config = config or RerankConfig()
+        self.hybrid = hybrid or HybridConfig()
+        self.name = name
+
+    def select(self, ctx: SelectionContext) -> Selection:
+        started = time.perf_counter()
+        groups, bm25, unscored = hybrid_groups(ctx, self.hybrid)
+        if unscored:
+            return Selection(None, _ms(started), unscored)
+        if len(groups) < 2:
+            chosen = [page for group in groups for page in group]
+            return Selection(Plan(restore=sorted(chosen)), _ms(started),
+                             f"restore {len(chosen)} pages (one candidate, not scored)", {p: bm25[p] for p in chosen})
+        assert ctx.lexical_index is not None and ctx.incoming_ids is not None
+        question = question_ids(ctx.incoming_ids, ctx.lexical_index.stop_ids.tolist(), self.config.question_tokens)
+        if ctx.scorer is None or len(question) < 2:
+            chosen = [page for group in groups for page in group]
+            why = "no scorer" if ctx.scorer is None else "no words to score"
+            return Selection(Plan(restore=sorted(chosen)), _ms(started),
+                             f"restore {len(chosen)} pages unscored ({why})", {p: bm25.get(p, 0.0) for p in chosen})
+        groups = groups[:self.config.candidates]
+        per_token = ctx.scorer([group[0] for group in groups], question)
+        scores = {page: mean_logprob(lp) for page, lp in per_token.items()}
+        kept = set(keep_by_margin(scores, self.config.margin))
+        likely = {page: scores[group[0]] for group in groups if group[0] in kept for page in group}
+        return Selection(Plan(restore=sorted(likely)), _ms(started),
+                         f"restore {len(likely)} pages, {len(kept)} of {len(groups)} candidates kept", likely)
 
     def after_turn(self, ctx: SelectionContext, closed: list[Unit], text_of: Callable[[Unit], str]) -> None:
         return None
@@ -285,7 +349,7 @@ class ControllerSelector:
         self.pool.submit(lambda: None).result()
 
 
-SELECTORS = ("hybrid", "attention", "recency", "controller")
+SELECTORS = ("hybrid", "rerank", "attention", "recency", "controller")
 
 
 def make_selector(name: str, controller: ControllerModel | None = None, **kw: Any) -> Selector:
@@ -293,6 +357,8 @@ def make_selector(name: str, controller: ControllerModel | None = None, **kw: An
         return RecencySelector()
     if name == "hybrid":
         return HybridSelector(HybridConfig(**kw))
+    if name == "rerank":
+        return RerankSelector(hybrid=HybridConfig(**kw))
     if name == "attention":
         return AttentionSelector(**kw)
     if name == "controller":

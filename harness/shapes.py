@@ -50,7 +50,7 @@ from typing import Any
 
 from harness.workload import TOOLS
 
-SHAPES = ("prose", "boilerplate", "code", "paraphrase", "split", "near_duplicate")
+SHAPES = ("prose", "boilerplate", "code", "paraphrase", "split", "near_duplicate", "config", "logs")
 LANGUAGES = ("en", "es", "ja", "ar", "ru")
 TUNING_SEEDS = (1, 2, 3)
 HELD_OUT_SEEDS = (101, 102, 103)
@@ -753,9 +753,146 @@ def near_duplicate(seed: int, tokens: int = DEFAULT_TOKENS, facts: int = 36, que
     return Workload("near_duplicate", seed, tuple(b.files), tuple(b.questions))
 
 
+# ------------------------------------------------------------------------------------------- config
+
+_CONFIG_KEYS: dict[str, tuple[str, str]] = {
+    # key: (how a question names it, the kind of value)
+    "listen_port": ("the listen port", "port"),
+    "request_timeout_ms": ("the request timeout", "ms"),
+    "dead_letter_queue": ("the dead-letter queue", "queue"),
+    "archive_bucket": ("the archive bucket", "bucket"),
+}
+_CONFIG_COMMON = ("replicas: {a}\nlog_level: info\nmax_retries: {b}\npool_size: {c}\nmetrics: true\n"
+                  "tracing:\n  enabled: true\n  sample_rate: 0.{d}\n")
+
+_WORKER = '''"""Worker for the {svc} service: reads config/{svc}.yaml at start."""
+from __future__ import annotations
+
+import logging
+
+from app.config import load_config
+from app.queue import Consumer
+
+log = logging.getLogger(__name__)
+cfg = load_config("config/{svc}.yaml")
+
+
+def run() -> None:
+    consumer = Consumer(cfg["dead_letter_queue"], pool_size=cfg["pool_size"])
+    timeout = cfg["request_timeout_ms"] / 1000
+    port = cfg["listen_port"]
+    bucket = cfg["archive_bucket"]
+    for attempt in range(cfg["max_retries"]):
+        try:
+            consumer.serve(port=port, timeout=timeout, archive=bucket)
+            return
+        except ConnectionError:
+            log.warning("{svc} worker: attempt %d of %d failed", attempt + 1, cfg["max_retries"])
+'''
+
+
+def _config_value(kind: str, svc: str, rng: random.Random, used: set[str]) -> str:
+    if kind == "port":
+        return _number(rng, used, 20000, 65000)
+    if kind == "ms":
+        return _number(rng, used, 1100, 9900)
+    while True:
+        tag = f"{rng.randrange(16 ** 4):04x}"
+        value = f"{svc}-dlq-{tag}" if kind == "queue" else f"s3://{svc}-archive-{tag}"
+        if value not in used:
+            used.add(value)
+            return value
+
+
+def config(seed: int, tokens: int = DEFAULT_TOKENS, facts: int = 10) -> Workload:
+    """Every service has a YAML config with the same keys and a worker that reads those keys by
+    name and names its config file; a question names one key of one service's config. The worker
+    code and the tool calls that read such files share the key and the service with the question,
+    the config file itself holds the value: the miss issue 24 examined, made a shape."""
+    rng = random.Random(f"config:{seed}")
+    b = _Builder(tokens, rng)
+    used: set[str] = set()
+    services = [f"{a}-{c}" for a in _AREAS for c in ("api", "worker", "sync", "cron", "gateway")]
+    rng.shuffle(services)
+    schedule = _schedule(b, facts, 700)  # a config and its worker
+    n = 0
+    while not b.full():
+        pair = n // 2
+        svc = services[pair % len(services)]
+        if n % 2 == 1:
+            b.add(f"workers/{svc.replace('-', '_')}.py", _WORKER.format(svc=svc), "code")
+            n += 1
+            continue
+        values = {key: _config_value(kind, svc, rng, used) for key, (_, kind) in _CONFIG_KEYS.items()}
+        lines = [f"# config/{svc}.yaml: deployed by the config pipeline; do not edit by hand.",
+                 f"# Owner: {rng.choice(_PEOPLE)}. Reviewed {rng.randint(1, 28)} days ago.",
+                 f"service: {svc}", *(f"{key}: {value}" for key, value in values.items()),
+                 _CONFIG_COMMON.format(a=rng.randint(2, 9), b=rng.randint(2, 9), c=rng.randint(4, 64),
+                                       d=rng.randint(1, 9)).rstrip("\n"),
+                 *(f"feature_{rng.choice(_WORDS)}_{k}: {rng.choice(('true', 'false'))}" for k in range(6))]
+        asked = schedule[pair] if pair < len(schedule) else []
+        for key in rng.sample(sorted(_CONFIG_KEYS), len(asked)):
+            b.questions.append(Question(f"In config/{svc}.yaml, what is {_CONFIG_KEYS[key][0]} ({key})?",
+                                        values[key], (f"{key}: {values[key]}",), (values[key],), "en", key))
+        b.add(f"config/{svc}.yaml", "\n".join(lines), "en")
+        n += 1
+    return Workload("config", seed, tuple(b.files), tuple(b.questions),
+                    objective=OBJECTIVE + " Configs and workers share their key names; mind which file is which.")
+
+
+# --------------------------------------------------------------------------------------------- logs
+
+_TESTS = [f"test_{verb}_{noun}" for verb in ("load", "save", "parse", "merge", "refund", "rotate", "export")
+          for noun in ("invoice", "ledger", "session", "receipt", "quota", "cursor", "tenant", "bundle")]
+
+
+def logs(seed: int, tokens: int = DEFAULT_TOKENS, facts: int = 10) -> Workload:
+    """CI logs of the same test suite run again and again: every run lists every test, and a test
+    that failed once is PASSED in every other run. The question asks what a test got when it
+    failed: the run where it failed holds the answer, and every run names the test."""
+    rng = random.Random(f"logs:{seed}")
+    b = _Builder(tokens, rng)
+    used: set[str] = set()
+    suite = rng.sample(_TESTS, 40)
+    failing = rng.sample(suite, facts)
+    schedule = _schedule(b, facts, 900)
+    n = 0
+    while not b.full():
+        failed: dict[str, tuple[str, str]] = {}
+        for i in schedule[n] if n < len(schedule) else []:
+            expected, got = _number(rng, used, 1100, 9900), _number(rng, used, 1100, 9900)
+            failed[failing[i]] = (expected, got)
+        lines = ["============================= test session starts ==============================",
+                 f"platform linux -- Python 3.11.{rng.randint(2, 9)}, pytest-8.{rng.randint(0, 3)}.{rng.randint(0, 4)}",
+                 f"collected {len(suite)} items", ""]
+        order = list(suite)
+        rng.shuffle(order)
+        for k, test in enumerate(order):
+            module = test.split("_", 2)[2]
+            status = "FAILED" if test in failed else "PASSED"
+            lines.append(f"tests/test_{module}.py::{test} {status} [{100 * (k + 1) // len(order):3d}%]")
+        for test, (expected, got) in failed.items():
+            module = test.split("_", 2)[2]
+            lines += ["", f"___________________________ {test} ___________________________", "",
+                      f"    def {test}():", f"        result = run_{test.removeprefix('test_')}(fixture())",
+                      f">       assert result.total == {expected}",
+                      f"E       AssertionError: expected total {expected}, got {got}",
+                      "", f"tests/test_{module}.py:{rng.randint(20, 300)}: AssertionError"]
+            evidence = f"E       AssertionError: expected total {expected}, got {got}"
+            b.questions.append(Question(f"When {test} failed in CI, what total did it get?", got, (evidence,),
+                                        (got,), "en", "failure"))
+        summary = f"{len(failed)} failed, {len(suite) - len(failed)} passed" if failed else f"{len(suite)} passed"
+        lines += ["", f"======================== {summary} in {rng.randint(20, 90)}.{rng.randint(10, 99)}s "
+                  "========================"]
+        b.add(f"ci/run-{n:02d}.log", "\n".join(lines), "en")
+        n += 1
+    return Workload("logs", seed, tuple(b.files), tuple(b.questions),
+                    objective=OBJECTIVE + " The CI logs are runs of the same suite; note what failed and how.")
+
+
 GENERATORS: dict[str, Callable[..., Workload]] = {
     "prose": prose, "boilerplate": boilerplate, "code": code, "paraphrase": paraphrase, "split": split,
-    "near_duplicate": near_duplicate,
+    "near_duplicate": near_duplicate, "config": config, "logs": logs,
 }
 
 

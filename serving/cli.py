@@ -51,7 +51,8 @@ def _selector(args: argparse.Namespace) -> Selector:
             controller = LocalControllerModel(args.controller_model)
     options = {"controller": {"deadline_s": args.controller_deadline},
                "attention": {"max_pages": args.restore_pages},
-               "hybrid": {"max_pages": args.restore_pages}}.get(args.selector, {})
+               "hybrid": {"max_pages": args.restore_pages},
+               "rerank": {"max_pages": args.restore_pages}}.get(args.selector, {})
     return make_selector(args.selector, controller, **options)
 
 

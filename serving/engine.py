@@ -18,6 +18,7 @@ recovery / session / transcript / chat_format / likelihood.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -166,6 +167,7 @@ class ProbeResult:
     resident: list[int]
     decided_ms: float
     note: str
+    controller_forward_tokens: int  # what the selector's scoring forwards took (rerank)
 
 
 class Engine:
@@ -341,7 +343,8 @@ class Engine:
                                 incoming_keys=self._incoming_keys(new_tokens, session.key_index),
                                 key_index=session.key_index, room_tokens=session.pager.room(),
                                 lexical_index=session.lexical_index,
-                                incoming_ids=ids[len(ids) - min(new_tokens, INCOMING_IDS):])
+                                incoming_ids=ids[len(ids) - min(new_tokens, INCOMING_IDS):],
+                                scorer=functools.partial(self.mover.score_pages, session))
 
     def _apply_plan(self, session: Session, request: ChatRequest, incoming: str, new_tokens: int
                     ) -> tuple[list[int], bool]:
@@ -603,13 +606,15 @@ class Engine:
         context = self._selection_context(session, alignment.new_text, new_tokens)
         results: dict[str, ProbeResult] = {}
         for selector in selectors:
+            scored = session.counters.controller_forward_tokens
             selection = selector.select(context)
             restore: list[int] = []
             if selection.plan is not None:
                 cleaned, rejected = pager.validate(selection.plan)
                 restore = [] if rejected else cleaned.restore
-            results[selector.name] = ProbeResult(restore=restore, resident=list(pager.resident),
-                                                 decided_ms=selection.decided_ms, note=selection.note)
+            results[selector.name] = ProbeResult(
+                restore=restore, resident=list(pager.resident), decided_ms=selection.decided_ms, note=selection.note,
+                controller_forward_tokens=session.counters.controller_forward_tokens - scored)
         self.mover.cut(session, segments_before)
         resident_now = set(session.pager.resident)
         self.mover.execute(session, Decision(evict=sorted(resident_now - resident_before),

@@ -35,7 +35,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from backends import Backend, Block, BlockFormatError, RecurrentSnapshot, StoredBlock
+from backends import Backend, Block, BlockFormatError, CorruptPayloadError, RecurrentSnapshot, StoredBlock
 from contextd import crashpoints
 from contextd.client import Client, pb
 from contextd.errors import DataCorrupt
@@ -186,6 +186,36 @@ class PageMover:
             restored.append(index)
             crashpoints.reached("serving.restore.inserted")
         return restored
+
+    def score_pages(self, session: Session, indices: list[int], token_ids: list[int]) -> dict[int, np.ndarray]:
+        """Query likelihood for a selector: how likely `token_ids` are after each cold page on its
+        own, read over the page's stored K/V (`Backend.score_after_blocks`, one forward; no forward
+        over history). Counted as `controller_forward_tokens`. A page whose payload is gone or
+        fails its checks is left out (and reported corrupt, as a restore would)."""
+        pager = session.pager
+        records = {r.page_id: r for r in self.contextd.get_pages(session.session_id,
+                                                                 [pager.pages[i].page_id for i in indices])}
+        blocks: dict[int, Block] = {}
+        for index in indices:
+            record = records.get(pager.pages[index].page_id)
+            if record is None or PageState(record.state) is not PageState.COLD or not record.locator:
+                continue
+            stored = self._stored_block(session, record, index, 0)
+            try:
+                blk = Block.read(stored.path, stored.checksum, stored.size, expect=self.backend.layer_view)
+                if stored.token_ids is not None and not np.array_equal(blk.token_ids, stored.token_ids):
+                    raise CorruptPayloadError(f"{stored.path} holds other tokens than the transcript at that place")
+            except BlockFormatError as e:
+                log.warning("session %s: %s; not scored", session.session_id,
+                            self._report_corrupt(session, record.page_id, e))
+                pager.pages[index].stored = False
+                continue
+            blocks[index] = blk
+        if not blocks:
+            return {}
+        scores, forwarded = self.backend.score_after_blocks(list(blocks.values()), token_ids)
+        self.tally.count(session, controller_forward_tokens=forwarded)
+        return dict(zip(blocks, scores, strict=True))
 
     def _report_corrupt(self, session: Session, page_id: str, error: BlockFormatError) -> str:
         """Mark the page CORRUPT in contextd (its payload failed its checks; contextd takes its

@@ -36,6 +36,7 @@ class SessionCounters:
     decoded_tokens: int = 0
     historical_forward_during_restore: int = 0
     refresh_forward_tokens: int = 0   # restored pages' tokens prefilled again (--refresh, off by default)
+    controller_forward_tokens: int = 0  # the selector's scoring forwards (scratch sessions; never history)
     restored_pages: int = 0
     evicted_pages: int = 0
     peak_attention_tokens: int = 0

@@ -15,6 +15,7 @@ import pytest
 
 from contextd.client import Client
 from contextd.wire import SummaryKind
+from harness.shapes import TUNING_SEEDS, make
 from harness.workload import TOOLS, agent_turns, evidence_files, opening_messages
 from serving.launcher import ServerProcess
 from tests.server.test_server import assistant
@@ -64,6 +65,44 @@ def test_the_default_selector_brings_the_fact_back_and_the_page_listing_shows_it
     stats = server.stats("h")
     assert stats["lexical_index_pages"] > 0 and stats["key_index_pages"] == 0  # no key index unless asked for
     exact(stats)
+
+
+def test_rerank_selector_scores_the_hybrids_choice_over_stored_pages(server_factory: Any) -> None:
+    """Near-identical boilerplate files make the hybrid choose several candidates for a question:
+    the serving model scores them over their stored K/V in a scratch session (counted as
+    controller forward tokens, never as the session's forwards), and keeps fewer pages."""
+    server: ServerProcess = server_factory("smollm2-135m", 1536, "--selector", "rerank")
+    workload = make("boilerplate", TUNING_SEEDS[0], 5000)
+    messages = workload.messages()
+    reply = server.chat(messages, session="r", tools=workload.tools, max_tokens=1)
+    assert reply.status == 200, reply.body
+    messages.append(assistant(reply))
+    scored = hits = asked = 0
+    for question in workload.questions:
+        pages = server.get("/v1/kv/pages?session=r&text=1").body["pages"]
+        holding = [p["index"] for p in pages if question.answer in p["text"]]
+        if not holding or any(pages[i]["state"] != "cold" for i in holding):
+            continue
+        before = server.stats("r")["counters"]
+        reply = server.chat([*messages, workload.question_message(question)], session="r", tools=workload.tools,
+                            max_tokens=1)
+        assert reply.status == 200, reply.body
+        messages += [workload.question_message(question), assistant(reply)]
+        after = server.stats("r")
+        note = after["last_selection"]
+        assert note.startswith("rerank: restore "), note
+        listing = server.get("/v1/kv/pages?session=r").body
+        back = {p["index"] for p in listing["pages"] if p["moved_turn"] == listing["turn"]}
+        asked += 1
+        hits += set(holding) <= back
+        tokens = after["counters"]["controller_forward_tokens"] - before["controller_forward_tokens"]
+        if "candidates kept" in note:
+            scored += 1
+            assert tokens > 0, (tokens, note)
+        else:
+            assert tokens == 0, note
+        exact(after)
+    assert scored and hits >= asked - 1, (scored, hits, asked)
 
 
 def test_attention_selector_restores_pages_for_a_question_about_a_cold_fact(server_factory: Any) -> None:

@@ -156,3 +156,26 @@ def test_paraphrase_shares_little_but_the_name(workloads: dict[tuple[str, int], 
         fact = {x.lower().strip("?.,") for x in q.evidence[0].split()}
         shared = words & fact - {"the", "a", "of", "to", "is", "are", "does", "do"}
         assert len(shared) <= 2, shared
+
+
+def test_config_questions_share_key_and_service_with_other_files(workloads: dict[tuple[str, int], Workload]) -> None:
+    """The worker that reads a config names its file and every key: the config file is the only one
+    with the value, not the only one with the words of the question."""
+    w = workloads[("config", 1)]
+    for q in w.questions:
+        path = re.search(r"config/[a-z-]+\.yaml", q.text)
+        assert path is not None
+        key = q.kind
+        holders = [f for f in w.files if path.group(0) in f.text and key in f.text]
+        assert len(holders) >= 2 and sum(q.evidence[0] in f.text for f in holders) == 1
+        assert sum(key in f.text for f in w.files) >= len(w.files) // 2
+
+
+def test_logs_name_the_failing_test_in_every_run(workloads: dict[tuple[str, int], Workload]) -> None:
+    w = workloads[("logs", 1)]
+    runs = [f for f in w.files if f.path.startswith("ci/")]
+    assert len(runs) >= 10
+    for q in w.questions:
+        test = q.text.split()[1]
+        assert all(test in f.text for f in runs)
+        assert sum(f"{test} FAILED" in f.text for f in runs) == 1

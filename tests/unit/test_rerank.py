@@ -1,0 +1,103 @@
+"""The re-ranking policy (controller.rerank) and the rerank selector's use of the host's scorer.
+
+The scorer here is a table of log-probabilities written per page: the policy is what is under test
+(the real scorer, the serving model over stored K/V, is tested in tests/backends and
+tests/server/test_selectors.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from contextd.wire import PageState, PinKind
+from controller.lexical import LexicalIndex
+from controller.pager import PAGE_TOKENS, Pager, PagerConfig
+from controller.rerank import RerankConfig, keep_by_margin, question_ids
+from controller.selectors import HybridSelector, RerankSelector, SelectionContext
+from controller.units import UnitIndex
+
+STOP = (1, 2)  # the chat template's own ids in these tests
+
+
+def test_the_question_is_the_newest_ids_without_the_template() -> None:
+    assert question_ids([1, 5, 6, 2, 7, 1, 8, 2], STOP, 3) == [6, 7, 8]
+    assert question_ids([1, 2, 1], STOP, 4) == []
+
+
+def test_candidates_within_the_margin_of_the_best_are_kept_best_first() -> None:
+    assert keep_by_margin({3: -2.0, 5: -1.2, 9: -1.6, 11: -1.75}, 0.5) == [5, 9]
+    assert keep_by_margin({3: -2.0, 5: -1.2}, 0.0) == [5]
+    assert keep_by_margin({}, 1.0) == []
+
+
+@pytest.mark.parametrize("bad", [{"candidates": 0}, {"question_tokens": 1}, {"margin": -0.1},
+                                 {"margin": float("nan")}])
+def test_config_is_checked(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        RerankConfig(**bad)  # type: ignore[arg-type]
+
+
+def _session(planted: dict[int, list[int]]) -> tuple[Pager, LexicalIndex]:
+    """40 pages of common ids (10..60), `planted` ids written into some, pages 2..31 cold."""
+    rng = np.random.default_rng(3)
+    pager = Pager(PagerConfig(budget_tokens=4096))
+    pager.append(list(range(256)), pin=PinKind.SYSTEM)
+    pager.append(list(range(40 * PAGE_TOKENS - 256)))
+    lexical = LexicalIndex(stop_ids=STOP)
+    for p in range(40):
+        ids = rng.integers(10, 60, size=PAGE_TOKENS).tolist()
+        for k, t in enumerate(planted.get(p, [])):
+            ids[50 + k] = t
+        lexical.add(p, ids)
+    for page in pager.pages[2:-8]:
+        page.state, page.stored = PageState.COLD, True
+    return pager, lexical
+
+
+def _scorer(table: dict[int, float], asked: list[tuple[list[int], list[int]]]
+            ) -> Callable[[list[int], list[int]], dict[int, np.ndarray]]:
+    def score(pages: list[int], ids: list[int]) -> dict[int, np.ndarray]:
+        asked.append((list(pages), list(ids)))
+        return {p: np.full(len(ids) - 1, table[p]) for p in pages if p in table}
+    return score
+
+
+def test_rerank_keeps_the_likely_candidates_and_asks_only_for_its_candidates() -> None:
+    pager, lexical = _session({5: [900, 901], 12: [900, 902], 20: [900, 903], 25: [900, 904], 28: [900]})
+    asked: list[tuple[list[int], list[int]]] = []
+    scorer = _scorer({5: -3.0, 12: -1.0, 20: -1.3, 25: -2.5, 28: -2.0}, asked)
+    ctx = SelectionContext("s", pager, UnitIndex(), "", room_tokens=8 * PAGE_TOKENS, lexical_index=lexical,
+                           incoming_ids=[1, 30, 900, 901, 902, 903, 904, 2], scorer=scorer)
+    selection = RerankSelector(RerankConfig(candidates=4, margin=0.5, question_tokens=16)).select(ctx)
+    assert len(asked) == 1
+    pages, ids = asked[0]
+    assert sorted(pages) == [5, 12, 20, 25] and ids == [30, 900, 901, 902, 903, 904]
+    assert selection.plan is not None and selection.plan.restore == [12, 20]
+    assert selection.scores[12] == -1.0
+
+
+def test_rerank_without_a_scorer_restores_the_hybrids_choice_and_one_candidate_is_not_scored() -> None:
+    pager, lexical = _session({12: [900, 901], 20: [900, 901]})
+    ctx = SelectionContext("s", pager, UnitIndex(), "", room_tokens=8 * PAGE_TOKENS, lexical_index=lexical,
+                           incoming_ids=[1, 900, 901, 2])
+    hybrid = HybridSelector().select(ctx).plan
+    selection = RerankSelector().select(ctx)
+    assert hybrid is not None and selection.plan is not None and selection.plan.restore == hybrid.restore == [12, 20]
+    assert "no scorer" in selection.note
+    pager, lexical = _session({12: [900, 901]})
+    asked: list[tuple[list[int], list[int]]] = []
+    ctx = SelectionContext("s", pager, UnitIndex(), "", room_tokens=8 * PAGE_TOKENS, lexical_index=lexical,
+                           incoming_ids=[1, 900, 901, 2], scorer=_scorer({12: -9.0}, asked))
+    selection = RerankSelector().select(ctx)
+    assert selection.plan is not None and selection.plan.restore == [12] and not asked
+
+
+def test_a_candidate_the_host_could_not_score_stays_cold() -> None:
+    pager, lexical = _session({12: [900, 901], 20: [900, 901]})
+    asked: list[tuple[list[int], list[int]]] = []
+    ctx = SelectionContext("s", pager, UnitIndex(), "", room_tokens=8 * PAGE_TOKENS, lexical_index=lexical,
+                           incoming_ids=[1, 900, 901, 2], scorer=_scorer({20: -2.0}, asked))
+    selection = RerankSelector().select(ctx)
+    assert selection.plan is not None and selection.plan.restore == [20]
