@@ -466,6 +466,14 @@ def test_scoring_after_blocks_equals_each_block_in_a_session_of_its_own(models: 
         expected = steps[np.arange(n - 1), question[1:]] - np.log(np.exp(steps).sum(axis=1))
         np.testing.assert_allclose(scores[i], expected, atol=2e-4)
     assert np.abs(scores[0] - scores[1]).max() > 1e-3  # the blocks do make a difference
+    # The scratch session is kept between calls: a second, smaller call reads nothing of the first.
+    again, _ = be.score_after_blocks(blocks[2:], question[:6])
+    alone = models.fresh(model)
+    alone.insert_block(blocks[2], 0, position=0)
+    steps = alone.prefill_logits(question[:6])[:-1].astype(np.float64)
+    steps -= steps.max(axis=1, keepdims=True)
+    expected = steps[np.arange(5), question[1:6]] - np.log(np.exp(steps).sum(axis=1))
+    np.testing.assert_allclose(again[0], expected, atol=2e-4)
 
 
 @pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-qwen3-next"])
