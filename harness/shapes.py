@@ -758,7 +758,7 @@ def near_duplicate(seed: int, tokens: int = DEFAULT_TOKENS, facts: int = 36, que
 _CONFIG_KEYS: dict[str, tuple[str, str]] = {
     # key: (how a question names it, the kind of value)
     "listen_port": ("the listen port", "port"),
-    "request_timeout_ms": ("the request timeout", "ms"),
+    "request_timeout_ms": ("the request timeout", "timeout"),
     "dead_letter_queue": ("the dead-letter queue", "queue"),
     "archive_bucket": ("the archive bucket", "bucket"),
 }
@@ -792,10 +792,8 @@ def run() -> None:
 
 
 def _config_value(kind: str, svc: str, rng: random.Random, used: set[str]) -> str:
-    if kind == "port":
-        return _number(rng, used, 20000, 65000)
-    if kind == "ms":
-        return _number(rng, used, 1100, 9900)
+    if kind in ("port", "timeout"):
+        return _prose_value(kind, rng, used)
     while True:
         tag = f"{rng.randrange(16 ** 4):04x}"
         value = f"{svc}-dlq-{tag}" if kind == "queue" else f"s3://{svc}-archive-{tag}"
