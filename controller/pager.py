@@ -250,7 +250,7 @@ class Pager:
         if pin is not None and page.pin is None:
             page.pin = pin
             self._pinned[index] = page.tokens
-        self._lease(index, lease_until_turn)
+        self.lease(index, lease_until_turn)
 
     def _set_state(self, index: int, state: PageState) -> None:
         page = self.pages[index]
@@ -263,7 +263,9 @@ class Pager:
             bisect.insort(self._resident, index)
             self._hot_tokens += page.tokens
 
-    def _lease(self, index: int, until_turn: int) -> None:
+    def lease(self, index: int, until_turn: int) -> None:
+        """Page `index` is leased until `until_turn` (a turn already past: not leased). A restore
+        leases through `apply`; an undo that puts a page back as it was sets its old lease here."""
         self.pages[index].lease_until_turn = until_turn
         if until_turn > self.turn:
             self._leased[index] = until_turn
@@ -389,7 +391,7 @@ class Pager:
         for index in decision.restore:
             page = self.pages[index]
             self._set_state(index, PageState.HOT)
-            self._lease(index, self.restore_lease_until())
+            self.lease(index, self.restore_lease_until())
             page.last_used_turn = self.turn
 
     def restore_lease_until(self) -> int:

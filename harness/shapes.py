@@ -829,7 +829,7 @@ def config(seed: int, tokens: int = DEFAULT_TOKENS, facts: int = 10) -> Workload
                                        d=rng.randint(1, 9)).rstrip("\n"),
                  *(f"feature_{rng.choice(_WORDS)}_{k}: {rng.choice(('true', 'false'))}" for k in range(6))]
         asked = schedule[pair] if pair < len(schedule) else []
-        for key in rng.sample(sorted(_CONFIG_KEYS), len(asked)):
+        for key in rng.sample(sorted(_CONFIG_KEYS), min(len(asked), len(_CONFIG_KEYS))):
             b.questions.append(Question(f"In config/{svc}.yaml, what is {_CONFIG_KEYS[key][0]} ({key})?",
                                         values[key], (f"{key}: {values[key]}",), (values[key],), "en", key))
         b.add(f"config/{svc}.yaml", "\n".join(lines), "en")

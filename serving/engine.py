@@ -591,6 +591,7 @@ class Engine:
             raise TranscriptError("a probe must extend the cached transcript")
         segments_before = len(session.transcript.segments)
         resident_before = set(session.pager.resident)
+        leases_before = [page.lease_until_turn for page in session.pager.pages]
         new_tokens = 0
         for piece in self._prompt_pieces(session, request, rendering, alignment.new_text):
             if piece.segment.opener:
@@ -617,8 +618,19 @@ class Engine:
                 controller_forward_tokens=session.counters.controller_forward_tokens - scored)
         self.mover.cut(session, segments_before)
         resident_now = set(session.pager.resident)
-        self.mover.execute(session, Decision(evict=sorted(resident_now - resident_before),
-                                             restore=sorted(resident_before - resident_now), plan_used=False))
+        back = self.mover.execute(session, Decision(evict=sorted(resident_now - resident_before),
+                                                    restore=sorted(resident_before - resident_now), plan_used=False))
+        # Putting pages back is an undo, not a selector's restore: they keep the leases they had,
+        # or every probe after the first would find the room taken by the pages the question's
+        # prefill pushed out (3 probes in, a 5,000-token session at budget 2,048 had room for no page).
+        for index in back:
+            pager.lease(index, leases_before[index])
+        if back:
+            self.contextd.set_leases(
+                session.session_id,
+                add=[pb.Lease(page_id=pager.pages[i].page_id, until_turn=leases_before[i]) for i in back
+                     if leases_before[i] > pager.turn],
+                remove=[pager.pages[i].page_id for i in back if leases_before[i] <= pager.turn])
         return results
 
     def forget_active(self) -> None:
