@@ -224,24 +224,27 @@ class RerankSelector:
         groups, bm25, unscored = hybrid_groups(ctx, self.hybrid)
         if unscored:
             return Selection(None, _ms(started), unscored)
-        if len(groups) < 2:
+
+        def as_chosen(why: str) -> Selection:
             chosen = [page for group in groups for page in group]
-            return Selection(Plan(restore=sorted(chosen)), _ms(started),
-                             f"restore {len(chosen)} pages (one candidate, not scored)", {p: bm25[p] for p in chosen})
+            return Selection(Plan(restore=sorted(chosen)), _ms(started), f"restore {len(chosen)} pages ({why})",
+                             {p: bm25.get(p, 0.0) for p in chosen})
+
+        if len(groups) < 2:
+            return as_chosen("one candidate, not scored")
         assert ctx.lexical_index is not None and ctx.incoming_ids is not None
         question = question_ids(ctx.incoming_ids, ctx.lexical_index.stop_ids.tolist(), self.config.question_tokens)
         if ctx.scorer is None or len(question) < 2:
-            chosen = [page for group in groups for page in group]
-            why = "no scorer" if ctx.scorer is None else "no words to score"
-            return Selection(Plan(restore=sorted(chosen)), _ms(started),
-                             f"restore {len(chosen)} pages unscored ({why})", {p: bm25.get(p, 0.0) for p in chosen})
-        groups = groups[:self.config.candidates]
-        per_token = ctx.scorer([group[0] for group in groups], question)
+            return as_chosen("unscored: " + ("no scorer" if ctx.scorer is None else "no words to score"))
+        scored = groups[:self.config.candidates]
+        per_token = ctx.scorer([group[0] for group in scored], question)
+        if not per_token:
+            return as_chosen("unscored: none could be scored")
         scores = {page: mean_logprob(lp) for page, lp in per_token.items()}
         kept = set(keep_by_margin(scores, self.config.margin))
-        likely = {page: scores[group[0]] for group in groups if group[0] in kept for page in group}
+        likely = {page: scores[group[0]] for group in scored if group[0] in kept for page in group}
         return Selection(Plan(restore=sorted(likely)), _ms(started),
-                         f"restore {len(likely)} pages, {len(kept)} of {len(groups)} candidates kept", likely)
+                         f"restore {len(likely)} pages, {len(kept)} of {len(scored)} candidates kept", likely)
 
     def after_turn(self, ctx: SelectionContext, closed: list[Unit], text_of: Callable[[Unit], str]) -> None:
         return None

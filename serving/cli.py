@@ -75,6 +75,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         backend = load_backend(args.backend, args.model, device=args.device, dtype=args.dtype,
                                capacity=args.budget + 256)
+        if args.selector == "rerank" and backend.is_hybrid:
+            print(f"kv-elision: --selector rerank scores each candidate over its stored K/V in one forward, which "
+                  f"needs every layer to be full attention; {args.model} has sliding-window or recurrent layers "
+                  "(use --selector hybrid)", file=sys.stderr, flush=True)
+            return 2
         template = Path(args.chat_template).read_text() if args.chat_template else None
         engine = Engine(backend, ChatFormat(backend.tokenizer, template), client, config, _selector(args))
         server = Server(engine, args.model, args.host, args.port, str(socket_path), args.api_key or None,

@@ -35,7 +35,15 @@ from enum import StrEnum
 
 import numpy as np
 
-from backends import Backend, Block, BlockFormatError, CorruptPayloadError, RecurrentSnapshot, StoredBlock
+from backends import (
+    Backend,
+    Block,
+    BlockFormatError,
+    CorruptPayloadError,
+    RecurrentSnapshot,
+    StoredBlock,
+    UnsupportedModelError,
+)
 from contextd import crashpoints
 from contextd.client import Client, pb
 from contextd.errors import DataCorrupt
@@ -191,7 +199,8 @@ class PageMover:
         """Query likelihood for a selector: how likely `token_ids` are after each cold page on its
         own, read over the page's stored K/V (`Backend.score_after_blocks`, one forward; no forward
         over history). Counted as `controller_forward_tokens`. A page whose payload is gone or
-        fails its checks is left out (and reported corrupt, as a restore would)."""
+        fails its checks is left out (and reported corrupt, as a restore would); a model that
+        cannot score blocks apart (sliding-window or recurrent layers) scores none."""
         pager = session.pager
         records = {r.page_id: r for r in self.contextd.get_pages(session.session_id,
                                                                  [pager.pages[i].page_id for i in indices])}
@@ -213,7 +222,11 @@ class PageMover:
             blocks[index] = blk
         if not blocks:
             return {}
-        scores, forwarded = self.backend.score_after_blocks(list(blocks.values()), token_ids)
+        try:
+            scores, forwarded = self.backend.score_after_blocks(list(blocks.values()), token_ids)
+        except UnsupportedModelError as e:
+            log.warning("session %s: pages not scored: %s", session.session_id, e)
+            return {}
         self.tally.count(session, controller_forward_tokens=forwarded)
         return dict(zip(blocks, scores, strict=True))
 

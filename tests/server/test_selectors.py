@@ -8,7 +8,10 @@ selector runs where a user meets it, and the pager's accounting stays exact.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +24,8 @@ from serving.launcher import ServerProcess
 from tests.server.test_server import assistant
 
 pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def grow(server: ServerProcess, session: str, files: int) -> list[dict[str, Any]]:
@@ -103,6 +108,14 @@ def test_rerank_selector_scores_the_hybrids_choice_over_stored_pages(server_fact
             assert tokens == 0, note
         exact(after)
     assert scored and hits >= asked - 1, (scored, hits, asked)
+
+
+def test_rerank_is_refused_at_start_for_a_model_that_cannot_score_pages_apart(tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-m", "serving.cli", "serve", "--model", "tiny-qwen3-next", "--selector",
+                          "rerank", "--root", str(tmp_path / "root"), "--port", "0", "--budget", "2048"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "full attention" in run.stderr and "--selector hybrid" in run.stderr
 
 
 def test_attention_selector_restores_pages_for_a_question_about_a_cold_fact(server_factory: Any) -> None:

@@ -101,3 +101,15 @@ def test_a_candidate_the_host_could_not_score_stays_cold() -> None:
                            incoming_ids=[1, 900, 901, 2], scorer=_scorer({20: -2.0}, asked))
     selection = RerankSelector().select(ctx)
     assert selection.plan is not None and selection.plan.restore == [20]
+
+
+def test_when_no_candidate_could_be_scored_the_hybrids_choice_comes_back() -> None:
+    """A model that cannot score blocks apart, or payloads that all failed their checks: the host's
+    scorer answers nothing, and the turn gets what the hybrid chose, not an empty restore."""
+    pager, lexical = _session({12: [900, 901], 20: [900, 901]})
+    asked: list[tuple[list[int], list[int]]] = []
+    ctx = SelectionContext("s", pager, UnitIndex(), "", room_tokens=8 * PAGE_TOKENS, lexical_index=lexical,
+                           incoming_ids=[1, 900, 901, 2], scorer=_scorer({}, asked))
+    selection = RerankSelector().select(ctx)
+    assert asked and selection.plan is not None and selection.plan.restore == [12, 20]
+    assert "none could be scored" in selection.note
