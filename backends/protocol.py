@@ -355,6 +355,11 @@ class StoredBlock:
     token_ids: np.ndarray | None = None
     position: int | None = None
 
+    def check_tokens(self, held: np.ndarray) -> None:
+        """Raise CorruptPayloadError when the file holds other tokens than `token_ids` (if given)."""
+        if self.token_ids is not None and not np.array_equal(held, self.token_ids):
+            raise CorruptPayloadError(f"{os.fspath(self.path)} holds other tokens than the transcript at that place")
+
 
 @dataclasses.dataclass(frozen=True)
 class RecurrentSnapshot:

@@ -45,7 +45,6 @@ from .protocol import (
     BlockFormatError,
     BlockMismatchError,
     BlockStream,
-    CorruptPayloadError,
     Counters,
     LayerView,
     RecurrentSnapshot,
@@ -587,10 +586,7 @@ class SlotBackend(abc.ABC):
                 f = files[i]
                 try:
                     streams[i] = BlockStream(f.path, f.checksum, f.size, expect=self._rt.view)
-                    held = streams[i].small("token_ids")
-                    if f.token_ids is not None and not np.array_equal(held, f.token_ids):
-                        raise CorruptPayloadError(f"{os.fspath(f.path)} holds other tokens than the transcript at "
-                                                  "that place")
+                    f.check_tokens(streams[i].small("token_ids"))
                 except BlockFormatError as e:
                     results[i] = e
                     if i in streams:

@@ -114,13 +114,6 @@ def choose_groups(evidence: np.ndarray, candidates: list[int], room_pages: int, 
     return groups
 
 
-def choose_pages(evidence: np.ndarray, candidates: list[int], room_pages: int, config: HybridConfig,
-                 edges: Callable[[int], tuple[bool, bool]] | None = None,
-                 cold: Collection[int] | None = None) -> list[int]:
-    """`choose_groups`, one page after another."""
-    return [page for group in choose_groups(evidence, candidates, room_pages, config, edges, cold) for page in group]
-
-
 def match_edges(profile: np.ndarray, neighbour_tokens: int) -> tuple[bool, bool]:
     """Does the strong part of a page's match (at least half its peak) touch the first or the last
     `neighbour_tokens` tokens?"""

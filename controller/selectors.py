@@ -168,9 +168,7 @@ class HybridSelector:
         groups, bm25, unscored = hybrid_groups(ctx, self.config)
         if unscored:
             return Selection(None, _ms(started), unscored)
-        chosen = [page for group in groups for page in group]
-        return Selection(Plan(restore=sorted(chosen)), _ms(started), f"restore {len(chosen)} pages",
-                         {p: bm25.get(p, 0.0) for p in chosen})
+        return _restore_groups(groups, bm25, started)
 
     def after_turn(self, ctx: SelectionContext, closed: list[Unit], text_of: Callable[[Unit], str]) -> None:
         return None
@@ -205,6 +203,13 @@ def hybrid_groups(ctx: SelectionContext, config: HybridConfig) -> tuple[list[lis
     return groups, bm25, ""
 
 
+def _restore_groups(groups: list[list[int]], bm25: dict[int, float], started: float, why: str = "") -> Selection:
+    """Every page of the hybrid's groups, each shown with its BM25 score."""
+    chosen = [page for group in groups for page in group]
+    note = f"restore {len(chosen)} pages" + (f" ({why})" if why else "")
+    return Selection(Plan(restore=sorted(chosen)), _ms(started), note, {p: bm25.get(p, 0.0) for p in chosen})
+
+
 class RerankSelector:
     """The hybrid's choice, re-ranked by how likely the turn's own words are after each candidate,
     read over its stored K/V by the serving model (controller.rerank): the host scores, this policy
@@ -224,22 +229,17 @@ class RerankSelector:
         groups, bm25, unscored = hybrid_groups(ctx, self.hybrid)
         if unscored:
             return Selection(None, _ms(started), unscored)
-
-        def as_chosen(why: str) -> Selection:
-            chosen = [page for group in groups for page in group]
-            return Selection(Plan(restore=sorted(chosen)), _ms(started), f"restore {len(chosen)} pages ({why})",
-                             {p: bm25.get(p, 0.0) for p in chosen})
-
         if len(groups) < 2:
-            return as_chosen("one candidate, not scored")
+            return _restore_groups(groups, bm25, started, "one candidate, not scored")
         assert ctx.lexical_index is not None and ctx.incoming_ids is not None
         question = question_ids(ctx.incoming_ids, ctx.lexical_index.stop_ids.tolist(), self.config.question_tokens)
         if ctx.scorer is None or len(question) < 2:
-            return as_chosen("unscored: " + ("no scorer" if ctx.scorer is None else "no words to score"))
+            return _restore_groups(groups, bm25, started,
+                                   "unscored: " + ("no scorer" if ctx.scorer is None else "no words to score"))
         scored = groups[:self.config.candidates]
         per_token = ctx.scorer([group[0] for group in scored], question)
         if not per_token:
-            return as_chosen("unscored: none could be scored")
+            return _restore_groups(groups, bm25, started, "unscored: none could be scored")
         scores = {page: mean_logprob(lp) for page, lp in per_token.items()}
         kept = set(keep_by_margin(scores, self.config.margin))
         likely = {page: scores[group[0]] for group in scored if group[0] in kept for page in group}

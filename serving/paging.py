@@ -39,7 +39,6 @@ from backends import (
     Backend,
     Block,
     BlockFormatError,
-    CorruptPayloadError,
     RecurrentSnapshot,
     StoredBlock,
     UnsupportedModelError,
@@ -212,8 +211,7 @@ class PageMover:
             stored = self._stored_block(session, record, index, 0)
             try:
                 blk = Block.read(stored.path, stored.checksum, stored.size, expect=self.backend.layer_view)
-                if stored.token_ids is not None and not np.array_equal(blk.token_ids, stored.token_ids):
-                    raise CorruptPayloadError(f"{stored.path} holds other tokens than the transcript at that place")
+                stored.check_tokens(blk.token_ids)
             except BlockFormatError as e:
                 log.warning("session %s: %s; not scored", session.session_id,
                             self._report_corrupt(session, record.page_id, e))

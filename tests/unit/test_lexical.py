@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
 from contextd.wire import PageState, PinKind
 from controller.hybrid import (
     HybridConfig,
-    choose_pages,
+    choose_groups,
     coverage_order,
     match_edges,
 )
@@ -147,6 +149,12 @@ def test_coverage_prefers_a_page_that_adds_what_the_first_lacks() -> None:
     order, gains = coverage_order(evidence, 0.3, 4)
     assert order[:2] == [0, 3] and gains[0] == 6.0
     assert coverage_order(evidence, 1.0, 4)[0][:3] == [0, 1, 2]
+
+
+def choose_pages(evidence: np.ndarray, candidates: list[int], room_pages: int, config: HybridConfig,
+                 edges: Callable[[int], tuple[bool, bool]] | None = None) -> list[int]:
+    """The hybrid's groups, one page after another (what the selector restores)."""
+    return [page for group in choose_groups(evidence, candidates, room_pages, config, edges) for page in group]
 
 
 def test_choose_pages_cuts_adds_neighbours_and_respects_room() -> None:
