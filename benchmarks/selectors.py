@@ -44,14 +44,11 @@ from controller.hybrid import HybridConfig
 from controller.pager import PAGE_TOKENS
 from controller.selectors import (
     AttentionSelector,
-    ControllerSelector,
     HybridSelector,
     RecencySelector,
     RerankSelector,
-    SelectionContext,
     Selector,
 )
-from controller.units import Unit
 from harness.shapes import DEFAULT_TOKENS, HELD_OUT_SEEDS, SHAPES, TUNING_SEEDS, Workload, make
 from serving.chat_format import ChatFormat
 from serving.engine import ChatRequest, Engine, EngineConfig
@@ -141,7 +138,6 @@ def measure_session(backend: Backend, client: Any, workload: Workload, budget: i
     started = time.perf_counter()
     messages = build(engine, session_id, workload)
     build_s = time.perf_counter() - started
-    summaries_written(engine, session_id, [s for s in chosen if isinstance(s, ControllerSelector)])
     text, spans = token_spans(engine, session_id)
     located = locate(text, spans, workload)
     session = engine.sessions[session_id]
@@ -195,32 +191,6 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def controller_selectors(names: list[str], deadline_s: float) -> list[ControllerSelector]:
-    from serving.controller_models import LocalControllerModel
-
-    out = []
-    for n, model in enumerate(names):
-        controller = ControllerSelector(LocalControllerModel(model), deadline_s=deadline_s)
-        controller.name = "controller" if n == 0 else f"controller:{model}"
-        out.append(controller)
-    return out
-
-
-def summaries_written(engine: Engine, session_id: str, controllers: list[ControllerSelector]) -> None:
-    """Each controller writes its unit and cluster summaries for the session (as serving does in
-    the background after each turn) before it is asked anything."""
-    session = engine.sessions[session_id]
-    units, pages, ids = session.units, session.pager.pages, session.transcript.ids
-
-    def text_of(unit: Unit) -> str:
-        return engine.format.decode(ids[pages[unit.pages[0]].token_start:pages[unit.pages[-1]].token_end])
-
-    for controller in controllers:
-        controller.after_turn(SelectionContext(session_id, session.pager, units, ""),
-                              [units.units[u] for u in units.order], text_of)
-        controller.wait_idle()
-
-
 def seeds_of(text: str) -> list[int]:
     if text == "held-out":
         return list(HELD_OUT_SEEDS)
@@ -269,10 +239,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="the serving model; recency, bm25 and hybrid read token ids only, so any model with "
                              "SmolLM2's tokenizer (tiny-llama) gives them the same figures in a fraction of the time")
     parser.add_argument("--ablation", action="store_true", help="also the hybrid without each part, and with keys")
-    parser.add_argument("--controller-models", default="",
-                        help="comma-separated embedded controller models to measure too (minutes each)")
-    parser.add_argument("--controller-deadline", type=float, default=30.0,
-                        help="generous here, so the measured latency is the controller's own")
     args = parser.parse_args(argv)
     shapes = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
     unknown = sorted(set(shapes) - set(SHAPES))
@@ -282,8 +248,6 @@ def main(argv: list[str] | None = None) -> int:
     if sorted(set(names) - set(BASE_SELECTORS)):
         parser.error(f"unknown selectors {sorted(set(names) - set(BASE_SELECTORS))}: use {', '.join(BASE_SELECTORS)}")
     chosen = selectors(names, args.ablation)
-    if args.controller_models:
-        chosen += controller_selectors(args.controller_models.split(","), args.controller_deadline)
     result = run(shapes, seeds_of(args.seeds), [int(b) for b in args.budgets.split(",")], args.tokens, chosen,
                  args.model)
     for name, budgets in result["summary"].items():

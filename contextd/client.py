@@ -23,7 +23,7 @@ from contextd._gen import contextd_pb2_grpc as pb_grpc
 from contextd.blobs import BlobStore, Reserve, StoredBlob
 from contextd.errors import BY_CODE, ContextdError, DaemonUnavailable, InvalidArgument, StoreFull
 from contextd.paths import default_socket, target
-from contextd.wire import MAX_MESSAGE_BYTES, PageState, PinKind, SummaryKind, grpc_options
+from contextd.wire import MAX_MESSAGE_BYTES, PageState, PinKind, grpc_options
 
 __all__ = ["Client", "Payloads", "pb"]
 
@@ -188,17 +188,6 @@ class Client:
         status = self.status()
         reserve = Reserve(bytes=status.reserve_bytes, quota_bytes=status.quota_bytes)
         return Payloads(self, BlobStore(Path(status.root) / "store", reserve))
-
-    # summaries
-
-    def upsert_summaries(self, session_id: str, summaries: Iterable[pb.Summary]) -> pb.WriteAck:
-        return self._call("UpsertSummaries",
-                          pb.UpsertSummariesRequest(session_id=session_id, summaries=list(summaries)), pb.WriteAck)
-
-    def query_summaries(self, session_id: str, kind: SummaryKind | None = None) -> list[pb.Summary]:
-        """The session's summaries of one kind (of every kind for None), by id."""
-        request = pb.QuerySummariesRequest(session_id=session_id, kind=None if kind is None else kind.name)
-        return list(self._call("QuerySummaries", request, pb.QuerySummariesResponse).summaries)
 
     # pins, leases
 

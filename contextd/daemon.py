@@ -1,4 +1,4 @@
-"""contextd's verbs: sessions, pages, payloads, summaries, pins, leases, snapshots, records, status.
+"""contextd's verbs: sessions, pages, payloads, pins, leases, snapshots, records, status.
 
 Every row is a typed record of contextd.records whose fields carry the proto's field names (the
 service converts by name), under a typed key of contextd.keys, in a typed table of
@@ -43,7 +43,6 @@ from contextd.keys import (
     SessionKey,
     SnapshotKey,
     StateKey,
-    SummaryKey,
     session_scope,
     state_scope,
 )
@@ -61,7 +60,6 @@ from contextd.records import (
     SnapshotRow,
     StateChange,
     Status,
-    SummaryRow,
     VerifyResult,
 )
 from contextd.store import (
@@ -76,14 +74,13 @@ from contextd.store import (
     SEGMENTS,
     SESSIONS,
     SNAPSHOTS,
-    SUMMARIES,
     CommitInfo,
     Store,
     SyncMode,
     Table,
     Txn,
 )
-from contextd.wire import MAX_BATCH, MAX_SEGMENT_TEXT, MAX_TEXT, PageState, SummaryKind
+from contextd.wire import MAX_BATCH, MAX_SEGMENT_TEXT, MAX_TEXT, PageState
 
 HOT, COLD, DROPPED, CORRUPT = PageState.HOT, PageState.COLD, PageState.DROPPED, PageState.CORRUPT
 
@@ -216,8 +213,6 @@ class Daemon:
         if page.token_end < page.token_start:
             raise InvalidArgument(
                 f"page {page.page_id}: token range [{page.token_start}, {page.token_end}) is inverted")
-        if page.summary_id:
-            check_id(page.summary_id, "summary_id")
         _check_text(page.dtype, "dtype", 256)
         _check_text(page.layer_view, "layer_view", 256)
         if page.locator:
@@ -497,32 +492,6 @@ class Daemon:
 
         return self._change_pages(session_id, move)
 
-    # ----------------------------------------------------------------- summaries
-
-    def upsert_summaries(self, session_id: str, summaries: Sequence[SummaryRow]) -> CommitInfo:
-        _check_batch(summaries, "summaries")
-        for summary in summaries:
-            check_id(summary.summary_id, "summary_id")
-            if summary.parent_id:
-                check_id(summary.parent_id, "parent_id")
-            for ref in (*summary.page_ids, *summary.child_ids):
-                check_id(ref, "page or child id")
-            _check_text(summary.text, "summary text")
-
-        def op(txn: Txn) -> int:
-            self._session(txn, session_id)
-            for summary in summaries:
-                txn.put(SUMMARIES, SummaryKey(session_id, summary.summary_id), summary)
-            return len(summaries)
-
-        return self.store.write(op)[1]
-
-    def query_summaries(self, session_id: str, kind: SummaryKind | None) -> list[SummaryRow]:
-        """The session's summaries of one kind (of every kind for None), by id."""
-        with self.store.read() as txn:
-            self._session(txn, session_id)
-            return [s for _, s in txn.scan(SUMMARIES, session_scope(session_id)) if kind is None or s.kind == kind]
-
     # ----------------------------------------------------------------- pins, leases
 
     def set_marks(self, table: Table[PageKey, Mark], session_id: str, add: Sequence[tuple[str, Mark]],
@@ -611,7 +580,6 @@ class Daemon:
         for snapshot in snapshots:
             self._check_snapshot(session_id, snapshot)
         _check_text(record.fingerprint, "fingerprint", 256)
-        check_id(record.unit_salt, "unit_salt")
         if len(record.fingerprint_parts) > 8 or any(len(p) > 256 for p in record.fingerprint_parts):
             raise InvalidArgument("fingerprint_parts holds at most 8 strings of at most 256 characters")
         if any(len(h) > 128 for h in record.message_hashes) or len(record.message_hashes) > MAX_BATCH:

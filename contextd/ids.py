@@ -1,4 +1,4 @@
-"""Identifier rules for sessions, pages, summaries, tags and snapshot slots.
+"""Identifier rules for sessions, pages, tags and snapshot slots.
 
 Identifiers become LMDB key parts (contextd.keys) and file names in the canonical store, so they
 are checked at the socket before anything else touches them. Depends on contextd.errors only.

@@ -90,12 +90,6 @@ class StateKey(Key):
 
 
 @dataclass(frozen=True, slots=True)
-class SummaryKey(Key):
-    session_id: str
-    summary_id: str
-
-
-@dataclass(frozen=True, slots=True)
 class SnapshotKey(Key):
     session_id: str
     slot: str

@@ -5,10 +5,10 @@ service converts a row to and from its message by name and mypy checks every fie
 touches. `stored()` is the msgpack map a row is kept as and `load()` reads one back: the fields
 go in declaration order, which is the order the schema-2 daemon wrote its dicts in, so the bytes
 in LMDB are unchanged; a field renamed since then keeps its schema-2 key (`field(metadata=
-{"stored": ...})`), a field an older row lacks takes its default, and the summary kind is kept
-as its lowercase name. tests/contextd/test_records.py holds rows encoded the schema-2 way.
+{"stored": ...})`), a field an older row lacks takes its default, and a stored key no field
+names is left out. tests/contextd/test_records.py holds rows encoded the schema-2 way.
 
-Depends on contextd.wire (PageState, PinKind, SummaryKind) and contextd.errors only.
+Depends on contextd.wire (PageState, PinKind) and contextd.errors only.
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ from enum import Enum
 from typing import Any, Self
 
 from contextd.errors import InvalidArgument
-from contextd.wire import PageState, PinKind, SummaryKind
-
-_NAMED_ENUMS = (SummaryKind,)  # kept as their lowercase name; every other enum as its number
+from contextd.wire import PageState, PinKind
 
 Convert = Callable[[Any], Any] | None  # None: msgpack keeps the value as it is
 
@@ -33,8 +31,6 @@ def _converters(hint: Any) -> tuple[Convert, Convert]:
         return tuple, None
     if isinstance(hint, type) and issubclass(hint, Row):
         return hint.load, hint.stored
-    if isinstance(hint, type) and issubclass(hint, _NAMED_ENUMS):
-        return (lambda name: hint[name.upper()]), (lambda kind: kind.name.lower())
     if isinstance(hint, type) and issubclass(hint, Enum):
         return hint, (lambda member: member.value)
     return None, None
@@ -146,7 +142,6 @@ class PageRow(Row):
     checksum: str = ""
     dtype: str = ""
     layer_view: str = ""
-    summary_id: str = field(default="", metadata={"stored": "block_id"})
     updated_unix: float = 0.0
     last_used_turn: int = 0
     score: float = 0.0
@@ -161,19 +156,6 @@ class StateChange:
     state: PageState
     last_used_turn: int = 0
     score: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class SummaryRow(Row):
-    """A unit (a run of pages) or a cluster (a run of units) and its summary text."""
-
-    summary_id: str = field(metadata={"stored": "block_id"})
-    kind: SummaryKind
-    parent_id: str = ""
-    page_ids: tuple[str, ...] = ()
-    child_ids: tuple[str, ...] = ()
-    token_count: int = 0
-    text: str = field(default="", metadata={"stored": "summary"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +209,6 @@ class RecordRow(Row):
     turn: int = 0
     attention_tokens: int = 0
     fingerprint: str = ""
-    unit_salt: str = ""
     segments: int = 0
     tokens: int = 0
     counters: dict[str, int] = field(default_factory=dict)

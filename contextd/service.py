@@ -39,10 +39,9 @@ from contextd.records import (
     SegmentRow,
     SnapshotRow,
     StateChange,
-    SummaryRow,
 )
 from contextd.store import LEASES, PINS, CommitInfo, Table
-from contextd.wire import PageState, PinKind, SummaryKind
+from contextd.wire import PageState, PinKind
 
 log = logging.getLogger("contextd")
 
@@ -104,12 +103,6 @@ def _page(msg: pb.Page) -> PageRow:
     """A page as the engine sent it; an unset state is HOT."""
     return _row(PageRow, msg, f"page {msg.page_id}", state=_enum(PageState, msg.state or PageState.HOT,
                                                                   f"page {msg.page_id}"))
-
-
-def _summary(msg: pb.Summary) -> SummaryRow:
-    if msg.kind == pb.SUMMARY_KIND_UNSPECIFIED:
-        raise InvalidArgument(f"summary {msg.summary_id}: kind must be UNIT or CLUSTER")
-    return _row(SummaryRow, msg, f"summary {msg.summary_id}")
 
 
 def _ack(info: CommitInfo, applied: int) -> pb.WriteAck:
@@ -203,20 +196,6 @@ class ContextdService(pb_grpc.ContextdServicer):
             return pb.ReclaimResponse(bytes_freed=freed, free_bytes=self.daemon.blobs.free_bytes(),
                                       reserve_bytes=self.daemon.blobs.reserve_bytes(),
                                       dropped=[pb.PageRef(session_id=s, page_id=p) for s, p in dropped])
-        return self._call(context, run)
-
-    # summaries
-
-    def UpsertSummaries(self, request: pb.UpsertSummariesRequest, context: grpc.ServicerContext) -> pb.WriteAck:
-        return self._call(context, lambda: _ack(self.daemon.upsert_summaries(
-            request.session_id, [_summary(s) for s in request.summaries]), len(request.summaries)))
-
-    def QuerySummaries(self, request: pb.QuerySummariesRequest, context: grpc.ServicerContext
-                       ) -> pb.QuerySummariesResponse:
-        def run() -> pb.QuerySummariesResponse:
-            kind = _enum(SummaryKind, request.kind, "query") if request.kind else None
-            return pb.QuerySummariesResponse(summaries=[
-                _message(pb.Summary, s) for s in self.daemon.query_summaries(request.session_id, kind)])
         return self._call(context, run)
 
     # pins, leases: one table of marks on pages each

@@ -48,7 +48,6 @@ from contextd.keys import (
     SessionKey,
     SnapshotKey,
     StateKey,
-    SummaryKey,
     session_scope,
 )
 from contextd.paths import private_file, private_folder
@@ -63,11 +62,10 @@ from contextd.records import (
     SegmentRow,
     SessionRow,
     SnapshotRow,
-    SummaryRow,
 )
 from contextd.wire import PageState
 
-SCHEMA_VERSION = 3  # 3: PINNED is no longer a page state (a pinned page is HOT with a pin)
+SCHEMA_VERSION = 4  # 3: PINNED is no longer a page state (a pinned page is HOT with a pin); 4: no summaries
 
 K = TypeVar("K", bound=Key)
 R = TypeVar("R", bound=Row)
@@ -92,16 +90,18 @@ META = Table("meta", MetaKey, Meta)  # schema version, commit sequence, creation
 SESSIONS = Table("sessions", SessionKey, SessionRow)  # with page-count aggregates kept in step
 MANIFEST = Table("kv_manifest", PageKey, PageRow)  # identity, range, state, locator, checksum, view
 PAGE_STATES = Index("page_state", StateKey)  # the manifest by state
-SUMMARIES = Table("blocks", SummaryKey, SummaryRow)  # units and clusters (under their schema-2 name)
 PINS = Table("pins", PageKey, PinRow)
 LEASES = Table("leases", PageKey, LeaseRow)
 SNAPSHOTS = Table("snapshots", SnapshotKey, SnapshotRow)  # recurrent-state snapshot slots
 RECORDS = Table("records", SessionKey, RecordRow)  # turn, fingerprint, hashes, ledger, counters
 SEGMENTS = Table("segments", SegmentKey, SegmentRow)  # the transcript, one segment a row
-TABLES: tuple[Index[Any], ...] = (META, SESSIONS, MANIFEST, PAGE_STATES, SUMMARIES, PINS, LEASES, SNAPSHOTS,
-                                  RECORDS, SEGMENTS)
+TABLES: tuple[Index[Any], ...] = (META, SESSIONS, MANIFEST, PAGE_STATES, PINS, LEASES, SNAPSHOTS, RECORDS,
+                                  SEGMENTS)
+# named databases of earlier schemas, opened only where they exist for the migration that drops them
+# (blocks: schema 3's unit and cluster summaries, written for a plan-writing controller since removed)
+RETIRED = ("blocks",)
 # the tables whose keys start with a session and more (the others hold one row per session, or none)
-SCOPED: tuple[Index[Any], ...] = (MANIFEST, PAGE_STATES, SUMMARIES, PINS, LEASES, SNAPSHOTS, SEGMENTS)
+SCOPED: tuple[Index[Any], ...] = (MANIFEST, PAGE_STATES, PINS, LEASES, SNAPSHOTS, SEGMENTS)
 
 
 class SyncMode(Enum):
@@ -195,6 +195,12 @@ class Txn:
         """Delete a raw key: for a migration, whose old keys may no longer parse."""
         self._txn.delete(raw, db=self._dbs[table.name])
 
+    def drop_retired(self, name: str) -> None:
+        """Delete a retired table (RETIRED) with its rows, where this database has it: for a migration."""
+        db = self._dbs.pop(name, None)
+        if db is not None:
+            self._txn.drop(db, delete=True)
+
     def delete_prefix(self, table: Index[Any], scope: bytes) -> int:
         keys = [raw for raw, _ in self._cursor(table, scope, None)]
         for raw in keys:
@@ -230,7 +236,7 @@ class Store:
             str(path),
             mode=0o600,
             map_size=map_size,
-            max_dbs=len(TABLES) + 1,
+            max_dbs=len(TABLES) + len(RETIRED) + 1,
             max_readers=256,
             sync=sync is not SyncMode.NONE,
             metasync=sync is SyncMode.FULL,
@@ -239,6 +245,11 @@ class Store:
         for name in ("data.mdb", "lock.mdb"):  # made by an older contextd with lmdb's default 0644
             private_file(path / name)
         self._dbs = {table.name: self._env.open_db(table.name.encode()) for table in TABLES}
+        for name in RETIRED:
+            try:
+                self._dbs[name] = self._env.open_db(name.encode(), create=False)
+            except lmdb.NotFoundError:
+                continue
         self._cv = threading.Condition()
         self._queue: list[_Pending[Any]] = []
         self._writing = False
@@ -393,8 +404,19 @@ def _unpin_states(txn: Txn) -> None:
         txn.put(SESSIONS, session_key, replace(session, pages=counts))
 
 
+def _drop_summaries(txn: Txn) -> None:
+    """Schema 3 to 4: the plan-writing controller is gone, and with it the unit and cluster
+    summaries (the `blocks` table), each page's unit (`block_id` in its manifest row) and each
+    record's unit salt."""
+    txn.drop_retired("blocks")
+    for table, name in ((MANIFEST, "block_id"), (RECORDS, "unit_salt")):
+        for raw, data in list(txn.scan_stored(table, EVERYTHING)):
+            if name in data:
+                txn.put_stored(table, raw, {k: v for k, v in data.items() if k != name})
+
+
 # schema version -> what brings a database of that version to the next one
-MIGRATIONS: dict[int, Callable[[Txn], None]] = {2: _unpin_states}
+MIGRATIONS: dict[int, Callable[[Txn], None]] = {2: _unpin_states, 3: _drop_summaries}
 
 
 def _no_room(exc: BaseException, what: str) -> BaseException:

@@ -1,5 +1,5 @@
 """What both ends of the socket agree on, besides the generated messages: transport options and
-limits, the page-state enum, the pin kinds and the summary kinds.
+limits, the page-state enum and the pin kinds.
 
 These are the tree's only page-state and pin-kind enums: the controller's pager, serving and the
 benchmarks use them too (tests/unit/test_layers.py refuses a second copy), so a state crosses to
@@ -14,13 +14,13 @@ from enum import IntEnum, StrEnum
 from contextd._gen import contextd_pb2 as pb
 
 __all__ = ["MAX_BATCH", "MAX_MESSAGE_BYTES", "MAX_SEGMENT_TEXT", "MAX_TEXT", "PageState", "PinKind",
-           "SummaryKind", "grpc_options"]
+           "grpc_options"]
 
 # One gRPC message, either way: a whole session's record (the transcript's token ids, 4 bytes a
 # token, and its text) of a million-token session fits with room to spare.
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_BATCH = 65536             # records in one write request
-MAX_TEXT = 64 * 1024          # characters of a summary, a reason, a label
+MAX_TEXT = 64 * 1024          # characters of a reason, a label
 MAX_SEGMENT_TEXT = 16 << 20   # characters of one transcript segment (a large tool result)
 
 
@@ -41,13 +41,6 @@ class PinKind(StrEnum):
     SYSTEM = "system"
     TOOLS = "tools"
     OBJECTIVE = "objective"
-
-
-class SummaryKind(IntEnum):
-    """The proto's SummaryKind: a unit is a run of pages, a cluster a run of units."""
-
-    UNIT = pb.UNIT
-    CLUSTER = pb.CLUSTER
 
 
 def grpc_options() -> list[tuple[str, int]]:

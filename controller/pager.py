@@ -102,7 +102,7 @@ class Page:
 
 @dataclass
 class Plan:
-    """Advice in page indices (the unit layer turns opaque unit IDs into these)."""
+    """A selector's advice, in page indices."""
 
     restore: list[int] = field(default_factory=list)
     pin: list[int] = field(default_factory=list)

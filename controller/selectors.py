@@ -1,4 +1,4 @@
-"""Selectors: who advises the pager which units to restore, pin and evict first.
+"""Selectors: who advises the pager which cold pages to restore.
 
   recency     no advice: the pager's default retention (oldest unpinned first) alone.
   hybrid      the default: lexical rarity over the tokenizer's ids (controller.lexical, BM25 with
@@ -12,14 +12,11 @@
   attention   model-native, no second model: the turn's new tokens are matched against every cold
               page in the serving model's own key space (controller.keyindex); the best pages
               that fit the room come back.
-  controller  a small model reads the cluster and unit summaries and the incoming message and
-              answers a JSON plan (controller.planner); summaries are written after each turn in
-              the background. A plan not ready by its deadline is used on the next turn.
 
-Whatever a selector says goes through controller.planner.validate and the pager's rules. No
-selector, and nothing in the host, looks at the words of the transcript.
-Depends on numpy, contextd.wire (PageState), controller.pager, controller.units, controller.planner,
-controller.keyindex, controller.lexical, controller.hybrid and controller.rerank.
+Whatever a selector says goes through the pager's rules (`Pager.validate`). No selector, and
+nothing in the host, looks at the words of the transcript: they read token ids and stored K/V.
+Depends on numpy, contextd.wire (PageState), controller.pager, controller.keyindex,
+controller.lexical, controller.hybrid and controller.rerank.
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,18 +34,7 @@ from controller.hybrid import HybridConfig, choose_groups, match_edges
 from controller.keyindex import KeyIndex
 from controller.lexical import LexicalIndex
 from controller.pager import PAGE_TOKENS, Pager, Plan
-from controller.planner import (
-    PlanError,
-    UnitPlan,
-    parse_plan,
-    parse_units,
-    plan_prompt,
-    refine_prompt,
-    summary_prompt,
-    validate,
-)
 from controller.rerank import RerankConfig, keep_by_margin, mean_logprob, question_ids
-from controller.units import Unit, UnitIndex
 
 log = logging.getLogger("kv_elision.selectors")
 
@@ -64,8 +49,6 @@ PageScorer = Callable[[list[int], list[int]], dict[int, np.ndarray]]
 class SelectionContext:
     session_id: str
     pager: Pager
-    units: UnitIndex
-    incoming: str                          # the turn's new text (the controller reads it; the host never does)
     incoming_keys: np.ndarray | None = None  # Block keys [layers, kv_heads, tokens, head_dim] of the new tokens
     key_index: KeyIndex | None = None        # the session's model-native page index
     room_tokens: int = 0                   # what restores may fill under the low watermark
@@ -89,22 +72,6 @@ class Selector(Protocol):
 
     def select(self, ctx: SelectionContext) -> Selection: ...
 
-    def after_turn(self, ctx: SelectionContext, closed: list[Unit], text_of: Callable[[Unit], str]) -> None: ...
-
-
-def _fit_units(ranked: list[str], units: UnitIndex, pager: Pager, room: int) -> list[str]:
-    """Take whole units in rank order while their cold pages fit in `room` tokens."""
-    chosen: list[str] = []
-    used = 0
-    for unit_id in ranked:
-        cold = [p for p in units.units[unit_id].pages if pager.pages[p].state is PageState.COLD]
-        need = sum(pager.pages[p].tokens for p in cold)
-        if not cold or used + need > room:
-            continue
-        chosen.append(unit_id)
-        used += need
-    return chosen
-
 
 class RecencySelector:
     name = "recency"
@@ -113,9 +80,6 @@ class RecencySelector:
 
     def select(self, ctx: SelectionContext) -> Selection:
         return Selection(None, 0.0, "default retention")
-
-    def after_turn(self, ctx: SelectionContext, closed: list[Unit], text_of: Callable[[Unit], str]) -> None:
-        return None
 
 
 class AttentionSelector:
@@ -149,9 +113,6 @@ class AttentionSelector:
         plan = Plan(restore=sorted(chosen))
         return Selection(plan, _ms(started), f"restore {len(chosen)} pages", chosen)
 
-    def after_turn(self, ctx: SelectionContext, closed: list[Unit], text_of: Callable[[Unit], str]) -> None:
-        return None
-
 
 class HybridSelector:
     """Restores the cold pages that share the rarest terms with the incoming turn (controller.hybrid)."""
@@ -169,9 +130,6 @@ class HybridSelector:
         if unscored:
             return Selection(None, _ms(started), unscored)
         return _restore_groups(groups, bm25, started)
-
-    def after_turn(self, ctx: SelectionContext, closed: list[Unit], text_of: Callable[[Unit], str]) -> None:
-        return None
 
 
 def hybrid_groups(ctx: SelectionContext, config: HybridConfig) -> tuple[list[list[int]], dict[int, float], str]:
@@ -246,116 +204,15 @@ class RerankSelector:
         return Selection(Plan(restore=sorted(likely)), _ms(started),
                          f"restore {len(likely)} pages, {len(kept)} of {len(scored)} candidates kept", likely)
 
-    def after_turn(self, ctx: SelectionContext, closed: list[Unit], text_of: Callable[[Unit], str]) -> None:
-        return None
-
 
 def _ms(started: float) -> float:
     return (time.perf_counter() - started) * 1000
 
 
-class ControllerModel(Protocol):
-    """Anything that completes a prompt: the embedded small model or an OpenAI-compatible URL."""
-
-    name: str
-    tokens_processed: int
-
-    def complete(self, prompt: str, max_tokens: int) -> str: ...
+SELECTORS = ("hybrid", "rerank", "attention", "recency")
 
 
-class ControllerSelector:
-    """A small model decides; the host validates. Summaries are written in the background."""
-
-    name = "controller"
-    uses_key_index = False
-    uses_lexical_index = False
-
-    def __init__(self, model: ControllerModel, deadline_s: float = 1.0, max_units: int = 2) -> None:
-        self.model = model
-        self.deadline_s = deadline_s
-        self.max_units = max_units
-        # One thread: the controller model runs one call at a time, off the generation path.
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-controller")
-        self.pending: dict[str, Future[UnitPlan]] = {}
-        self.summary_seconds = 0.0
-        self.summaries_written = 0
-
-    def _plan(self, incoming: str, units: UnitIndex) -> UnitPlan:
-        answer = self.model.complete(plan_prompt(incoming, units, self.max_units), max_tokens=96)
-        plan = parse_plan(answer)
-        # A named cluster means "something in here": ask once more, inside it, for the units.
-        for cluster_id in [c for c in plan.restore if c in units.clusters][:1]:
-            refined = parse_units(self.model.complete(refine_prompt(incoming, units, cluster_id, self.max_units),
-                                                      max_tokens=64))
-            plan.restore = [u for u in plan.restore if u != cluster_id] + refined
-        plan.restore = [u for u in plan.restore if u not in units.clusters][:self.max_units]
-        return plan
-
-    def select(self, ctx: SelectionContext) -> Selection:
-        started = time.perf_counter()
-        late = self.pending.pop(ctx.session_id, None)
-        if late is not None and late.done():
-            # Last turn's plan arrived after its deadline: it applies now, re-validated.
-            return self._finish(late, ctx, started, "late plan from the previous turn")
-        if late is not None:
-            self.pending[ctx.session_id] = late
-            return Selection(None, 0.0, "previous plan still running")
-        if not ctx.units.units:
-            return Selection(None, 0.0, "no units yet")
-        future = self.pool.submit(self._plan, ctx.incoming, ctx.units)
-        try:
-            future.result(timeout=self.deadline_s)
-        except TimeoutError:
-            self.pending[ctx.session_id] = future
-            return Selection(None, _ms(started), "deadline passed; plan applies next turn")
-        except Exception:  # noqa: BLE001 - the answer is judged in _finish
-            pass
-        return self._finish(future, ctx, started, "")
-
-    def _finish(self, future: Future[UnitPlan], ctx: SelectionContext, started: float, note: str) -> Selection:
-        elapsed = _ms(started)
-        try:
-            unit_plan = future.result()
-        except PlanError as exc:
-            return Selection(None, elapsed, f"rubbish plan ignored: {exc}")
-        except Exception as exc:  # noqa: BLE001 - a failing controller never fails the turn
-            return Selection(None, elapsed, f"controller failed: {type(exc).__name__}: {exc}")
-        known = [u for u in unit_plan.restore if u in ctx.units.units]
-        unit_plan.restore = _fit_units(known, ctx.units, ctx.pager, ctx.room_tokens) + \
-            [u for u in unit_plan.restore if u not in ctx.units.units]  # unknown ids: validate reports them
-        checked = validate(unit_plan, ctx.units, ctx.pager)
-        detail = f"; dropped {len(checked.dropped)} ids" if checked.dropped else ""
-        return Selection(checked.plan, elapsed, (note or "plan") + detail)
-
-    def after_turn(self, ctx: SelectionContext, closed: list[Unit], text_of: Callable[[Unit], str]) -> None:
-        if not closed:
-            return
-        texts = {u.unit_id: text_of(u) for u in closed}
-        units = ctx.units
-        self.pool.submit(self._summarise, units, closed, texts)
-
-    def _summarise(self, units: UnitIndex, closed: list[Unit], texts: dict[str, str]) -> None:
-        started = time.perf_counter()
-        for unit in closed:
-            unit.summary = self.model.complete(summary_prompt(texts[unit.unit_id]), max_tokens=48).strip()
-            self.summaries_written += 1
-        for cluster_id in {u.cluster_id for u in closed}:
-            cluster = units.clusters.get(cluster_id)
-            if cluster is not None and cluster.closed:
-                joined = "\n".join(units.units[u].summary for u in cluster.unit_ids)
-                cluster.summary = self.model.complete(summary_prompt(joined), max_tokens=48).strip()
-                self.summaries_written += 1
-        self.summary_seconds += time.perf_counter() - started
-
-    def wait_idle(self) -> None:
-        """Block until background summaries queued so far are written (tests and benchmarks)."""
-        self.pool.submit(lambda: None).result()
-
-
-SELECTORS = ("hybrid", "rerank", "attention", "recency", "controller")
-
-
-def make_selector(name: str, controller: ControllerModel | None = None, **kw: Any) -> Selector:
+def make_selector(name: str, **kw: Any) -> Selector:
     if name == "recency":
         return RecencySelector()
     if name == "hybrid":
@@ -364,9 +221,4 @@ def make_selector(name: str, controller: ControllerModel | None = None, **kw: An
         return RerankSelector(hybrid=HybridConfig(**kw))
     if name == "attention":
         return AttentionSelector(**kw)
-    if name == "controller":
-        if controller is None:
-            raise ValueError("the controller selector needs a controller model "
-                             "(--controller-model or --controller-url)")
-        return ControllerSelector(controller, **kw)
     raise ValueError(f"unknown selector {name!r}: use one of {', '.join(SELECTORS)}")

@@ -19,8 +19,7 @@ from pathlib import Path
 from contextd.client import Client
 from contextd.errors import DaemonUnavailable
 from contextd.paths import default_root, default_socket
-from controller.selectors import SELECTORS, ControllerModel, Selector, make_selector
-from serving.controller_models import LocalControllerModel, RemoteControllerModel
+from controller.selectors import SELECTORS, Selector, make_selector
 from serving.engine import PLACEMENTS, Engine, EngineConfig
 from serving.launcher import ContextdProcess, start_tied_contextd
 
@@ -43,17 +42,10 @@ def _connect_or_start_contextd(root: Path, socket_path: Path) -> tuple[Client, C
 
 
 def _selector(args: argparse.Namespace) -> Selector:
-    controller: ControllerModel | None = None
-    if args.selector == "controller":
-        if args.controller_url:
-            controller = RemoteControllerModel(args.controller_url, args.controller_model)
-        else:
-            controller = LocalControllerModel(args.controller_model)
-    options = {"controller": {"deadline_s": args.controller_deadline},
-               "attention": {"max_pages": args.restore_pages},
+    options = {"attention": {"max_pages": args.restore_pages},
                "hybrid": {"max_pages": args.restore_pages},
                "rerank": {"max_pages": args.restore_pages}}.get(args.selector, {})
-    return make_selector(args.selector, controller, **options)
+    return make_selector(args.selector, **options)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -61,8 +53,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from serving.chat_format import ChatFormat
     from serving.http import Server
 
-    if args.backend == "mlx" and (args.selector != "controller" or args.controller_url):
-        from backends.runtime import keep_torch_out  # a local controller model would run on torch
+    if args.backend == "mlx":
+        from backends.runtime import keep_torch_out
 
         keep_torch_out(args.model)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -120,7 +112,7 @@ def cmd_models(args: argparse.Namespace) -> int:
             print(f"    {runtime:<6} {'exact' if reason is None else 'no: ' + reason}")
     roots = [*hf_cache_roots(), *lmstudio_model_roots()]
     print(f"searched: {', '.join(str(r) for r in roots)}")
-    print(f"built in: smollm2-135m, gemma3-270m (with the controller extra), {', '.join(TINY_MODELS)} "
+    print(f"built in: smollm2-135m, gemma3-270m (with the gemma3 extra), {', '.join(TINY_MODELS)} "
           "(smollm2-135m and the tiny ones also as -q4 / -q8: MLX-quantized, --backend mlx)")
     return 0
 
@@ -149,14 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--selector", default="hybrid", choices=list(SELECTORS),
                        help="who advises which pages come back (default: hybrid: rare token ids and byte "
                        "n-grams, coverage, neighbours; attention: the model's own keys; see docs/controller.md)")
-    serve.add_argument("--controller-model", default="smollm2-135m",
-                       help="embedded controller (smollm2-135m, gemma3-270m) or, with --controller-url, its model id")
-    serve.add_argument("--controller-url", default=None, help="OpenAI-compatible endpoint for the controller")
     serve.add_argument("--restore-pages", type=int, default=8,
                        help="hybrid and attention selectors: at most this many cold pages come back per turn "
                        "(the hybrid one stops earlier when the evidence falls off)")
-    serve.add_argument("--controller-deadline", type=float, default=1.0,
-                       help="seconds the turn waits for the controller's plan before running without it")
     serve.add_argument("--chat-template", default=None, help="file with a Jinja chat template to use instead "
                        "of the model's own")
     serve.add_argument("--root", default=str(default_root()), help="data folder (contextd lives under ROOT/contextd)")

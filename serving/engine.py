@@ -37,7 +37,6 @@ from controller.keyindex import KeyIndex, KeyIndexConfig
 from controller.lexical import DEFAULT_LEXICAL, LexicalConfig, LexicalIndex
 from controller.pager import Decision, Pager, PagerConfig, Plan
 from controller.selectors import RecencySelector, SelectionContext, Selector
-from controller.units import Unit, UnitIndex
 from serving.chat_format import ChatFormat, Rendering
 from serving.likelihood import ViewCapture, ViewReading, capture_view
 from serving.paging import PageMover, Tally
@@ -220,7 +219,7 @@ class Engine:
             if session is None:
                 key_index, lexical_index = self._indexes()
                 session = Session(session_id, Transcript(fingerprint), Pager(self.config.pager_config()),
-                                  UnitIndex(), key_index=key_index, lexical_index=lexical_index)
+                                  key_index=key_index, lexical_index=lexical_index)
                 self.contextd.open_session(session_id, model_id=self.backend.model_name,
                                            fingerprint=fingerprint.combined(), budget_tokens=self.config.budget_tokens)
             self.sessions[session_id] = session
@@ -284,10 +283,9 @@ class Engine:
         body, opener = (pieces[:-1], pieces[-1:]) if pieces[-1].segment.opener else (pieces, [])
         for piece in body:
             self._prefill(session, piece.segment, piece.pin)
-            session.message_ends.add(len(session.pager.pages) - 1)
             if piece.tool_call:
                 session.pager.mark_ledger(len(session.pager.pages) - 1)
-        restored, placed = self._apply_plan(session, request, alignment.new_text, sum(len(p.segment.ids) for p in body))
+        restored, placed = self._apply_plan(session, request, sum(len(p.segment.ids) for p in body))
         for piece in opener:
             self._prefill(session, piece.segment, piece.pin)
         watched = self._capture_answer_view(session, restored)
@@ -337,16 +335,16 @@ class Engine:
             cut = offset
         return pieces
 
-    def _selection_context(self, session: Session, incoming: str, new_tokens: int) -> SelectionContext:
+    def _selection_context(self, session: Session, new_tokens: int) -> SelectionContext:
         ids = session.transcript.ids
-        return SelectionContext(session.session_id, session.pager, session.units, incoming,
+        return SelectionContext(session.session_id, session.pager,
                                 incoming_keys=self._incoming_keys(new_tokens, session.key_index),
                                 key_index=session.key_index, room_tokens=session.pager.room(),
                                 lexical_index=session.lexical_index,
                                 incoming_ids=ids[len(ids) - min(new_tokens, INCOMING_IDS):],
                                 scorer=functools.partial(self.mover.score_pages, session))
 
-    def _apply_plan(self, session: Session, request: ChatRequest, incoming: str, new_tokens: int
+    def _apply_plan(self, session: Session, request: ChatRequest, new_tokens: int
                     ) -> tuple[list[int], bool]:
         """Between prefill and decode: the request's own plan, else the selector's, through the
         pager's rules. Restored pages land at their place in the timeline, before the new text;
@@ -360,7 +358,7 @@ class Engine:
             session.last_selection = "plan from the request"
         else:
             choosing = time.perf_counter()
-            selection = self.selector.select(self._selection_context(session, incoming, new_tokens))
+            selection = self.selector.select(self._selection_context(session, new_tokens))
             session.timed("select", choosing)
             plan, scores = selection.plan, selection.scores
             session.last_selection = f"{self.selector.name}: {selection.note} ({selection.decided_ms:.0f} ms)"
@@ -518,8 +516,6 @@ class Engine:
         content, calls = parse_tool_calls(session.transcript.segments[-1].text)
         if calls and pager.pages:
             pager.mark_ledger(pager.pages[-1].index)
-        if pager.pages:
-            session.message_ends.add(len(pager.pages) - 1)
         self.mover.snapshot_recurrent(session)
         after = self.backend.counters
         refreshed = session.counters.refresh_forward_tokens - refreshed_before
@@ -531,7 +527,6 @@ class Engine:
                          - refreshed)
         persisting = time.perf_counter()
         self.mover.persist(session, lambda: self._record(session))
-        self._index_units(session)
         session.timed("persist", persisting)
         elapsed_ms = (time.perf_counter() - started) * 1e3
         session.last_turn = TurnTimings(total_ms=elapsed_ms + session.phase_ms["receive"],
@@ -547,34 +542,10 @@ class Engine:
             turn=session.pager.turn, attention_tokens=self.backend.attention_tokens,
             fingerprint=fingerprint.combined(),
             fingerprint_parts=[fingerprint.tokenizer, fingerprint.template, fingerprint.tools, fingerprint.thinking],
-            message_hashes=session.transcript.message_hashes, unit_salt=session.units.salt,
+            message_hashes=session.transcript.message_hashes,
             ledger_pages=session.pager.ledger, counters=session.counters.as_dict(),
             resident_pages=list(session.persisted.resident_positions),
             resident_positions=list(session.persisted.resident_positions.values()))
-
-    def _index_units(self, session: Session) -> None:
-        """Close new units, record the new and changed units and clusters (with any summaries
-        written since) in contextd, and hand the new units to the selector for background summaries."""
-        units = session.units
-        closed = units.update(session.pager, session.message_ends)
-        pages = session.pager.pages
-        recorded = session.persisted.summaries
-        summaries = [pb.Summary(summary_id=u.unit_id, kind=pb.UNIT, parent_id=u.cluster_id, text=u.summary,
-                                page_ids=[pages[i].page_id for i in u.pages],
-                                token_count=sum(pages[i].tokens for i in u.pages))
-                     for u in units.units.values() if recorded.get(u.unit_id) != u.summary]
-        summaries += [pb.Summary(summary_id=c.cluster_id, kind=pb.CLUSTER, child_ids=c.unit_ids, text=c.summary)
-                      for c in units.clusters.values()
-                      if recorded.get(c.cluster_id) != c.summary or c.cluster_id in {u.cluster_id for u in closed}]
-        if summaries:
-            self.contextd.upsert_summaries(session.session_id, summaries)
-            recorded.update({s.summary_id: s.text for s in summaries})
-        ids = session.transcript.ids
-
-        def text_of(unit: Unit) -> str:
-            return self.format.decode(ids[pages[unit.pages[0]].token_start:pages[unit.pages[-1]].token_end])
-
-        self.selector.after_turn(SelectionContext(session.session_id, session.pager, units, ""), closed, text_of)
 
     # ------------------------------------------------------------------ measuring selectors
 
@@ -604,7 +575,7 @@ class Engine:
         if session.lexical_index is None and any(s.uses_lexical_index for s in selectors):
             session.lexical_index = self._lexical_index()
         self.recovery.index_stored_pages(session)
-        context = self._selection_context(session, alignment.new_text, new_tokens)
+        context = self._selection_context(session, new_tokens)
         results: dict[str, ProbeResult] = {}
         for selector in selectors:
             scored = session.counters.controller_forward_tokens

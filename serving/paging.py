@@ -21,7 +21,7 @@ the session can resume from:
             superseded partial versions.
 Rebuilding a session from contextd is serving.recovery's; it has this module fill the backend.
 
-Depends on backends (protocol), controller (pager, units), contextd.client and
+Depends on backends (protocol), controller (pager), contextd.client and
 serving.session / serving.transcript.
 """
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from enum import StrEnum
 
@@ -48,9 +48,7 @@ from contextd.client import Client, pb
 from contextd.errors import DataCorrupt
 from contextd.wire import PageState
 from controller.pager import PAGE_TOKENS, Decision, Pager
-from controller.units import UnitIndex
 from serving.session import Session, SessionCounters
-from serving.transcript import Segment
 
 log = logging.getLogger("kv_elision.paging")
 
@@ -78,17 +76,6 @@ class Tally:
     def peak(self, session: Session, attention_tokens: int) -> None:
         session.counters.peak(attention_tokens)
         self.totals.peak(attention_tokens)
-
-
-def message_end_pages(segments: Iterable[Segment]) -> set[int]:
-    """Pages in which a segment (one message, or one answer) ends."""
-    ends: set[int] = set()
-    tokens = 0
-    for segment in segments:
-        tokens += len(segment.ids)
-        if segment.ids:
-            ends.add((tokens - 1) // PAGE_TOKENS)
-    return ends
 
 
 class PageMover:
@@ -363,7 +350,7 @@ class PageMover:
 
     def cut(self, session: Session, keep_segments: int) -> None:
         """Cut the session back to its first `keep_segments` transcript segments: attention, pager,
-        units, indexes, recurrent state, then the transcript and what the record will keep. A cold
+        indexes, recurrent state, then the transcript and what the record will keep. A cold
         page across the cut comes back whole first (checked against the transcript's tokens, so the
         transcript is cut last). No forward pass."""
         self._truncate(session, sum(len(s.ids) for s in session.transcript.segments[:keep_segments]))
@@ -379,8 +366,6 @@ class PageMover:
             self.empty()
             session.pager = Pager(session.pager.config)
             session.snapshots.clear()
-            session.units = UnitIndex(session.units.salt)
-            session.message_ends.clear()
             if session.key_index is not None:
                 session.key_index.clear()
             if session.lexical_index is not None:
@@ -393,8 +378,6 @@ class PageMover:
         if across:
             self.execute(session, Decision(evict=[], restore=across, plan_used=False))
         pager.truncate(tokens)
-        session.units.truncate(len(pager.pages))
-        session.message_ends = {i for i in session.message_ends if i < len(pager.pages)}
         if session.key_index is not None:
             session.key_index.truncate(tokens // PAGE_TOKENS)
         if session.lexical_index is not None:

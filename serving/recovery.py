@@ -28,8 +28,7 @@ from contextd.wire import PageState, PinKind
 from controller.keyindex import KeyIndex
 from controller.lexical import LexicalIndex
 from controller.pager import PAGE_TOKENS, Pager, PagerConfig
-from controller.units import UnitIndex
-from serving.paging import PageMover, SnapshotSlot, Tally, message_end_pages
+from serving.paging import PageMover, SnapshotSlot, Tally
 from serving.session import Session, SessionCounters
 from serving.transcript import Fingerprint, Segment, Transcript
 
@@ -140,10 +139,9 @@ class Recovery:
         pager.turn = int(record.turn)
         pager.ledger = [i for i in record.ledger_pages if i < len(pager.pages)]
         key_index, lexical_index = self.new_indexes()
-        session = Session(session_id, transcript, pager, UnitIndex(record.unit_salt), key_index=key_index,
+        session = Session(session_id, transcript, pager, key_index=key_index,
                           lexical_index=lexical_index, counters=SessionCounters.from_dict(dict(record.counters)))
         session.persisted.segments = len(transcript.segments)
-        session.message_ends = message_end_pages(transcript.segments)
         moved = []
         for page in pager.pages:
             stored = manifest.get(page.page_id)
@@ -170,13 +168,6 @@ class Recovery:
         for snap in snapshots.values():
             session.snapshots[snap.stream_tokens] = snap
         self._drop_strays(session, manifest, pins, leases, notes)
-        summaries = {s.summary_id: s.text for s in self.contextd.query_summaries(session_id)}
-        session.units.update(pager, session.message_ends)
-        for unit in session.units.units.values():
-            unit.summary = summaries.get(unit.unit_id, "")
-        for cluster in session.units.clusters.values():
-            cluster.summary = summaries.get(cluster.cluster_id, "")
-        session.persisted.summaries = summaries
         session.recovery_notes = notes
         for note in notes:
             log.warning("session %s recovered: %s", session_id, note)

@@ -1,8 +1,8 @@
 """One session's serving state in memory, and its counters.
 
 A `Session` is what the engine and the page mover share for one client conversation: the
-transcript (serving.transcript), the pager (controller.pager), the semantic units, the
-model-native key index, the recurrent snapshots of a hybrid and the bookkeeping of what is in
+transcript (serving.transcript), the pager (controller.pager), the lexical and
+model-native key indexes, the recurrent snapshots of a hybrid and the bookkeeping of what is in
 contextd already. Its durable form is the manifest (page states, pins, leases: contextd is the
 truth for where a page is) plus the session record (serving.paging writes both).
 
@@ -19,7 +19,6 @@ from backends import RecurrentSnapshot
 from controller.keyindex import KeyIndex
 from controller.lexical import LexicalIndex
 from controller.pager import Pager
-from controller.units import UnitIndex
 from serving.chat_format import RenderMemo
 from serving.transcript import Transcript
 
@@ -119,7 +118,6 @@ class Persisted:
     page_ids: dict[int, str] = field(default_factory=dict)     # page index -> id of its stored version
     superseded: list[tuple[int, str]] = field(default_factory=list)  # (page, stored version) to delete
     pins: set[str] = field(default_factory=set)                 # pinned page ids contextd holds
-    summaries: dict[str, str] = field(default_factory=dict)     # unit / cluster id -> summary in contextd
     segments: int = 0                                           # transcript segments in the session record
     resident_positions: dict[int, int] = field(default_factory=dict)  # page -> first RoPE position, at turn end
 
@@ -129,13 +127,11 @@ class Session:
     session_id: str
     transcript: Transcript
     pager: Pager
-    units: UnitIndex
     key_index: KeyIndex | None = None          # stored full pages by their keys (attention selector)
     lexical_index: LexicalIndex | None = None  # stored full pages by their token ids (hybrid selector)
     counters: SessionCounters = field(default_factory=SessionCounters)
     snapshots: dict[int, RecurrentSnapshot] = field(default_factory=dict)  # tokens -> state (hybrids)
     persisted: Persisted = field(default_factory=Persisted)
-    message_ends: set[int] = field(default_factory=set)        # pages where a message ends
     last_answer: LastAnswer | None = None
     last_selection: str = ""
     last_turn: TurnTimings | None = None

@@ -14,20 +14,11 @@ class PageState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COLD: _ClassVar[PageState]
     DROPPED: _ClassVar[PageState]
     CORRUPT: _ClassVar[PageState]
-
-class SummaryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    SUMMARY_KIND_UNSPECIFIED: _ClassVar[SummaryKind]
-    UNIT: _ClassVar[SummaryKind]
-    CLUSTER: _ClassVar[SummaryKind]
 PAGE_STATE_UNSPECIFIED: PageState
 HOT: PageState
 COLD: PageState
 DROPPED: PageState
 CORRUPT: PageState
-SUMMARY_KIND_UNSPECIFIED: SummaryKind
-UNIT: SummaryKind
-CLUSTER: SummaryKind
 
 class SessionRef(_message.Message):
     __slots__ = ("session_id",)
@@ -141,7 +132,7 @@ class DeleteSessionResponse(_message.Message):
     def __init__(self, pages_deleted: _Optional[int] = ..., bytes_freed: _Optional[int] = ...) -> None: ...
 
 class Page(_message.Message):
-    __slots__ = ("page_id", "index", "token_start", "token_end", "original_position", "state", "locator", "byte_size", "checksum", "dtype", "layer_view", "summary_id", "updated_unix", "last_used_turn", "score")
+    __slots__ = ("page_id", "index", "token_start", "token_end", "original_position", "state", "locator", "byte_size", "checksum", "dtype", "layer_view", "updated_unix", "last_used_turn", "score")
     PAGE_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_START_FIELD_NUMBER: _ClassVar[int]
@@ -153,7 +144,6 @@ class Page(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LAYER_VIEW_FIELD_NUMBER: _ClassVar[int]
-    SUMMARY_ID_FIELD_NUMBER: _ClassVar[int]
     UPDATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     LAST_USED_TURN_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
@@ -168,11 +158,10 @@ class Page(_message.Message):
     checksum: str
     dtype: str
     layer_view: str
-    summary_id: str
     updated_unix: float
     last_used_turn: int
     score: float
-    def __init__(self, page_id: _Optional[str] = ..., index: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., original_position: _Optional[int] = ..., state: _Optional[_Union[PageState, str]] = ..., locator: _Optional[str] = ..., byte_size: _Optional[int] = ..., checksum: _Optional[str] = ..., dtype: _Optional[str] = ..., layer_view: _Optional[str] = ..., summary_id: _Optional[str] = ..., updated_unix: _Optional[float] = ..., last_used_turn: _Optional[int] = ..., score: _Optional[float] = ...) -> None: ...
+    def __init__(self, page_id: _Optional[str] = ..., index: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., original_position: _Optional[int] = ..., state: _Optional[_Union[PageState, str]] = ..., locator: _Optional[str] = ..., byte_size: _Optional[int] = ..., checksum: _Optional[str] = ..., dtype: _Optional[str] = ..., layer_view: _Optional[str] = ..., updated_unix: _Optional[float] = ..., last_used_turn: _Optional[int] = ..., score: _Optional[float] = ...) -> None: ...
 
 class UpsertPagesRequest(_message.Message):
     __slots__ = ("session_id", "pages")
@@ -276,46 +265,6 @@ class ReclaimResponse(_message.Message):
     reserve_bytes: int
     def __init__(self, bytes_freed: _Optional[int] = ..., dropped: _Optional[_Iterable[_Union[PageRef, _Mapping]]] = ..., free_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ...) -> None: ...
 
-class Summary(_message.Message):
-    __slots__ = ("summary_id", "kind", "parent_id", "page_ids", "child_ids", "token_count", "text")
-    SUMMARY_ID_FIELD_NUMBER: _ClassVar[int]
-    KIND_FIELD_NUMBER: _ClassVar[int]
-    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
-    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
-    CHILD_IDS_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
-    TEXT_FIELD_NUMBER: _ClassVar[int]
-    summary_id: str
-    kind: SummaryKind
-    parent_id: str
-    page_ids: _containers.RepeatedScalarFieldContainer[str]
-    child_ids: _containers.RepeatedScalarFieldContainer[str]
-    token_count: int
-    text: str
-    def __init__(self, summary_id: _Optional[str] = ..., kind: _Optional[_Union[SummaryKind, str]] = ..., parent_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[str]] = ..., child_ids: _Optional[_Iterable[str]] = ..., token_count: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
-
-class UpsertSummariesRequest(_message.Message):
-    __slots__ = ("session_id", "summaries")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    SUMMARIES_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    summaries: _containers.RepeatedCompositeFieldContainer[Summary]
-    def __init__(self, session_id: _Optional[str] = ..., summaries: _Optional[_Iterable[_Union[Summary, _Mapping]]] = ...) -> None: ...
-
-class QuerySummariesRequest(_message.Message):
-    __slots__ = ("session_id", "kind")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    KIND_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    kind: SummaryKind
-    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[_Union[SummaryKind, str]] = ...) -> None: ...
-
-class QuerySummariesResponse(_message.Message):
-    __slots__ = ("summaries",)
-    SUMMARIES_FIELD_NUMBER: _ClassVar[int]
-    summaries: _containers.RepeatedCompositeFieldContainer[Summary]
-    def __init__(self, summaries: _Optional[_Iterable[_Union[Summary, _Mapping]]] = ...) -> None: ...
-
 class Pin(_message.Message):
     __slots__ = ("page_id", "kind")
     PAGE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -411,7 +360,7 @@ class TranscriptSegment(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., generated: _Optional[bool] = ..., opener: _Optional[bool] = ...) -> None: ...
 
 class SessionRecord(_message.Message):
-    __slots__ = ("turn", "attention_tokens", "fingerprint", "fingerprint_parts", "message_hashes", "unit_salt", "ledger_pages", "counters", "segments", "tokens", "resident_pages", "resident_positions")
+    __slots__ = ("turn", "attention_tokens", "fingerprint", "fingerprint_parts", "message_hashes", "ledger_pages", "counters", "segments", "tokens", "resident_pages", "resident_positions")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -424,7 +373,6 @@ class SessionRecord(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_PARTS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
-    UNIT_SALT_FIELD_NUMBER: _ClassVar[int]
     LEDGER_PAGES_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -436,14 +384,13 @@ class SessionRecord(_message.Message):
     fingerprint: str
     fingerprint_parts: _containers.RepeatedScalarFieldContainer[str]
     message_hashes: _containers.RepeatedScalarFieldContainer[str]
-    unit_salt: str
     ledger_pages: _containers.RepeatedScalarFieldContainer[int]
     counters: _containers.ScalarMap[str, int]
     segments: int
     tokens: int
     resident_pages: _containers.RepeatedScalarFieldContainer[int]
     resident_positions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, turn: _Optional[int] = ..., attention_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fingerprint_parts: _Optional[_Iterable[str]] = ..., message_hashes: _Optional[_Iterable[str]] = ..., unit_salt: _Optional[str] = ..., ledger_pages: _Optional[_Iterable[int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., segments: _Optional[int] = ..., tokens: _Optional[int] = ..., resident_pages: _Optional[_Iterable[int]] = ..., resident_positions: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, turn: _Optional[int] = ..., attention_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fingerprint_parts: _Optional[_Iterable[str]] = ..., message_hashes: _Optional[_Iterable[str]] = ..., ledger_pages: _Optional[_Iterable[int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., segments: _Optional[int] = ..., tokens: _Optional[int] = ..., resident_pages: _Optional[_Iterable[int]] = ..., resident_positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WriteRecordRequest(_message.Message):
     __slots__ = ("session_id", "record", "keep_segments", "append", "snapshots")

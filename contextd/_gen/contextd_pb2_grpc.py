@@ -94,16 +94,6 @@ class ContextdStub:
                 request_serializer=contextd_dot___gen_dot_contextd__pb2.ReclaimRequest.SerializeToString,
                 response_deserializer=contextd_dot___gen_dot_contextd__pb2.ReclaimResponse.FromString,
                 _registered_method=True)
-        self.UpsertSummaries = channel.unary_unary(
-                '/kv_elision.contextd.v1.Contextd/UpsertSummaries',
-                request_serializer=contextd_dot___gen_dot_contextd__pb2.UpsertSummariesRequest.SerializeToString,
-                response_deserializer=contextd_dot___gen_dot_contextd__pb2.WriteAck.FromString,
-                _registered_method=True)
-        self.QuerySummaries = channel.unary_unary(
-                '/kv_elision.contextd.v1.Contextd/QuerySummaries',
-                request_serializer=contextd_dot___gen_dot_contextd__pb2.QuerySummariesRequest.SerializeToString,
-                response_deserializer=contextd_dot___gen_dot_contextd__pb2.QuerySummariesResponse.FromString,
-                _registered_method=True)
         self.SetPins = channel.unary_unary(
                 '/kv_elision.contextd.v1.Contextd/SetPins',
                 request_serializer=contextd_dot___gen_dot_contextd__pb2.SetPinsRequest.SerializeToString,
@@ -250,20 +240,6 @@ class ContextdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def UpsertSummaries(self, request, context):
-        """Summaries: the units (runs of pages) and clusters (runs of units) of a session's history,
-        with their summary text. (A "block", elsewhere in kv-elision, is a page's K/V payload.)
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def QuerySummaries(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def SetPins(self, request, context):
         """Pins and leases: attributes of a page beside its state (a pinned page is HOT), counted in
         PageCounts.pinned while the page is hot.
@@ -404,16 +380,6 @@ def add_ContextdServicer_to_server(servicer, server):
                     servicer.Reclaim,
                     request_deserializer=contextd_dot___gen_dot_contextd__pb2.ReclaimRequest.FromString,
                     response_serializer=contextd_dot___gen_dot_contextd__pb2.ReclaimResponse.SerializeToString,
-            ),
-            'UpsertSummaries': grpc.unary_unary_rpc_method_handler(
-                    servicer.UpsertSummaries,
-                    request_deserializer=contextd_dot___gen_dot_contextd__pb2.UpsertSummariesRequest.FromString,
-                    response_serializer=contextd_dot___gen_dot_contextd__pb2.WriteAck.SerializeToString,
-            ),
-            'QuerySummaries': grpc.unary_unary_rpc_method_handler(
-                    servicer.QuerySummaries,
-                    request_deserializer=contextd_dot___gen_dot_contextd__pb2.QuerySummariesRequest.FromString,
-                    response_serializer=contextd_dot___gen_dot_contextd__pb2.QuerySummariesResponse.SerializeToString,
             ),
             'SetPins': grpc.unary_unary_rpc_method_handler(
                     servicer.SetPins,
@@ -800,60 +766,6 @@ class Contextd:
             '/kv_elision.contextd.v1.Contextd/Reclaim',
             contextd_dot___gen_dot_contextd__pb2.ReclaimRequest.SerializeToString,
             contextd_dot___gen_dot_contextd__pb2.ReclaimResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def UpsertSummaries(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kv_elision.contextd.v1.Contextd/UpsertSummaries',
-            contextd_dot___gen_dot_contextd__pb2.UpsertSummariesRequest.SerializeToString,
-            contextd_dot___gen_dot_contextd__pb2.WriteAck.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def QuerySummaries(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kv_elision.contextd.v1.Contextd/QuerySummaries',
-            contextd_dot___gen_dot_contextd__pb2.QuerySummariesRequest.SerializeToString,
-            contextd_dot___gen_dot_contextd__pb2.QuerySummariesResponse.FromString,
             options,
             channel_credentials,
             insecure,

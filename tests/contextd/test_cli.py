@@ -22,7 +22,7 @@ def _fill(daemon: ContextdProcess) -> None:
     store_payload(client, "alpha", records[0], b"k" * 2048)
     client.set_page_states("alpha", states([("p0", PageState.COLD)]))
     client.set_pins("alpha", add=[("p1", PinKind.SYSTEM)])
-    client.write_record("alpha", pb.SessionRecord(turn=2, attention_tokens=640, unit_salt="s",
+    client.write_record("alpha", pb.SessionRecord(turn=2, attention_tokens=640,
                                                   counters={"restored_pages": 3, "restored_pages_turn": 1}), 0, [])
 
 

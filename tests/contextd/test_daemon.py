@@ -10,7 +10,7 @@ import pytest
 
 from contextd.client import Client, pb
 from contextd.errors import FailedPrecondition, InvalidArgument, NotFound, StoreFull
-from contextd.wire import PageState, PinKind, SummaryKind
+from contextd.wire import PageState, PinKind
 from serving.launcher import ContextdProcess
 from tests.contextd.conftest import states, store_payload
 
@@ -77,14 +77,6 @@ def test_batched_upserts_and_state_changes_round_trip(daemon: ContextdProcess) -
     assert (path.parent.stat().st_mode & 0o777) == 0o700
 
     # the other tables
-    client.upsert_summaries("s1", [
-        pb.Summary(summary_id="u1", kind=pb.UNIT, parent_id="c1", page_ids=["p000000", "p000001"], token_count=256,
-                   text="読み込んだ設定ファイル"),
-        pb.Summary(summary_id="c1", kind=pb.CLUSTER, child_ids=["u1"], text="cluster")])
-    assert {s.summary_id for s in client.query_summaries("s1")} == {"u1", "c1"}
-    assert [s.text for s in client.query_summaries("s1", SummaryKind.UNIT)] == ["読み込んだ設定ファイル"]
-    with pytest.raises(InvalidArgument, match="kind"):
-        client.upsert_summaries("s1", [pb.Summary(summary_id="u2", text="no kind")])
     client.set_pins("s1", add=[("p000041", PinKind.TOOLS)], remove=["p000042", "p000043", "p000044"])
     assert {p.page_id: p.kind for p in client.query_pins("s1")} == {"p000040": "system", "p000041": "tools"}
     assert client.get_session("s1").pages.pinned == 2
@@ -102,7 +94,7 @@ def test_batched_upserts_and_state_changes_round_trip(daemon: ContextdProcess) -
 
     # the session record: counters and turn reach the session; segments are appended and cut back
     record = pb.SessionRecord(turn=4, attention_tokens=3900, fingerprint="f" * 16, fingerprint_parts=["a", "b"],
-                              message_hashes=["h1", "h2"], unit_salt="salt", ledger_pages=[3, 7],
+                              message_hashes=["h1", "h2"], ledger_pages=[3, 7],
                               counters={"restored_pages": 2})
     texts = [("<system>", [1, 2, 3], False), ("hello", [4, 5], False), ("answer", [6], True)]
     client.write_record("s1", record, 0, [pb.TranscriptSegment(text=t, token_ids=i, generated=g) for t, i, g in texts])
@@ -113,7 +105,7 @@ def test_batched_upserts_and_state_changes_round_trip(daemon: ContextdProcess) -
     assert [(s.text, list(s.token_ids), s.generated) for s in back.segments] == [
         ("<system>", [1, 2, 3], False), ("hello", [4, 5], False), ("again", [7, 8, 9], True)]
     assert (back.record.segments, back.record.tokens, list(back.record.ledger_pages)) == (3, 8, [3, 7])
-    assert list(back.record.message_hashes) == ["h1", "h2"] and back.record.unit_salt == "salt"
+    assert list(back.record.message_hashes) == ["h1", "h2"]
     assert client.get_session("s1").counters["restored_pages"] == 2 and client.get_session("s1").turn == 4
 
     # snapshots committed with the record replace their slots, and the old payload goes after the commit
@@ -375,7 +367,7 @@ def test_disk_pressure_drops_only_cold_unpinned_unleased_pages_least_recently_us
     client.set_leases("d", add=[pb.Lease(page_id="p000008", until_turn=5)])
     # p1 is cold, but the last completed turn's record has it in attention (the turn after it
     # evicted p1 failed): the session resumes from that record, so p1 must stay
-    client.write_record("d", pb.SessionRecord(turn=4, unit_salt="s", resident_pages=[1], resident_positions=[128]),
+    client.write_record("d", pb.SessionRecord(turn=4, resident_pages=[1], resident_positions=[128]),
                         0, [])
     # the store is at its quota: each new page must push out the least recently used droppable one
     for n, fill in ((10, b"a"), (11, b"b"), (12, b"c")):

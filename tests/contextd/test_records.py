@@ -1,7 +1,8 @@
 """Rows written the schema-2 way (plain msgpack maps, keys joined by NUL, straight into LMDB) load
-into today's typed rows, today's rows and keys encode to the same bytes, a schema-2 database is
-brought to schema 3 once when it is opened (its PINNED pages become HOT pages with their pins),
-and every row of a deleted session goes with it."""
+into today's typed rows, today's rows and keys encode to the same bytes less the fields schema 4
+dropped, a schema-2 database is brought to today's schema once when it is opened (schema 3: its
+PINNED pages become HOT pages with their pins; schema 4: the summaries table and each row's unit
+fields are gone), and every row of a deleted session goes with it."""
 
 from __future__ import annotations
 
@@ -24,10 +25,9 @@ from contextd.records import (
     SegmentRow,
     SessionRow,
     SnapshotRow,
-    SummaryRow,
 )
-from contextd.store import LEASES, PAGE_STATES, PINS, SCHEMA_VERSION, TABLES, encode
-from contextd.wire import PageState, PinKind, SummaryKind
+from contextd.store import LEASES, MANIFEST, PAGE_STATES, PINS, RECORDS, RETIRED, SCHEMA_VERSION, TABLES, encode
+from contextd.wire import PageState, PinKind
 
 NOW = 1_790_000_000.0
 
@@ -64,6 +64,7 @@ SNAPSHOT = {"slot": "recurrent", "token_count": 256, "fingerprint": "f", "locato
 RECORD = {"turn": 4, "attention_tokens": 256, "fingerprint": "f", "unit_salt": "salt", "segments": 2,
           "tokens": 3, "counters": {"turns": 4}, "fingerprint_parts": ["a", "b"], "message_hashes": ["h"],
           "ledger_pages": [0], "resident_pages": [0], "resident_positions": [0]}
+DROPPED_IN_4 = ("block_id", "unit_salt")  # a page's unit and a record's unit salt
 SEGMENTS = [{"text": "hi", "token_ids": [1, 2], "generated": False, "opener": False},
             {"text": "!", "token_ids": [3], "generated": True, "opener": False}]
 
@@ -72,8 +73,9 @@ def write_schema_2(db: Path, pinned: tuple[dict[str, Any], ...] = (), counts: di
                    version: int = 2) -> None:
     """Fill a database the way the schema-2 daemon left it; `pinned` pages are in the PINNED state
     with an objective pin each, `counts` are the session's stored counts."""
-    env = lmdb.open(str(db), max_dbs=len(TABLES) + 1, subdir=True)
-    dbs = {t.name: env.open_db(t.name.encode()) for t in TABLES}
+    names = [*(t.name for t in TABLES), *RETIRED]
+    env = lmdb.open(str(db), max_dbs=len(names) + 1, subdir=True)
+    dbs = {name: env.open_db(name.encode()) for name in names}
     manifest = (HOT_PAGE, CORRUPT_PAGE, *pinned)
     rows: list[tuple[str, bytes, dict[str, Any]]] = [
         ("meta", b"meta", {"schema_version": version, "commit_seq": 7, "created_unix": NOW}),
@@ -109,17 +111,17 @@ def test_a_schema_2_database_reads_as_typed_rows(tmp_path: Path) -> None:
         assert [(p.page_id, p.state, p.corrupt_reason) for p in pages] == [
             ("p0", PageState.HOT, ""), ("p1", PageState.CORRUPT, "checksum mismatch")]
         assert [p.page_id for p in daemon.query_pages("s", [PageState.CORRUPT], "", 0)[0]] == ["p1"]
-        assert daemon.query_summaries("s", SummaryKind.UNIT) == [
-            SummaryRow("u1", SummaryKind.UNIT, "c1", ("p0", "p1"), (), 256, "a unit")]
-        assert [s.summary_id for s in daemon.query_summaries("s", None)] == ["c1", "u1"]
         assert daemon.query_marks(PINS, "s") == [("p0", PinRow(PinKind.SYSTEM))]
         assert daemon.query_marks(LEASES, "s") == [("p0", LeaseRow(9, 0.0))]
         assert daemon.query_snapshots("s") == [SnapshotRow("recurrent", 256, "f", "s/snap.rs", 10, "0" * 32, NOW)]
         record, segments = daemon.read_record("s")
-        assert record == RecordRow(4, 256, "f", "salt", 2, 3, {"turns": 4}, ("a", "b"), ("h",), (0,), (0,), (0,))
+        assert record == RecordRow(4, 256, "f", 2, 3, {"turns": 4}, ("a", "b"), ("h",), (0,), (0,), (0,))
         assert segments == [SegmentRow("hi", (1, 2)), SegmentRow("!", (3,), generated=True)]
         status = daemon.status("", include_closed=False)
-        assert status.commit_seq == 7 and status.sessions[0].snapshots == 1 and status.schema_version == 3
+        assert status.commit_seq == 7 and status.sessions[0].snapshots == 1 and status.schema_version == 4
+        with daemon.store.read() as txn:  # schema 4: no row keeps a unit field
+            stored = [data for table in (MANIFEST, RECORDS) for _, data in txn.scan_stored(table, EVERYTHING)]
+            assert stored and not [data for data in stored if set(DROPPED_IN_4) & set(data)]
         # the old rows go on working: a write moves the hot page, the counts follow
         daemon.set_marks(PINS, "s", [], ["p0"])
         daemon.set_marks(LEASES, "s", [], ["p0"])
@@ -127,6 +129,12 @@ def test_a_schema_2_database_reads_as_typed_rows(tmp_path: Path) -> None:
         assert daemon.get_session("s").pages == PageCounts(**{**COUNTS, "hot": 0, "hot_tokens": 0})
     finally:
         daemon.close()
+    env = lmdb.open(str(tmp_path / "db"), max_dbs=len(TABLES) + len(RETIRED) + 1, subdir=True)
+    try:
+        with pytest.raises(lmdb.NotFoundError):  # the summaries table went with its rows
+            env.open_db(b"blocks", create=False)
+    finally:
+        env.close()
 
 
 def test_a_schema_2_pinned_page_becomes_hot_with_its_pin_once(tmp_path: Path) -> None:
@@ -134,10 +142,10 @@ def test_a_schema_2_pinned_page_becomes_hot_with_its_pin_once(tmp_path: Path) ->
     and the session's counts are recomputed, `hot` now including the pinned pages."""
     write_schema_2(tmp_path / "db", pinned=(PINNED_PAGE,), counts={**COUNTS, "pinned": 1, "pinned_tokens": 128})
     expected = PageCounts(hot=2, pinned=2, corrupt=1, hot_tokens=256, pinned_tokens=256)
-    for _ in range(2):  # the second open finds schema 3 and changes nothing
+    for _ in range(2):  # the second open finds today's schema and changes nothing
         daemon = Daemon(DaemonConfig(tmp_path, reserve=Reserve(bytes=0)))
         try:
-            assert daemon.status("", include_closed=False).schema_version == SCHEMA_VERSION == 3
+            assert daemon.status("", include_closed=False).schema_version == SCHEMA_VERSION == 4
             pages, _ = daemon.query_pages("s", [], "", 0)
             assert [(p.page_id, p.state) for p in pages] == [
                 ("p0", PageState.HOT), ("p1", PageState.CORRUPT), ("p2", PageState.HOT)]
@@ -168,18 +176,16 @@ def test_a_database_of_a_newer_schema_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize("row, stored", [
     (SessionRow("s", NOW, 4, 256, {"turns": 4}, PageCounts(**COUNTS), "m", "f", 1024, {"who": "me"}, False, NOW),
      SESSION),
-    (PageRow("p1", 1, 128, 256, 128, PageState.CORRUPT, "", 0, "", "float32", "v", "", NOW, 3, 0.5,
+    (PageRow("p1", 1, 128, 256, 128, PageState.CORRUPT, "", 0, "", "float32", "v", NOW, 3, 0.5,
              "checksum mismatch"), CORRUPT_PAGE),
-    (SummaryRow("u1", SummaryKind.UNIT, "c1", ("p0", "p1"), (), 256, "a unit"), UNIT),
-    (SummaryRow("c1", SummaryKind.CLUSTER, "", (), ("u1",), 0, ""), CLUSTER),
     (PinRow(PinKind.SYSTEM), {"kind": "system"}),
     (LeaseRow(9, 0.0), {"until_turn": 9, "expires_unix": 0.0}),
     (SnapshotRow("recurrent", 256, "f", "s/snap.rs", 10, "0" * 32, NOW), SNAPSHOT),
-    (RecordRow(4, 256, "f", "salt", 2, 3, {"turns": 4}, ("a", "b"), ("h",), (0,), (0,), (0,)), RECORD),
+    (RecordRow(4, 256, "f", 2, 3, {"turns": 4}, ("a", "b"), ("h",), (0,), (0,), (0,)), RECORD),
     (SegmentRow("!", (3,), generated=True), SEGMENTS[1]),
 ])
-def test_rows_encode_to_the_schema_2_bytes(row: Any, stored: dict[str, Any]) -> None:
-    assert encode(row.stored()) == encode(stored)
+def test_rows_encode_to_the_schema_2_bytes_less_what_schema_4_dropped(row: Any, stored: dict[str, Any]) -> None:
+    assert encode(row.stored()) == encode({k: v for k, v in stored.items() if k not in DROPPED_IN_4})
     assert type(row).load(stored) == row
 
 
@@ -199,7 +205,7 @@ def test_a_deleted_session_leaves_no_record_behind(tmp_path: Path) -> None:
     daemon = Daemon(DaemonConfig(tmp_path, reserve=Reserve(bytes=0)))
     try:
         daemon.open_session("s")
-        daemon.write_record("s", RecordRow(turn=1, unit_salt="salt"), 0, [SegmentRow("hi", (1,))])
+        daemon.write_record("s", RecordRow(turn=1), 0, [SegmentRow("hi", (1,))])
         daemon.delete_session("s")
         daemon.open_session("s")
         with pytest.raises(NotFound, match="no record"):

@@ -1,6 +1,6 @@
 """Selectors in serving: a real `kv-elision serve` process on the real SmolLM2 weights, the
-default hybrid selector with the page listing a user reads, the attention selector's index and
-the embedded controller model (slow: minutes on two cores).
+default hybrid selector with the page listing a user reads, the re-ranker's scoring over stored
+pages and the attention selector's index (slow: minutes on two cores).
 
 Hit rates over many planted facts are asserted in tests/e2e/test_retrieval.py; here each
 selector runs where a user meets it, and the pager's accounting stays exact.
@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from contextd.client import Client
-from contextd.wire import SummaryKind
 from harness.shapes import TUNING_SEEDS, make
 from harness.workload import TOOLS, agent_turns, evidence_files, opening_messages
 from serving.launcher import ServerProcess
@@ -132,31 +129,3 @@ def test_attention_selector_restores_pages_for_a_question_about_a_cold_fact(serv
     assert after["counters"]["restored_pages_turn"] > 0
     assert after["key_index_bytes"] == after["key_index_pages"] * 128 * 3 * 64 * 2  # SmolLM2: 3 KV heads x 64
     exact(after)
-
-
-def test_controller_selector_runs_the_embedded_model_and_stores_its_summaries(server_factory: Any) -> None:
-    server: ServerProcess = server_factory("smollm2-135m", 1536, "--selector", "controller",
-                                           "--controller-model", "smollm2-135m", "--controller-deadline", "0.2")
-    messages = grow(server, "c", files=2)
-    notes = [server.stats("c")["last_selection"]]
-    summaries: dict[str, str] = {}
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        # Summaries are written in the background and recorded in contextd at the next turn's end.
-        messages.append({"role": "user", "content": "Go on."})
-        reply = server.chat(messages, session="c", tools=TOOLS, max_tokens=4)
-        assert reply.status == 200, reply.body
-        messages.append(assistant(reply))
-        notes.append(server.stats("c")["last_selection"])
-        with Client(server.socket) as client:
-            summaries = {s.summary_id: s.text for s in client.query_summaries("c", SummaryKind.UNIT)}
-        if summaries and all(summaries.values()):
-            break
-        time.sleep(5)
-    assert summaries and all(summaries.values()), summaries
-    assert all(n.startswith("controller: ") for n in notes), notes
-    # Whatever the small model answered (a plan, rubbish, or late), the turn ran and nothing was lost.
-    assert any(("plan" in n) or ("deadline" in n) or ("running" in n) for n in notes), notes
-    exact(server.stats("c"))
-    with Client(server.socket) as client:
-        assert not client.verify("c").corrupt

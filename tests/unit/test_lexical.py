@@ -18,7 +18,6 @@ from controller.keyindex import KeyIndex, KeyIndexConfig
 from controller.lexical import LexicalConfig, LexicalIndex, vocabulary_bytes
 from controller.pager import PAGE_TOKENS, Pager, PagerConfig
 from controller.selectors import HybridSelector, SelectionContext
-from controller.units import UnitIndex
 
 STOP = (1, 2)  # the chat template's own ids in these tests
 
@@ -206,13 +205,13 @@ def test_hybrid_selector_restores_the_fact_page_and_its_neighbour() -> None:
     lexical = LexicalIndex(stop_ids=STOP)
     for p, ids in enumerate(pages):
         lexical.add(p, ids)
-    ctx = SelectionContext("s", pager, UnitIndex(), "", room_tokens=4 * PAGE_TOKENS, lexical_index=lexical,
+    ctx = SelectionContext("s", pager, room_tokens=4 * PAGE_TOKENS, lexical_index=lexical,
                            incoming_ids=[1, 30, 900, 901, 2])
     selection = HybridSelector().select(ctx)
     assert selection.plan is not None
     assert 12 in selection.plan.restore and 13 in selection.plan.restore
     assert len(selection.plan.restore) <= 4
-    bare = SelectionContext("s", pager, UnitIndex(), "", room_tokens=4 * PAGE_TOKENS)
+    bare = SelectionContext("s", pager, room_tokens=4 * PAGE_TOKENS)
     assert HybridSelector().select(bare).plan is None  # no lexical index: no advice, no failure
 
 
@@ -230,7 +229,7 @@ def test_hybrid_selector_with_keys_reads_the_key_index_too() -> None:
         vectors = vocabulary[ids]
         keys.add(page, np.repeat(vectors.reshape(PAGE_TOKENS, 2, 16).transpose(1, 0, 2)[None], 4, axis=0))
     incoming = np.array([1, 150, 151, 152, 2])
-    ctx = SelectionContext("s", pager, UnitIndex(), "", room_tokens=6 * PAGE_TOKENS, key_index=keys,
+    ctx = SelectionContext("s", pager, room_tokens=6 * PAGE_TOKENS, key_index=keys,
                            incoming_keys=np.repeat(vocabulary[incoming].reshape(5, 2, 16).transpose(1, 0, 2)[None],
                                                    4, axis=0),
                            lexical_index=lexical, incoming_ids=incoming.tolist())

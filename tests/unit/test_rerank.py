@@ -16,7 +16,6 @@ from controller.lexical import LexicalIndex
 from controller.pager import PAGE_TOKENS, Pager, PagerConfig
 from controller.rerank import RerankConfig, keep_by_margin, question_ids
 from controller.selectors import HybridSelector, RerankSelector, SelectionContext
-from controller.units import UnitIndex
 
 STOP = (1, 2)  # the chat template's own ids in these tests
 
@@ -68,7 +67,7 @@ def test_rerank_keeps_the_likely_candidates_and_asks_only_for_its_candidates() -
     pager, lexical = _session({5: [900, 901], 12: [900, 902], 20: [900, 903], 25: [900, 904], 28: [900]})
     asked: list[tuple[list[int], list[int]]] = []
     scorer = _scorer({5: -3.0, 12: -1.0, 20: -1.3, 25: -2.5, 28: -2.0}, asked)
-    ctx = SelectionContext("s", pager, UnitIndex(), "", room_tokens=8 * PAGE_TOKENS, lexical_index=lexical,
+    ctx = SelectionContext("s", pager, room_tokens=8 * PAGE_TOKENS, lexical_index=lexical,
                            incoming_ids=[1, 30, 900, 901, 902, 903, 904, 2], scorer=scorer)
     selection = RerankSelector(RerankConfig(candidates=4, margin=0.5, question_tokens=16)).select(ctx)
     assert len(asked) == 1
@@ -80,7 +79,7 @@ def test_rerank_keeps_the_likely_candidates_and_asks_only_for_its_candidates() -
 
 def test_rerank_without_a_scorer_restores_the_hybrids_choice_and_one_candidate_is_not_scored() -> None:
     pager, lexical = _session({12: [900, 901], 20: [900, 901]})
-    ctx = SelectionContext("s", pager, UnitIndex(), "", room_tokens=8 * PAGE_TOKENS, lexical_index=lexical,
+    ctx = SelectionContext("s", pager, room_tokens=8 * PAGE_TOKENS, lexical_index=lexical,
                            incoming_ids=[1, 900, 901, 2])
     hybrid = HybridSelector().select(ctx).plan
     selection = RerankSelector().select(ctx)
@@ -88,7 +87,7 @@ def test_rerank_without_a_scorer_restores_the_hybrids_choice_and_one_candidate_i
     assert "no scorer" in selection.note
     pager, lexical = _session({12: [900, 901]})
     asked: list[tuple[list[int], list[int]]] = []
-    ctx = SelectionContext("s", pager, UnitIndex(), "", room_tokens=8 * PAGE_TOKENS, lexical_index=lexical,
+    ctx = SelectionContext("s", pager, room_tokens=8 * PAGE_TOKENS, lexical_index=lexical,
                            incoming_ids=[1, 900, 901, 2], scorer=_scorer({12: -9.0}, asked))
     selection = RerankSelector().select(ctx)
     assert selection.plan is not None and selection.plan.restore == [12] and not asked
@@ -97,7 +96,7 @@ def test_rerank_without_a_scorer_restores_the_hybrids_choice_and_one_candidate_i
 def test_a_candidate_the_host_could_not_score_stays_cold() -> None:
     pager, lexical = _session({12: [900, 901], 20: [900, 901]})
     asked: list[tuple[list[int], list[int]]] = []
-    ctx = SelectionContext("s", pager, UnitIndex(), "", room_tokens=8 * PAGE_TOKENS, lexical_index=lexical,
+    ctx = SelectionContext("s", pager, room_tokens=8 * PAGE_TOKENS, lexical_index=lexical,
                            incoming_ids=[1, 900, 901, 2], scorer=_scorer({20: -2.0}, asked))
     selection = RerankSelector().select(ctx)
     assert selection.plan is not None and selection.plan.restore == [20]
@@ -108,7 +107,7 @@ def test_when_no_candidate_could_be_scored_the_hybrids_choice_comes_back() -> No
     scorer answers nothing, and the turn gets what the hybrid chose, not an empty restore."""
     pager, lexical = _session({12: [900, 901], 20: [900, 901]})
     asked: list[tuple[list[int], list[int]]] = []
-    ctx = SelectionContext("s", pager, UnitIndex(), "", room_tokens=8 * PAGE_TOKENS, lexical_index=lexical,
+    ctx = SelectionContext("s", pager, room_tokens=8 * PAGE_TOKENS, lexical_index=lexical,
                            incoming_ids=[1, 900, 901, 2], scorer=_scorer({}, asked))
     selection = RerankSelector().select(ctx)
     assert asked and selection.plan is not None and selection.plan.restore == [12, 20]

@@ -86,5 +86,5 @@ export async function writeRecord(
   sessionId: string,
   record: { attention_tokens: number; counters: Record<string, number> },
 ): Promise<void> {
-  await callContextd(client, "WriteRecord", { session_id: sessionId, record: { ...record, unit_salt: "test" } });
+  await callContextd(client, "WriteRecord", { session_id: sessionId, record });
 }
