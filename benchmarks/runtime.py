@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.stats import reliable, unreliable_warning
+from benchmarks.stats import print_result
 from harness.procfs import machine_cpu_seconds, other_cpu_share
 
 MODELS = {
@@ -247,11 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     ours = (children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)
     other = other_cpu_share(machine0, machine1, ours)
-    result["other_processes_cpu_share"] = None if other is None else round(other, 3)
-    result["reliable"] = reliable(other)
-    if not result["reliable"]:
-        print(unreliable_warning(other))
-    print(json.dumps(result))
+    print_result(result, other)
     return 0
 
 

@@ -30,8 +30,6 @@ p95 at 1M / overhead p95 at 16k (tiny model), and `other_processes_cpu_share` wi
 from __future__ import annotations
 
 import argparse
-import json
-import resource
 import shutil
 import statistics
 import tempfile
@@ -40,9 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.stats import reliable, unreliable_warning
+from benchmarks.stats import print_result
 from harness.agent import AgentRun, TurnRecord
-from harness.procfs import machine_cpu_seconds, other_cpu_share, status_field
+from harness.procfs import machine_cpu_seconds, other_cpu_share, own_cpu_seconds, status_field
 from harness.workload import evidence_files
 from serving.launcher import ServerProcess
 from serving.session import PHASES
@@ -113,13 +111,6 @@ def grow(model: str, tokens: int, budget: int, work: Path, seed: int) -> Grown:
     return grown
 
 
-def _our_cpu_seconds() -> float:
-    """CPU seconds of this process and its reaped children (the servers and their contextd,
-    stopped by the time it is read at the end)."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
 def window(samples: list[Sample], size: int) -> list[Sample]:
     """The turns closest to `size` tokens (at most WINDOW_TURNS of them)."""
     return sorted(samples, key=lambda s: abs(s.session_tokens - size))[:WINDOW_TURNS]
@@ -170,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=11)
     args = parser.parse_args(argv)
-    machine0, ours0 = machine_cpu_seconds(), _our_cpu_seconds()
+    machine0, ours0 = machine_cpu_seconds(), own_cpu_seconds()
     work = Path(tempfile.mkdtemp(prefix="kvb-scale-", dir="/tmp"))
     try:
         runs = {"tiny-llama": grow("tiny-llama", args.tiny_tokens, args.budget, work, args.seed)}
@@ -195,12 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     tiny = result["tiny-llama"]["sizes"]
     if "1m" in tiny and "16k" in tiny:
         result["growth_16k_to_1m"] = round(tiny["1m"]["turn_overhead_ms_p95"] / tiny["16k"]["turn_overhead_ms_p95"], 2)
-    other = other_cpu_share(machine0, machine_cpu_seconds(), _our_cpu_seconds() - ours0)
-    result["other_processes_cpu_share"] = None if other is None else round(other, 3)
-    result["reliable"] = reliable(other)
-    if not result["reliable"]:
-        print(unreliable_warning(other))
-    print(json.dumps(result))
+    other = other_cpu_share(machine0, machine_cpu_seconds(), own_cpu_seconds() - ours0)
+    print_result(result, other)
     return 0
 
 

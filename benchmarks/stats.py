@@ -5,7 +5,9 @@ Depends on nothing.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from typing import Any
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -40,3 +42,14 @@ def unreliable_warning(other_processes_cpu_share: float | None) -> str:
         return "UNRELIABLE: the CPU other processes took could not be measured (no /proc/stat)"
     return (f"UNRELIABLE: other processes took {other_processes_cpu_share:.0%} of the CPU during the run "
             f"(more than {UNRELIABLE_OTHER_CPU:.0%})")
+
+
+def print_result(result: dict[str, Any], other_processes_cpu_share: float | None) -> None:
+    """Add the other processes' CPU share and whether the run counts to `result`, warn when it
+    does not, and print `result` as the benchmark's last line: one JSON object."""
+    share = other_processes_cpu_share
+    result["other_processes_cpu_share"] = None if share is None else round(share, 3)
+    result["reliable"] = reliable(share)
+    if not result["reliable"]:
+        print(unreliable_warning(share))
+    print(json.dumps(result))

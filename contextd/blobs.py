@@ -38,7 +38,7 @@ from pathlib import Path
 import xxhash
 
 from contextd import crashpoints
-from contextd.errors import DataCorrupt, InvalidArgument, StoreFull
+from contextd.errors import DataCorrupt, FailedPrecondition, InvalidArgument, StoreFull
 from contextd.ids import check_id
 from contextd.paths import private_folder
 
@@ -49,7 +49,7 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # ---------------------------------------------------------------------------- fault injection
 
 IO_FAULT_ENV = "KV_ELISION_IO_FAULT"
-IO_OPS = ("mkdir", "open", "write", "fsync", "rename", "dirsync", "unlink")
+IO_OPS = ("mkdir", "open", "write", "fsync", "rename", "dirsync", "unlink", "link")
 
 
 @dataclass
@@ -268,22 +268,53 @@ class BlobStore:
         except FileNotFoundError:
             return False
 
+    def link(self, locators: Sequence[str], session_id: str) -> dict[str, str]:
+        """Give `session_id` the payloads at `locators` without copying a byte: a hard link each in
+        its folder, under the same file name (names are unique per content and page). Returns old
+        locator -> new; made durable with one folder fsync. All or nothing: a payload that is
+        missing (FailedPrecondition) or a full disk (StoreFull) leaves no link behind."""
+        folder = self.root / check_id(session_id, "session_id")
+        made: dict[str, str] = {}
+        try:
+            _io("mkdir", folder)
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            for locator in locators:
+                source = self.path(locator)
+                target = f"{session_id}/{source.name}"
+                _io("link", source)
+                os.link(source, self.path(target))
+                made[locator] = target
+            fsync_dir(folder)
+        except BaseException as exc:
+            for target in made.values():
+                self.delete(target)
+            if isinstance(exc, FileNotFoundError):
+                raise FailedPrecondition(f"payload {exc.filename} went while it was being shared; "
+                                         "nothing was shared, try again") from exc
+            if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
+                raise StoreFull(f"no room on the store's filesystem to share {len(locators)} payloads "
+                                f"({exc.strerror}); nothing was shared") from exc
+            raise
+        return made
+
     def delete(self, locator: str) -> int:
-        """Remove a payload; return the bytes freed (0 when it was already gone)."""
+        """Remove a payload's name; return the bytes freed: 0 when it was already gone, or when
+        another session still shares the file (a branch's hard link)."""
         path = self.path(locator)
         try:
-            size = path.stat().st_size
+            stat = path.stat()
             _io("unlink", path)
             path.unlink()
         except FileNotFoundError:
             return 0
-        return size
+        return stat.st_size if stat.st_nlink == 1 else 0
 
     def delete_session(self, session_id: str) -> int:
+        """Remove a session's folder; return the bytes freed (files another session shares free none)."""
         folder = self.root / check_id(session_id, "session_id")
         if not folder.exists():
             return 0
-        freed = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        freed = sum(stat.st_size for p in folder.iterdir() if p.is_file() and (stat := p.stat()).st_nlink == 1)
         shutil.rmtree(folder)
         return freed
 

@@ -129,6 +129,18 @@ class Client:
     def delete_session(self, session_id: str) -> pb.DeleteSessionResponse:
         return self._call("DeleteSession", pb.SessionRef(session_id=session_id), pb.DeleteSessionResponse)
 
+    # branches
+
+    def find_prefix(self, model_id: str, fingerprint: str, prefix_hashes: Sequence[str]) -> pb.FindPrefixResponse:
+        """The session whose stored pages begin `prefix_hashes` furthest, and how many pages."""
+        return self._call("FindPrefix", pb.FindPrefixRequest(model_id=model_id, fingerprint=fingerprint,
+                                                             prefix_hashes=list(prefix_hashes)), pb.FindPrefixResponse)
+
+    def branch_session(self, session_id: str, parent_id: str) -> pb.BranchSessionResponse:
+        """Make `session_id` a copy of `parent_id` that shares its payloads."""
+        return self._call("BranchSession", pb.BranchSessionRequest(session_id=session_id, parent_id=parent_id),
+                          pb.BranchSessionResponse)
+
     # pages
 
     def upsert_pages(self, session_id: str, pages: Iterable[pb.Page]) -> pb.WriteAck:

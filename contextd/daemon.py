@@ -39,14 +39,17 @@ from contextd.keys import (
     EVERYTHING,
     MetaKey,
     PageKey,
+    PrefixKey,
     SegmentKey,
     SessionKey,
     SnapshotKey,
     StateKey,
+    prefix_scope,
     session_scope,
     state_scope,
 )
 from contextd.records import (
+    Branch,
     GcResult,
     LeaseRow,
     PageCounts,
@@ -68,6 +71,7 @@ from contextd.store import (
     META,
     PAGE_STATES,
     PINS,
+    PREFIXES,
     RECORDS,
     SCHEMA_VERSION,
     SCOPED,
@@ -196,6 +200,8 @@ class Daemon:
     def delete_session(self, session_id: str) -> tuple[int, int]:
         def op(txn: Txn) -> int:
             self._session(txn, session_id)
+            for key, page in list(txn.scan(MANIFEST, session_scope(session_id))):
+                self._unindex(txn, key, page)
             removed = {table.name: txn.delete_prefix(table, session_scope(session_id)) for table in SCOPED}
             txn.delete(RECORDS, SessionKey(session_id))
             txn.delete(SESSIONS, SessionKey(session_id))
@@ -206,6 +212,101 @@ class Daemon:
         # manifest entry pointing at nothing.
         return pages, self.blobs.delete_session(session_id)
 
+    # ----------------------------------------------------------------- branches
+
+    def find_prefix(self, model_id: str, fingerprint: str, prefix_hashes: Sequence[str]) -> tuple[str, int]:
+        """The open session of this model and fingerprint, with a completed turn, whose stored
+        full pages match `prefix_hashes` (page i's chain hash of the token ids up to its end)
+        furthest from the first, and how many; ("", 0) when none matches the first. Of several,
+        the one updated last. A chain hash at page i stands for every token before it, so the
+        furthest match is found by bisection: O(log pages) index scans."""
+        _check_batch(prefix_hashes, "prefix hashes")
+        with self.store.read() as txn:
+            eligible: dict[str, SessionRow | None] = {}
+
+            def holders(i: int) -> list[SessionRow]:
+                found = []
+                for key in txn.scan_keys(PREFIXES, prefix_scope(prefix_hashes[i])):
+                    if key.session_id not in eligible:
+                        session = txn.get(SESSIONS, SessionKey(key.session_id))
+                        fits = session is not None and not session.closed and session.model_id == model_id \
+                            and session.fingerprint == fingerprint and txn.has(RECORDS, SessionKey(key.session_id))
+                        eligible[key.session_id] = session if fits else None
+                    if (session := eligible[key.session_id]) is not None:
+                        found.append(session)
+                return found
+
+            low, high, best = 0, len(prefix_hashes), list[SessionRow]()
+            while low < high:
+                middle = (low + high) // 2
+                found = holders(middle)
+                if found:
+                    best, low = found, middle + 1
+                else:
+                    high = middle
+        if not best:
+            return "", 0
+        return max(best, key=lambda s: (s.updated_unix, s.session_id)).session_id, low
+
+    def branch_session(self, session_id: str, parent_id: str) -> Branch:
+        """A new session that is a copy of `parent_id` as its last completed turn left it: record,
+        transcript segments, manifest, pins and recurrent snapshots. Every payload is shared, not
+        copied: a hard link in the new session's folder (payloads are immutable, and the file is
+        gone only when its last owner deletes it). Counters and leases start empty; the label
+        `branch_of` names the parent. Links are made before the commit: a crash in between leaves
+        files that no row names, which `gc` removes."""
+        check_id(session_id, "session_id")
+        if session_id == check_id(parent_id, "parent_id"):
+            raise InvalidArgument(f"session {session_id} cannot branch from itself")
+        with self.store.read() as txn:
+            if txn.has(SESSIONS, SessionKey(session_id)):
+                raise FailedPrecondition(f"session {session_id} exists; a branch starts a new session")
+            parent = self._session(txn, parent_id)
+            record = txn.get(RECORDS, SessionKey(parent_id))
+            if record is None:
+                raise FailedPrecondition(f"session {parent_id} has no completed turn to branch from")
+            segments = [s for _, s in txn.scan(SEGMENTS, session_scope(parent_id))]
+            pages = [p for _, p in txn.scan(MANIFEST, session_scope(parent_id))]
+            pins = [(k.page_id, pin) for k, pin in txn.scan(PINS, session_scope(parent_id))]
+            snapshots = [s for _, s in txn.scan(SNAPSHOTS, session_scope(parent_id))]
+        shared = [p.locator for p in pages if p.locator and p.state in (HOT, COLD)] + \
+            [s.locator for s in snapshots if s.locator]
+        with self._space_lock:
+            moved = self.blobs.link(shared, session_id)
+
+        def op(txn: Txn) -> SessionRow:
+            if txn.has(SESSIONS, SessionKey(session_id)):
+                raise FailedPrecondition(f"session {session_id} exists; a branch starts a new session")
+            now = time.time()
+            for page_id, pin in pins:
+                txn.put(PINS, PageKey(session_id, page_id), pin)
+            counts = PageCounts()
+            for page in pages:
+                copy = replace(page, locator=moved.get(page.locator, ""), updated_unix=now)
+                if page.locator and page.locator not in moved:  # a corrupt page: nothing to share
+                    copy = replace(copy, state=DROPPED, checksum="", byte_size=0)
+                counts = self._put_page(txn, session_id, counts, None, copy)
+            for snapshot in snapshots:
+                if snapshot.locator in moved:
+                    txn.put(SNAPSHOTS, SnapshotKey(session_id, snapshot.slot),
+                            replace(snapshot, locator=moved[snapshot.locator]))
+            for seq, segment in enumerate(segments):
+                txn.put(SEGMENTS, SegmentKey(session_id, seq), segment)
+            txn.put(RECORDS, SessionKey(session_id), replace(record, counters={}))
+            session = replace(parent, session_id=session_id, created_unix=now, updated_unix=now, counters={},
+                              pages=counts, closed=False, labels={**parent.labels, "branch_of": parent_id})
+            txn.put(SESSIONS, SessionKey(session_id), session)
+            return session
+
+        try:
+            session = self.store.write(op)[0]
+        except BaseException:
+            for locator in moved.values():
+                self.blobs.delete(locator)
+            raise
+        sizes = {p.locator: p.byte_size for p in pages} | {s.locator: s.byte_size for s in snapshots}
+        return Branch(session, len(pages), sum(sizes[locator] for locator in moved))
+
     # ----------------------------------------------------------------- pages
 
     def _check_page(self, session_id: str, page: PageRow) -> PageRow:
@@ -215,6 +316,9 @@ class Daemon:
                 f"page {page.page_id}: token range [{page.token_start}, {page.token_end}) is inverted")
         _check_text(page.dtype, "dtype", 256)
         _check_text(page.layer_view, "layer_view", 256)
+        if page.prefix_hash and (len(page.prefix_hash) > 32 or any(c not in "0123456789abcdef"
+                                                                   for c in page.prefix_hash)):
+            raise InvalidArgument(f"page {page.page_id}: prefix_hash must be at most 32 lowercase hex digits")
         if page.locator:
             if not page.locator.startswith(session_id + "/"):
                 raise InvalidArgument(f"page {page.page_id}: locator is outside session {session_id}")
@@ -243,9 +347,18 @@ class Daemon:
         if old is not None:
             counts = cls._count(txn, key, counts, old, -1)
             txn.delete(PAGE_STATES, StateKey(session_id, old.state, old.page_id))
+            cls._unindex(txn, key, old)
         txn.put(MANIFEST, key, page)
         txn.add(PAGE_STATES, StateKey(session_id, page.state, page.page_id))
+        if page.prefix_hash and page.locator and page.state in (HOT, COLD):
+            txn.add(PREFIXES, PrefixKey(page.prefix_hash, session_id, page.page_id))
         return cls._count(txn, key, counts, page, 1)
+
+    @staticmethod
+    def _unindex(txn: Txn, key: PageKey, page: PageRow) -> None:
+        """Take a page out of the prefix index (where it was in it)."""
+        if page.prefix_hash:
+            txn.delete(PREFIXES, PrefixKey(page.prefix_hash, key.session_id, key.page_id))
 
     def _change_pages(self, session_id: str, move: Callable[[Txn, SessionRow, float], PageCounts]) -> CommitInfo:
         """One write in which `move` changes some of the session's pages (at time `now`) and
@@ -336,6 +449,7 @@ class Daemon:
                 if not self._may_drop(txn, session_id, page, session.turn, now, recorded=set()):
                     raise FailedPrecondition(f"page {page_id} is pinned or leased; it cannot be deleted")
                 counts = self._count(txn, PageKey(session_id, page_id), counts, page, -1)
+                self._unindex(txn, PageKey(session_id, page_id), page)
                 txn.delete(MANIFEST, PageKey(session_id, page_id))
                 txn.delete(PAGE_STATES, StateKey(session_id, page.state, page_id))
                 if page.locator:

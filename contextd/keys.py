@@ -2,8 +2,9 @@
 
 A key is its fields in order, joined by NUL: identifiers as they are (NUL cannot occur in one,
 see contextd.ids), a page state as its number, a segment's sequence number as 12 digits so keys
-sort in transcript order. Every key starts with its session, so `session_scope` selects exactly
-one session's rows in any table, and `state_scope` one session's pages in one state.
+sort in transcript order. Every key but a `PrefixKey` starts with its session, so `session_scope`
+selects exactly one session's rows in any table but `prefixes`, and `state_scope` one session's
+pages in one state; `prefix_scope` selects the pages of every session that end one token prefix.
 
 Depends on contextd.wire (PageState) and contextd.errors only.
 """
@@ -103,9 +104,24 @@ class SegmentKey(Key):
     seq: int
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixKey(Key):
+    """A stored full page by the chain hash of every token id up to its end: `prefixes`. Keyed by
+    the hash first, so the sessions whose histories begin with the same tokens sit together."""
+
+    prefix_hash: str
+    session_id: str
+    page_id: str
+
+
 def session_scope(session_id: str) -> bytes:
     """The prefix of every row of one session, in any table."""
     return session_id.encode() + SEP
+
+
+def prefix_scope(prefix_hash: str) -> bytes:
+    """The prefix of every page that ends the token prefix `prefix_hash`, in `prefixes`."""
+    return prefix_hash.encode() + SEP
 
 
 def state_scope(session_id: str, state: PageState) -> bytes:

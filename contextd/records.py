@@ -146,6 +146,7 @@ class PageRow(Row):
     last_used_turn: int = 0
     score: float = 0.0
     corrupt_reason: str = ""
+    prefix_hash: str = ""   # chain hash of the token ids up to the page's end (full pages; "" if none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +268,15 @@ class GcResult:
     leases_expired: int = 0
     bytes_freed: int = 0
     idle_sessions_deleted: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Branch:
+    """What BranchSession made: the new session, the manifest rows it copied, the bytes it shares."""
+
+    session: SessionRow
+    pages: int
+    shared_bytes: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -155,6 +155,23 @@ class ContextdService(pb_grpc.ContextdServicer):
             return pb.DeleteSessionResponse(pages_deleted=pages, bytes_freed=freed)
         return self._call(context, run)
 
+    # branches
+
+    def FindPrefix(self, request: pb.FindPrefixRequest, context: grpc.ServicerContext) -> pb.FindPrefixResponse:
+        def run() -> pb.FindPrefixResponse:
+            session_id, pages = self.daemon.find_prefix(request.model_id, request.fingerprint,
+                                                        list(request.prefix_hashes))
+            return pb.FindPrefixResponse(session_id=session_id, pages=pages)
+        return self._call(context, run)
+
+    def BranchSession(self, request: pb.BranchSessionRequest, context: grpc.ServicerContext
+                      ) -> pb.BranchSessionResponse:
+        def run() -> pb.BranchSessionResponse:
+            branch = self.daemon.branch_session(request.session_id, request.parent_id)
+            return pb.BranchSessionResponse(session=_message(pb.Session, branch.session), pages=branch.pages,
+                                            shared_bytes=branch.shared_bytes)
+        return self._call(context, run)
+
     # pages
 
     def UpsertPages(self, request: pb.UpsertPagesRequest, context: grpc.ServicerContext) -> pb.WriteAck:

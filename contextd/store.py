@@ -44,6 +44,7 @@ from contextd.keys import (
     Key,
     MetaKey,
     PageKey,
+    PrefixKey,
     SegmentKey,
     SessionKey,
     SnapshotKey,
@@ -65,7 +66,9 @@ from contextd.records import (
 )
 from contextd.wire import PageState
 
-SCHEMA_VERSION = 4  # 3: PINNED is no longer a page state (a pinned page is HOT with a pin); 4: no summaries
+# 3: PINNED is no longer a page state (a pinned page is HOT with a pin); 4: no summaries, and the
+# prefix index (a new table: pages stored before it are not indexed, so no branch starts from them)
+SCHEMA_VERSION = 4
 
 K = TypeVar("K", bound=Key)
 R = TypeVar("R", bound=Row)
@@ -95,8 +98,9 @@ LEASES = Table("leases", PageKey, LeaseRow)
 SNAPSHOTS = Table("snapshots", SnapshotKey, SnapshotRow)  # recurrent-state snapshot slots
 RECORDS = Table("records", SessionKey, RecordRow)  # turn, fingerprint, hashes, ledger, counters
 SEGMENTS = Table("segments", SegmentKey, SegmentRow)  # the transcript, one segment a row
+PREFIXES = Index("prefixes", PrefixKey)  # stored full pages by the chain hash of the tokens up to their end
 TABLES: tuple[Index[Any], ...] = (META, SESSIONS, MANIFEST, PAGE_STATES, PINS, LEASES, SNAPSHOTS, RECORDS,
-                                  SEGMENTS)
+                                  SEGMENTS, PREFIXES)
 # named databases of earlier schemas, opened only where they exist for the migration that drops them
 # (blocks: schema 3's unit and cluster summaries, written for a plan-writing controller since removed)
 RETIRED = ("blocks",)

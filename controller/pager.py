@@ -19,15 +19,21 @@ Rules, in the order they win:
   4. restored pages hold a lease for `lease_turns` turns;
   5. above the high watermark, evict until at or under the low one: first in the order of a valid
      plan, then the default retention (oldest unpinned first).
-Depends on contextd.wire (PageState, PinKind) only.
+Beside the rules, the pager keeps the session's prefix chain (`PrefixChain`): a hash per full page
+that names every token before its end, the key under which contextd indexes stored pages so a
+new session can start from a stored history it begins with.
+Depends on xxhash and contextd.wire (PageState, PinKind) only.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+import xxhash
 
 from contextd.wire import PageState, PinKind
 
@@ -100,6 +106,33 @@ class Page:
         return f"p{self.index:07d}" if full else f"p{self.index:07d}.{self.tokens}"
 
 
+class PrefixChain:
+    """Page i's hash is xxh64 over the token ids [0, 128 (i + 1)) as int64s: two histories share
+    their first i + 1 pages exactly when their page-i hashes agree. Computed as tokens come (a copy
+    of page i - 1's hasher fed page i's ids), so a turn hashes only what it adds; a cut keeps the
+    hashers of the pages before it. The ids are kept (8 bytes a token) for a cut inside a page."""
+
+    def __init__(self) -> None:
+        self._ids = array("q")
+        self._hashers: list[xxhash.xxh64] = []
+        self.hashes: list[str] = []   # one per full page, 16 hex digits each
+
+    def extend(self, token_ids: Sequence[int]) -> PrefixChain:
+        self._ids.extend(token_ids)
+        while (len(self.hashes) + 1) * PAGE_TOKENS <= len(self._ids):
+            page = len(self.hashes)
+            hasher = self._hashers[-1].copy() if self._hashers else xxhash.xxh64()
+            hasher.update(self._ids[page * PAGE_TOKENS:(page + 1) * PAGE_TOKENS].tobytes())
+            self._hashers.append(hasher)
+            self.hashes.append(hasher.hexdigest())
+        return self
+
+    def truncate(self, tokens: int) -> None:
+        del self._ids[tokens:]
+        del self._hashers[tokens // PAGE_TOKENS:]
+        del self.hashes[tokens // PAGE_TOKENS:]
+
+
 @dataclass
 class Plan:
     """A selector's advice, in page indices."""
@@ -138,6 +171,7 @@ class Pager:
         self._hot_tokens = 0
         self._pinned: dict[int, int] = {}   # hard-pinned page -> its tokens
         self._leased: dict[int, int] = {}   # page -> lease_until_turn
+        self.chain = PrefixChain()
 
     # ------------------------------------------------------------------ timeline
 
@@ -159,6 +193,10 @@ class Pager:
         """The hard-pinned pages and their kinds."""
         return {i: kind for i in self._pinned if (kind := self.pages[i].pin) is not None}
 
+    def prefix_hash(self, index: int) -> str:
+        """Page `index`'s prefix chain hash, or "" while it is not full."""
+        return self.chain.hashes[index] if index < len(self.chain.hashes) else ""
+
     def counts(self) -> dict[str, int]:
         """Pages by state, as contextd counts them: `hot` is every page in attention and `pinned`
         the hot pages with a hard pin (a part of `hot`)."""
@@ -171,6 +209,7 @@ class Pager:
         With `pin`, every page the tokens touch is hard-pinned while the pin cap allows.
         """
         changed: list[int] = []
+        self.chain.extend(token_ids)
         pos = 0
         size = PAGE_TOKENS
         while pos < len(token_ids):
@@ -200,6 +239,7 @@ class Pager:
         if not 0 <= tokens <= self.total_tokens:
             raise ValueError(f"cannot truncate {self.total_tokens} tokens to {tokens}")
         touched = [i for i in self._resident if self.pages[i].token_end > tokens]
+        self.chain.truncate(tokens)
         while self.pages and self.pages[-1].token_start >= tokens:
             self._forget(self.pages[-1])
             self.pages.pop()

@@ -7,6 +7,7 @@ whole machine's CPU time, and which addresses listen on a TCP port. Depends on n
 from __future__ import annotations
 
 import os
+import resource
 from pathlib import Path
 
 
@@ -32,6 +33,13 @@ def process_cpu_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process and its reaped children (servers and their contextd, once
+    stopped): what a benchmark's own work took, for `other_cpu_share`."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def machine_cpu_seconds() -> tuple[float, float] | None:

@@ -12,6 +12,14 @@ The backend holds one session's cache at a time. Another session's turn empties 
 restores that session's resident pages and recurrent state from the store: copies, never a
 forward pass. The same path (serving.recovery) brings a session back after a crash.
 
+A session that contextd does not know yet, whose prompt begins with whole stored pages of another
+session (a Pi `/fork`, a resumed branch, a subagent with the same system prompt and tools),
+starts as a branch of it: contextd's prefix index names the parent by the prompt's prefix chain
+(controller.pager.PrefixChain: the same model, template, tools and thinking, or no match),
+contextd copies the parent's record and manifest sharing every payload, the session is brought
+back as after a restart, and its first turn cuts back to where the prompt departs from the
+parent's transcript, exactly as a rewind of the parent would, and prefills only what follows.
+
 Depends on backends (protocol, slots), controller, contextd.client and serving.paging /
 recovery / session / transcript / chat_format / likelihood.
 """
@@ -32,10 +40,11 @@ from backends import Backend, Counters
 from backends.slots import pick_token
 from contextd import crashpoints
 from contextd.client import Client, pb
+from contextd.errors import NotFound
 from contextd.wire import PinKind
 from controller.keyindex import KeyIndex, KeyIndexConfig
 from controller.lexical import DEFAULT_LEXICAL, LexicalConfig, LexicalIndex
-from controller.pager import Decision, Pager, PagerConfig, Plan
+from controller.pager import Decision, Pager, PagerConfig, Plan, PrefixChain
 from controller.selectors import RecencySelector, SelectionContext, Selector
 from serving.chat_format import ChatFormat, Rendering
 from serving.likelihood import ViewCapture, ViewReading, capture_view
@@ -64,6 +73,9 @@ INCOMING_IDS = 1024
 PLACEMENTS = ("timeline", "question")
 # The most candidate answers one watched turn scores (each costs a few one-token forwards).
 MAX_WATCHED_CANDIDATES = 64
+# A new session branches from a stored one only when they share at least this many whole pages:
+# one page of system prompt saves a ~128-token prefill, less than copying a long parent's manifest.
+MIN_BRANCH_PAGES = 2
 
 
 @dataclass(frozen=True)
@@ -240,9 +252,11 @@ class Engine:
         known = self.sessions.get(request.session_id)
         # A malformed request fails before any work.
         self.format.check(request.messages, known.render_memo if known is not None else None)
+        activating = time.perf_counter()
+        parent = self._branch(request, fingerprint) if known is None else ""
         session = self._activate(request.session_id, fingerprint)
         refreshed_before = session.counters.refresh_forward_tokens
-        session.phase_ms = {"receive": request.received_ms}
+        session.phase_ms = {"receive": request.received_ms, "activate": (time.perf_counter() - activating) * 1e3}
         preparing = time.perf_counter()
         rendering = self.format.render(request.messages, request.tools, request.thinking, session.transcript.generated,
                                        session.render_memo)
@@ -253,23 +267,29 @@ class Engine:
         session.counters.restored_pages_turn = session.counters.evicted_pages_turn = 0
 
         alignment = align(session.transcript, fingerprint, rendered, request.message_hashes)
+        if parent:
+            # The parent's transcript past the point where this prompt departs from it is not
+            # this session's history: leaving it is the branch, not a change of the client's history.
+            alignment = Alignment(alignment.keep_segments, alignment.keep_tokens, alignment.new_text)
         cached = len(session.transcript.segments)
         if not alignment.new_text and alignment.keep_segments == cached and not alignment.rebuild:
             # The client re-sent exactly what is cached (a retry of the last turn): regenerate it.
             alignment = Alignment(alignment.keep_segments, alignment.keep_tokens, "",
                                   reason="the request repeats the cached transcript; regenerating the last answer")
-        rebuilt = alignment.reason
+        rebuilt = "" if parent else alignment.reason
         reprefilled = 0
         if alignment.rebuild or alignment.keep_segments < cached:
             alignment, dropped = self._cut_back(session, alignment, rendered)
             reprefilled = recomputed_tokens(dropped, alignment.new_text)
-            if not rebuilt and reprefilled:
+            if not rebuilt and reprefilled and not parent:
                 rebuilt = "answers the client did not replay were dropped; the state before them was prefilled again"
             if rebuilt:
                 self.tally.count(session, rebuilds=1, reprefilled_tokens=reprefilled)
-            else:
+            elif not parent:
                 self.tally.count(session, tail_drops=1)
             session.transcript.fingerprint = fingerprint
+        if parent:
+            self.tally.count(session, branches=1, branch_kept_tokens=alignment.keep_tokens)
         if request.message_hashes is not None:
             session.transcript.message_hashes = list(request.message_hashes)
 
@@ -305,6 +325,39 @@ class Engine:
             # reading waits for it, and the answer did not wait for the scoring.
             self.readings[session.session_id] = watched.read()
 
+    def _branch(self, request: ChatRequest, fingerprint: Fingerprint) -> str:
+        """Make a session contextd does not know a branch of the stored session whose pages its
+        prompt begins with furthest; return the parent's id ("" when there is none to share)."""
+        try:
+            self.contextd.get_session(request.session_id)
+            return ""
+        except NotFound:
+            pass
+        rendering = self.format.render(request.messages, request.tools, request.thinking, {}, None)
+        chain = PrefixChain()
+        for piece, _ in self._piece_texts(rendering, rendering.text, len(request.messages)):
+            chain.extend(self.format.encode(piece))
+        found = self.contextd.find_prefix(self.backend.model_name, fingerprint.combined(), chain.hashes)
+        if found.pages < MIN_BRANCH_PAGES:
+            return ""
+        branch = self.contextd.branch_session(request.session_id, found.session_id)
+        log.info("session %s branches from %s: %d of its prompt's pages are stored there, %d pages shared",
+                 request.session_id, found.session_id, found.pages, branch.pages)
+        return found.session_id
+
+    def _piece_texts(self, rendering: Rendering, text: str, messages: int) -> list[tuple[str, int]]:
+        """The new `text` at the end of the render, cut where each message ends: (piece, index of
+        its message, or `messages` for the template's opening of the answer after the last one)."""
+        rendered = rendering.text
+        start = len(rendered) - len(text)
+        cut = start
+        pieces = []
+        for offset, index in [*self.format.message_ends(rendering, start), (len(rendered), messages)]:
+            if rendered[cut:offset]:
+                pieces.append((rendered[cut:offset], index))
+            cut = offset
+        return pieces
+
     def _prompt_pieces(self, session: Session, request: ChatRequest, rendering: Rendering, text: str
                        ) -> list[PromptPiece]:
         """Tokenize the new text in one segment per message, so a later edit keeps every message
@@ -312,17 +365,10 @@ class Engine:
         there) and everything up to the end of the first user message (the objective) are pinned."""
         if not text:
             return []
-        rendered = rendering.text
-        start = len(rendered) - len(text)
-        ends = self.format.message_ends(rendering, start)
         first_user = next((i for i, m in enumerate(request.messages) if m.get("role") == "user"), -1)
         fresh = session.transcript.tokens == 0
         pieces: list[PromptPiece] = []
-        cut = start
-        for offset, index in [*ends, (len(rendered), len(request.messages))]:
-            piece = rendered[cut:offset]
-            if not piece:
-                continue
+        for piece, index in self._piece_texts(rendering, text, len(request.messages)):
             # After the last message: the template's opening of the assistant's turn.
             opener = index == len(request.messages)
             message = request.messages[index] if not opener else {}
@@ -332,7 +378,6 @@ class Engine:
                 pin = (PinKind.TOOLS if request.tools else PinKind.SYSTEM) if opening else PinKind.OBJECTIVE
             tool_call = message.get("role") == "assistant" and bool(message.get("tool_calls"))
             pieces.append(PromptPiece(Segment(piece, self.format.encode(piece), opener=opener), pin, tool_call))
-            cut = offset
         return pieces
 
     def _selection_context(self, session: Session, new_tokens: int) -> SelectionContext:

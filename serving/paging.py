@@ -334,7 +334,8 @@ class PageMover:
                                    token_end=page.token_end, original_position=page.token_start,
                                    state=page.state.value, locator=stored.locator,
                                    byte_size=stored.byte_size, checksum=stored.checksum, dtype=block.view.dtype,
-                                   layer_view=block.view.model_id, last_used_turn=pager.turn))
+                                   layer_view=block.view.model_id, last_used_turn=pager.turn,
+                                   prefix_hash=pager.prefix_hash(index)))
         self.payloads.sync_folder(session.session_id)   # one directory fsync for the batch, before the records
         self.contextd.upsert_pages(session.session_id, records)
         crashpoints.reached("serving.store.recorded")

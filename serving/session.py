@@ -56,6 +56,8 @@ class SessionCounters:
     selector_ms: int = 0
     cancelled_turns: int = 0
     session_switches: int = 0   # turns that found another session's cache in the backend
+    branches: int = 0           # 1 for a session that started as a branch of a stored one
+    branch_kept_tokens: int = 0  # tokens of the parent's history it kept, never prefilled
 
     def add(self, **deltas: int) -> None:
         for name, n in deltas.items():
@@ -95,10 +97,11 @@ class TurnTimings:
                 **{f"{name}_ms": round(self.phases.get(name, 0.0), 2) for name in PHASES}}
 
 
-# Where a turn's overhead goes: read and parse the request body (HTTP); render, align and tokenize
-# the request; the selector's decision; payload writes and their records; restores (reads, checks,
-# inserts); the end-of-turn write-through.
-PHASES = ("receive", "prepare", "select", "store", "restore", "persist")
+# Where a turn's overhead goes: read and parse the request body (HTTP); bring the session into the
+# backend (nothing when it is there; a switch from another session, a recovery or a branch
+# otherwise); render, align and tokenize the request; the selector's decision; payload writes and
+# their records; restores (reads, checks, inserts); the end-of-turn write-through.
+PHASES = ("receive", "activate", "prepare", "select", "store", "restore", "persist")
 
 
 @dataclass(frozen=True)

@@ -131,8 +131,44 @@ class DeleteSessionResponse(_message.Message):
     bytes_freed: int
     def __init__(self, pages_deleted: _Optional[int] = ..., bytes_freed: _Optional[int] = ...) -> None: ...
 
+class FindPrefixRequest(_message.Message):
+    __slots__ = ("model_id", "fingerprint", "prefix_hashes")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    fingerprint: str
+    prefix_hashes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., prefix_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class FindPrefixResponse(_message.Message):
+    __slots__ = ("session_id", "pages")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    pages: int
+    def __init__(self, session_id: _Optional[str] = ..., pages: _Optional[int] = ...) -> None: ...
+
+class BranchSessionRequest(_message.Message):
+    __slots__ = ("session_id", "parent_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    parent_id: str
+    def __init__(self, session_id: _Optional[str] = ..., parent_id: _Optional[str] = ...) -> None: ...
+
+class BranchSessionResponse(_message.Message):
+    __slots__ = ("session", "pages", "shared_bytes")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session: Session
+    pages: int
+    shared_bytes: int
+    def __init__(self, session: _Optional[_Union[Session, _Mapping]] = ..., pages: _Optional[int] = ..., shared_bytes: _Optional[int] = ...) -> None: ...
+
 class Page(_message.Message):
-    __slots__ = ("page_id", "index", "token_start", "token_end", "original_position", "state", "locator", "byte_size", "checksum", "dtype", "layer_view", "updated_unix", "last_used_turn", "score")
+    __slots__ = ("page_id", "index", "token_start", "token_end", "original_position", "state", "locator", "byte_size", "checksum", "dtype", "layer_view", "updated_unix", "last_used_turn", "score", "prefix_hash")
     PAGE_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_START_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +183,7 @@ class Page(_message.Message):
     UPDATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     LAST_USED_TURN_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
     page_id: str
     index: int
     token_start: int
@@ -161,7 +198,8 @@ class Page(_message.Message):
     updated_unix: float
     last_used_turn: int
     score: float
-    def __init__(self, page_id: _Optional[str] = ..., index: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., original_position: _Optional[int] = ..., state: _Optional[_Union[PageState, str]] = ..., locator: _Optional[str] = ..., byte_size: _Optional[int] = ..., checksum: _Optional[str] = ..., dtype: _Optional[str] = ..., layer_view: _Optional[str] = ..., updated_unix: _Optional[float] = ..., last_used_turn: _Optional[int] = ..., score: _Optional[float] = ...) -> None: ...
+    prefix_hash: str
+    def __init__(self, page_id: _Optional[str] = ..., index: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., original_position: _Optional[int] = ..., state: _Optional[_Union[PageState, str]] = ..., locator: _Optional[str] = ..., byte_size: _Optional[int] = ..., checksum: _Optional[str] = ..., dtype: _Optional[str] = ..., layer_view: _Optional[str] = ..., updated_unix: _Optional[float] = ..., last_used_turn: _Optional[int] = ..., score: _Optional[float] = ..., prefix_hash: _Optional[str] = ...) -> None: ...
 
 class UpsertPagesRequest(_message.Message):
     __slots__ = ("session_id", "pages")

@@ -59,6 +59,16 @@ class ContextdStub:
                 request_serializer=contextd_dot___gen_dot_contextd__pb2.SessionRef.SerializeToString,
                 response_deserializer=contextd_dot___gen_dot_contextd__pb2.DeleteSessionResponse.FromString,
                 _registered_method=True)
+        self.FindPrefix = channel.unary_unary(
+                '/kv_elision.contextd.v1.Contextd/FindPrefix',
+                request_serializer=contextd_dot___gen_dot_contextd__pb2.FindPrefixRequest.SerializeToString,
+                response_deserializer=contextd_dot___gen_dot_contextd__pb2.FindPrefixResponse.FromString,
+                _registered_method=True)
+        self.BranchSession = channel.unary_unary(
+                '/kv_elision.contextd.v1.Contextd/BranchSession',
+                request_serializer=contextd_dot___gen_dot_contextd__pb2.BranchSessionRequest.SerializeToString,
+                response_deserializer=contextd_dot___gen_dot_contextd__pb2.BranchSessionResponse.FromString,
+                _registered_method=True)
         self.UpsertPages = channel.unary_unary(
                 '/kv_elision.contextd.v1.Contextd/UpsertPages',
                 request_serializer=contextd_dot___gen_dot_contextd__pb2.UpsertPagesRequest.SerializeToString,
@@ -185,6 +195,23 @@ class ContextdServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeleteSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FindPrefix(self, request, context):
+        """Branches. FindPrefix names the session whose stored full pages begin the given chain of
+        token-prefix hashes furthest (same model and fingerprint, not closed), and how many pages.
+        BranchSession makes a new session a copy of another's: its record, transcript, manifest,
+        pins and snapshots, every payload shared (a hard link in the store: one file, two owners,
+        gone when its last owner lets go). Counters and leases start empty.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BranchSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -345,6 +372,16 @@ def add_ContextdServicer_to_server(servicer, server):
                     servicer.DeleteSession,
                     request_deserializer=contextd_dot___gen_dot_contextd__pb2.SessionRef.FromString,
                     response_serializer=contextd_dot___gen_dot_contextd__pb2.DeleteSessionResponse.SerializeToString,
+            ),
+            'FindPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.FindPrefix,
+                    request_deserializer=contextd_dot___gen_dot_contextd__pb2.FindPrefixRequest.FromString,
+                    response_serializer=contextd_dot___gen_dot_contextd__pb2.FindPrefixResponse.SerializeToString,
+            ),
+            'BranchSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.BranchSession,
+                    request_deserializer=contextd_dot___gen_dot_contextd__pb2.BranchSessionRequest.FromString,
+                    response_serializer=contextd_dot___gen_dot_contextd__pb2.BranchSessionResponse.SerializeToString,
             ),
             'UpsertPages': grpc.unary_unary_rpc_method_handler(
                     servicer.UpsertPages,
@@ -577,6 +614,60 @@ class Contextd:
             '/kv_elision.contextd.v1.Contextd/DeleteSession',
             contextd_dot___gen_dot_contextd__pb2.SessionRef.SerializeToString,
             contextd_dot___gen_dot_contextd__pb2.DeleteSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FindPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kv_elision.contextd.v1.Contextd/FindPrefix',
+            contextd_dot___gen_dot_contextd__pb2.FindPrefixRequest.SerializeToString,
+            contextd_dot___gen_dot_contextd__pb2.FindPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BranchSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kv_elision.contextd.v1.Contextd/BranchSession',
+            contextd_dot___gen_dot_contextd__pb2.BranchSessionRequest.SerializeToString,
+            contextd_dot___gen_dot_contextd__pb2.BranchSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

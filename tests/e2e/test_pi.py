@@ -432,6 +432,47 @@ def test_pi_rewind_is_caught_by_the_fingerprint_and_answered(
     assert stats["session_tokens"] == context_tokens(last)
 
 
+def test_pi_fork_starts_a_branch_that_prefills_only_what_follows_the_fork(
+        server: ServerProcess, start_pi: Callable[..., PiRpc], tokenizer: Any) -> None:
+    pi = start_pi()
+    parent_id = pi.state()["sessionId"]
+    prompts = ["Name one programming language in a few words.", "Why do people like it? One sentence.",
+               "Name one of its weaknesses in a few words."]
+    answers = [assert_answered(pi.prompt_events(prompt)) for prompt in prompts]
+    before = server.stats(parent_id)
+
+    # Pi's /fork at the third prompt: a new Pi session holding the first two exchanges.
+    forkable = pi.send({"type": "get_fork_messages"})["data"]["messages"]
+    fork = pi.send({"type": "fork", "entryId": forkable[2]["entryId"]})
+    assert fork["success"] and fork["data"]["cancelled"] is False, fork
+    child_id = pi.state()["sessionId"]
+    assert child_id != parent_id
+    assert [text_of(m) for m in pi.messages() if m["role"] == "user"] == prompts[:2]
+
+    instead = "Instead, name one database in a few words."
+    sent = len(pi.probe())
+    events = pi.prompt_events(instead)
+    assert_answered(events)
+    first = assistant_messages(events)[0]
+    headers = pi.probe()[sent]["headers"]
+    assert headers["x-kv-session"] == child_id and "x-kv-rebuilt" not in headers
+    # Only what follows the fork point was prefilled: the new prompt. The second answer's close was
+    # the parent's already (the third prompt brought it, as a segment of its own).
+    close = n_tokens(tokenizer, "<|im_end|>\n")
+    new = n_tokens(tokenizer, turn_text(instead))
+    assert first["usage"]["input"] == int(headers["x-kv-prefilled-tokens"]) == new - close
+    assert first["usage"]["input"] + first["usage"]["cacheRead"] == context_tokens(answers[1]) + new
+    counters = server.stats(child_id)["counters"]
+    assert counters["branches"] == 1 and counters["rebuilds"] == 0
+    assert_server_counters_consistent(counters)
+    with Client(server.socket) as client:
+        assert client.get_session(child_id).labels["branch_of"] == parent_id
+
+    # The parent is untouched.
+    after = server.stats(parent_id)
+    assert after["session_tokens"] == before["session_tokens"] and after["counters"] == before["counters"]
+
+
 STATUS = re.compile(r"^kv hot (\d+) · cold (\d+) · pinned (\d+) \| attn (\d+)/(\d+) \| restored (\d+)$")
 
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextd.wire import PageState, PinKind
-from controller.pager import PAGE_TOKENS, Decision, Pager, PagerConfig, Plan
+from controller.pager import PAGE_TOKENS, Decision, Pager, PagerConfig, Plan, PrefixChain
 
 
 def grow(pager: Pager, tokens: int, pin: PinKind | None = None) -> None:
@@ -159,3 +159,21 @@ def test_the_incremental_bookkeeping_agrees_with_a_recount(ops: list[tuple[str, 
                    for i in range(len(pager.pages)))
         pinned = [p.index for p in pager.pages if p.pin is not None and p.resident]
         assert pager.counts() == {"hot": len(resident), "cold": len(pager.pages) - len(resident), "pinned": len(pinned)}
+
+
+def test_the_prefix_chain_names_every_token_before_each_full_page() -> None:
+    ids = list(range(1000, 1000 + 5 * PAGE_TOKENS + 40))
+    whole = PrefixChain().extend(ids)
+    assert len(whole.hashes) == 5 and len(set(whole.hashes)) == 5
+    pieces = PrefixChain()
+    for start in range(0, len(ids), 37):   # as a session grows: chunks that straddle pages
+        pieces.extend(ids[start:start + 37])
+    assert pieces.hashes == whole.hashes
+    changed = PrefixChain().extend([*ids[:200], 7, *ids[201:]])  # one token of page 1 differs
+    assert changed.hashes[0] == whole.hashes[0] and not set(changed.hashes[1:]) & set(whole.hashes)
+    pager = Pager(PagerConfig(budget_tokens=2048))
+    pager.append(ids)
+    pager.truncate(2 * PAGE_TOKENS + 5)   # a cut inside page 2, then other tokens
+    pager.append([9] * 300)
+    assert pager.chain.hashes == PrefixChain().extend([*ids[:2 * PAGE_TOKENS + 5], *[9] * 300]).hashes
+    assert pager.prefix_hash(1) == whole.hashes[1] and pager.prefix_hash(len(pager.pages) - 1) == ""

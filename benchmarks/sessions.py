@@ -1,0 +1,198 @@
+"""Several sessions on one server: a branch, switches, concurrent decode, a short request behind a long answer.
+
+    python -m benchmarks.sessions [--model smollm2-135m] [--tokens 16000] [--budget 4096]
+
+One real `kv-elision serve` and its contextd, driven over HTTP as agents drive it (the whole
+transcript in every request; harness.workload's `read` results):
+
+- **branch** (per size in `--tokens`): a parent session grown past that size, then a new session id
+  that sends the parent's messages up to its last user message and a new question, as Pi's `/fork`
+  does. `branch_prefill_fraction` is the tokens the branch prefilled over its prompt tokens,
+  `branch_ttft_ms` its time to the first streamed content, and `fresh_ttft_ms_estimate` what a
+  server that shares nothing would take: the prompt at the prefill rate of the parent's own build;
+- **switches**: two sessions of about one budget each, answered in turn; `switch_ms_p50` / `_p95`
+  are the engine's time to bring the other session into the backend (`last_turn.activate_ms`);
+- **decode**: 1, 2 and 4 sessions asking for `--decode-tokens` each at the same moment; the
+  aggregate decoded tokens a second, and `decode_speedup_2` / `_4` over one session's;
+- **busy**: a short request in another session while one session decodes `--decode-tokens`;
+  `ttft_ratio_busy` is its time to first content over the same request's on an idle server.
+
+Last line: one JSON object with those figures, `other_processes_cpu_share` and `reliable`
+(benchmarks.stats: false above 10%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.stats import percentile, print_result
+from harness.agent import AgentRun
+from harness.procfs import machine_cpu_seconds, other_cpu_share, own_cpu_seconds
+from harness.workload import TOOLS, evidence_files
+from serving.launcher import ServerProcess
+
+SWITCH_TURNS = 12
+QUESTION = {"role": "user", "content": "Which file defined the retry limit? Answer with the file name."}
+
+
+def streamed(server: ServerProcess, messages: list[dict[str, Any]], session: str, max_tokens: int,
+             tools: bool = True, decoding: threading.Event | None = None) -> tuple[float, float, dict[str, Any]]:
+    """(ms to the first content chunk, ms to the end, the final chunk's usage and the prefilled
+    tokens) of one streamed request; with `tools`, the workload's tool schemas go with it;
+    `decoding` is set when the first content arrives."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=3600)
+    started = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "model": server.model, "messages": messages, **({"tools": TOOLS} if tools else {}), "max_tokens": max_tokens,
+        "stream": True, "stream_options": {"include_usage": True}}),
+        headers={"X-KV-Session": session, "Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"{session}: {response.status} {response.read()[:300]!r}")
+    first = None
+    usage: dict[str, Any] = {}
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if first is None and any(c.get("delta", {}).get("content") or c.get("delta", {}).get("tool_calls")
+                                 for c in chunk.get("choices", [])):
+            first = time.perf_counter()
+            if decoding is not None:
+                decoding.set()
+        usage = chunk.get("usage") or usage
+    ended = time.perf_counter()
+    conn.close()
+    first = ended if first is None else first
+    return (first - started) * 1e3, (ended - started) * 1e3, {
+        "usage": usage, "prefilled": int(response.getheader("X-KV-Prefilled-Tokens") or 0)}
+
+
+def grown(server: ServerProcess, session: str, tokens: int, seed: int) -> AgentRun:
+    run = AgentRun(server, session, max_tokens=8)
+    run.run(evidence_files(tokens // 900 + 2, tokens_per_file=1000, seed=seed), until_tokens=tokens)
+    return run
+
+
+def branch(server: ServerProcess, size: int, seed: int) -> dict[str, Any]:
+    parent = grown(server, f"parent-{size}", size, seed)
+    # tokens a second the parent's turns prefilled (their few decoded tokens included), the first
+    # turn left out: it also pays the server's warm-up
+    prefill_rate = percentile([t.prefilled / t.seconds for t in parent.turns[1:]], 50)
+    last_user = max(i for i, m in enumerate(parent.messages) if m["role"] == "user")
+    fork = [*parent.messages[:last_user], QUESTION]
+    ttft, total, reply = streamed(server, fork, f"branch-{size}", max_tokens=8)
+    stats = server.stats(f"branch-{size}")
+    prompt = reply["usage"]["prompt_tokens"]
+    counters = stats["counters"]
+    return {"parent_tokens": parent.turns[-1].session_tokens, "prompt_tokens": prompt,
+            "prefilled_tokens": reply["prefilled"],
+            "branch_prefill_fraction": round(reply["prefilled"] / prompt, 4),
+            "branch_ttft_ms": round(ttft, 1), "branch_total_ms": round(total, 1),
+            "fresh_ttft_ms_estimate": round(prompt / prefill_rate * 1e3, 1),
+            "branches": counters["branches"], "historical_forward": counters["historical_forward_during_restore"],
+            "forward_invariant": counters["model_forward_tokens"] == counters["new_prefill_tokens"]
+            + counters["decoded_tokens"]}
+
+
+def switches(server: ServerProcess, budget: int, seed: int) -> dict[str, Any]:
+    runs = [grown(server, f"switch-{n}", budget, seed + n) for n in range(2)]
+    activate = []
+    for turn in range(SWITCH_TURNS):
+        run = runs[turn % 2]
+        run.ask([{"role": "user", "content": f"Turn {turn}: one more word."}])
+        timings = server.stats(run.session_id)["last_turn"]
+        activate.append(timings["activate_ms"])
+    return {"switch_ms_p50": round(percentile(activate, 50), 1), "switch_ms_p95": round(percentile(activate, 95), 1),
+            "switch_samples": len(activate)}
+
+
+def decode(server: ServerProcess, sessions: int, tokens: int) -> float:
+    """Aggregate decoded tokens a second of `sessions` requests sent at once (each its own session)."""
+    done: list[int] = []
+    ready = threading.Barrier(sessions + 1)
+
+    def one(n: int) -> None:
+        messages = [{"role": "user", "content": f"Session {n} of {sessions}: write a long story about a ship."}]
+        ready.wait()
+        _, _, reply = streamed(server, messages, f"decode-{sessions}-{n}", tokens, tools=False)
+        done.append(int(reply["usage"]["completion_tokens"]))
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in range(sessions)]
+    for thread in threads:
+        thread.start()
+    ready.wait()
+    started = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    return sum(done) / (time.perf_counter() - started)
+
+
+def busy(server: ServerProcess, tokens: int) -> dict[str, Any]:
+    short = [{"role": "user", "content": "Say yes."}]
+    idle, _, _ = streamed(server, short, "busy-idle", max_tokens=4, tools=False)
+    decoding = threading.Event()
+    long_answer = threading.Thread(target=streamed, args=(
+        server, [{"role": "user", "content": "Write a very long story about a lighthouse."}], "busy-long", tokens,
+        False, decoding))
+    long_answer.start()
+    if not decoding.wait(600):
+        raise RuntimeError("the long answer never started")
+    waited, _, _ = streamed(server, short, "busy-short", max_tokens=4, tools=False)
+    long_answer.join()
+    return {"ttft_idle_ms": round(idle, 1), "ttft_busy_ms": round(waited, 1),
+            "ttft_ratio_busy": round(waited / idle, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tokens", default="16000", help="comma-separated parent sizes (e.g. 16000,128000)")
+    parser.add_argument("--budget", type=int, default=4096)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=11)
+    args = parser.parse_args(argv)
+    machine0, ours0 = machine_cpu_seconds(), own_cpu_seconds()
+    work = Path(tempfile.mkdtemp(prefix="kvb-sessions-", dir="/tmp"))
+    server = ServerProcess(root=work / "root", model=args.model, budget=args.budget,
+                           extra=["--max-new-tokens", str(max(args.decode_tokens, 256)),
+                                  "--tail-tokens", str(min(512, args.budget // 4))]).start(timeout=600)
+    try:
+        branches = {str(size): branch(server, int(size), args.seed) for size in args.tokens.split(",")}
+        switched = switches(server, args.budget, args.seed + 100)
+        rates = {n: decode(server, n, args.decode_tokens) for n in (1, 2, 4)}
+        waited = busy(server, args.decode_tokens)
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    first = branches[args.tokens.split(",")[0]]
+    result: dict[str, Any] = {
+        "model": args.model, "budget_tokens": args.budget, "branches": branches,
+        "branch_prefill_fraction": first["branch_prefill_fraction"], "branch_ttft_ms": first["branch_ttft_ms"],
+        **switched, "decode_tok_s": {str(n): round(r, 2) for n, r in rates.items()},
+        "decode_speedup_2": round(rates[2] / rates[1], 2), "decode_speedup_4": round(rates[4] / rates[1], 2),
+        **waited}
+    other = other_cpu_share(machine0, machine_cpu_seconds(), own_cpu_seconds() - ours0)
+    for size, figures in branches.items():
+        print(f"branch of a {figures['parent_tokens']:,}-token session ({size}): prefilled "
+              f"{figures['prefilled_tokens']} of {figures['prompt_tokens']} tokens, first token in "
+              f"{figures['branch_ttft_ms']} ms (a fresh prefill: ~{figures['fresh_ttft_ms_estimate']} ms)")
+    print(f"switch between two sessions: p50 {switched['switch_ms_p50']} ms, p95 {switched['switch_ms_p95']} ms")
+    print(f"decode tok/s with 1/2/4 sessions: {result['decode_tok_s']}")
+    print(f"first token behind a {args.decode_tokens}-token answer: {waited['ttft_busy_ms']} ms "
+          f"({waited['ttft_ratio_busy']}x idle)")
+    print_result(result, other)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
