@@ -10,8 +10,11 @@ transcript in every request; harness.workload's `read` results):
   does. `branch_prefill_fraction` is the tokens the branch prefilled over its prompt tokens,
   `branch_ttft_ms` its time to the first streamed content, and `fresh_ttft_ms_estimate` what a
   server that shares nothing would take: the prompt at the prefill rate of the parent's own build;
-- **switches**: two sessions of about one budget each, answered in turn; `switch_ms_p50` / `_p95`
-  are the engine's time to bring the other session into the backend (`last_turn.activate_ms`);
+- **switches**: sessions of about one budget each, answered in turn, on a server holding
+  `--resident-sessions` caches (2): between two resident sessions (`switch_ms_p50` / `_p95`, the
+  engine's time to bring the other session in: `last_turn.activate_ms`), and round-robin over one
+  session more than there are caches, so every turn restores its working set from the store
+  (`switch_from_store_ms_p50` / `_p95`);
 - **decode**: 1, 2 and 4 sessions asking for `--decode-tokens` each at the same moment; the
   aggregate decoded tokens a second, and `decode_speedup_2` / `_4` over one session's;
 - **busy**: a short request in another session while one session decodes `--decode-tokens`;
@@ -104,16 +107,30 @@ def branch(server: ServerProcess, size: int, seed: int) -> dict[str, Any]:
             + counters["decoded_tokens"]}
 
 
-def switches(server: ServerProcess, budget: int, seed: int) -> dict[str, Any]:
-    runs = [grown(server, f"switch-{n}", budget, seed + n) for n in range(2)]
-    activate = []
-    for turn in range(SWITCH_TURNS):
-        run = runs[turn % 2]
-        run.ask([{"role": "user", "content": f"Turn {turn}: one more word."}])
-        timings = server.stats(run.session_id)["last_turn"]
-        activate.append(timings["activate_ms"])
-    return {"switch_ms_p50": round(percentile(activate, 50), 1), "switch_ms_p95": round(percentile(activate, 95), 1),
-            "switch_samples": len(activate)}
+def switches(server: ServerProcess, budget: int, resident: int, seed: int) -> dict[str, Any]:
+    runs = [grown(server, f"switch-{n}", budget, seed + n) for n in range(resident + 1)]
+
+    def round_robin(sessions: list[AgentRun], restored: bool) -> list[float]:
+        """activate_ms of each turn, round-robin, that restored pages from the store (or did not)."""
+        activate = []
+        turn = 0
+        while len(activate) < SWITCH_TURNS:
+            if turn > 4 * SWITCH_TURNS:
+                raise RuntimeError(f"round-robin over {len(sessions)} sessions: only {len(activate)} turns "
+                                   f"{'restored' if restored else 'stayed resident'}")
+            run = sessions[turn % len(sessions)]
+            before = run.turns[-1].counters["recovered_pages"]
+            record = run.ask([{"role": "user", "content": f"Turn {turn}: one more word."}])
+            if (record.counters["recovered_pages"] > before) == restored and turn >= len(sessions):
+                activate.append(server.stats(run.session_id)["last_turn"]["activate_ms"])
+            turn += 1
+        return activate
+
+    between = round_robin(runs[:2], restored=False)   # both resident once each has had a turn
+    from_store = round_robin(runs, restored=True)     # one session more than caches: misses
+    return {"switch_ms_p50": round(percentile(between, 50), 1), "switch_ms_p95": round(percentile(between, 95), 1),
+            "switch_from_store_ms_p50": round(percentile(from_store, 50), 1),
+            "switch_from_store_ms_p95": round(percentile(from_store, 95), 1), "switch_samples": len(between)}
 
 
 def decode(server: ServerProcess, sessions: int, tokens: int) -> float:
@@ -159,16 +176,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="16000", help="comma-separated parent sizes (e.g. 16000,128000)")
     parser.add_argument("--budget", type=int, default=4096)
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--resident-sessions", type=int, default=2)
     parser.add_argument("--seed", type=int, default=11)
     args = parser.parse_args(argv)
     machine0, ours0 = machine_cpu_seconds(), own_cpu_seconds()
     work = Path(tempfile.mkdtemp(prefix="kvb-sessions-", dir="/tmp"))
     server = ServerProcess(root=work / "root", model=args.model, budget=args.budget,
                            extra=["--max-new-tokens", str(max(args.decode_tokens, 256)),
-                                  "--tail-tokens", str(min(512, args.budget // 4))]).start(timeout=600)
+                                  "--tail-tokens", str(min(512, args.budget // 4)),
+                                  "--resident-sessions", str(args.resident_sessions)])
     try:
+        server.start(timeout=600)
         branches = {str(size): branch(server, int(size), args.seed) for size in args.tokens.split(",")}
-        switched = switches(server, args.budget, args.seed + 100)
+        switched = switches(server, args.budget, args.resident_sessions, args.seed + 100)
         rates = {n: decode(server, n, args.decode_tokens) for n in (1, 2, 4)}
         waited = busy(server, args.decode_tokens)
     finally:
@@ -186,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"branch of a {figures['parent_tokens']:,}-token session ({size}): prefilled "
               f"{figures['prefilled_tokens']} of {figures['prompt_tokens']} tokens, first token in "
               f"{figures['branch_ttft_ms']} ms (a fresh prefill: ~{figures['fresh_ttft_ms_estimate']} ms)")
-    print(f"switch between two sessions: p50 {switched['switch_ms_p50']} ms, p95 {switched['switch_ms_p95']} ms")
+    print(f"switch between two resident sessions: p50 {switched['switch_ms_p50']} ms, p95 {switched['switch_ms_p95']} "
+          f"ms; from the store: p50 {switched['switch_from_store_ms_p50']} ms, p95 "
+          f"{switched['switch_from_store_ms_p95']} ms")
     print(f"decode tok/s with 1/2/4 sessions: {result['decode_tok_s']}")
     print(f"first token behind a {args.decode_tokens}-token answer: {waited['ttft_busy_ms']} ms "
           f"({waited['ttft_ratio_busy']}x idle)")

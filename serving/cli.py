@@ -62,7 +62,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     socket_path = Path(args.socket) if args.socket else default_socket(root / "contextd")
     config = EngineConfig(budget_tokens=args.budget, max_new_tokens=args.max_new_tokens,
                           tail_tokens=args.tail_tokens, lease_turns=args.lease_turns,
-                          compress_pages=args.compress == "zstd", placement=args.placement, refresh=args.refresh)
+                          compress_pages=args.compress == "zstd", placement=args.placement, refresh=args.refresh,
+                          resident_sessions=args.resident_sessions)
     client, daemon = _connect_or_start_contextd(root, socket_path)
     try:
         backend = load_backend(args.backend, args.model, device=args.device, dtype=args.dtype,
@@ -138,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prefill a turn's restored pages again in the current view (a forward pass over "
                        "history, counted as refresh_forward_tokens; off by default, docs/proof.md measures it)")
     serve.add_argument("--max-new-tokens", type=int, default=1024, help="cap on tokens generated per turn")
+    serve.add_argument("--resident-sessions", type=int, default=1, metavar="N",
+                       help="sessions whose caches stay in memory, least recently used out (each holds a budget's "
+                       "worth of K/V: kv_bytes_per_token x (budget + 256)); a turn for a resident session moves no "
+                       "page, another restores its working set from the store")
     serve.add_argument("--selector", default="hybrid", choices=list(SELECTORS),
                        help="who advises which pages come back (default: hybrid: rare token ids and byte "
                        "n-grams, coverage, neighbours; attention: the model's own keys; see docs/controller.md)")

@@ -8,9 +8,11 @@ the pager says so), let the selector advise which cold pages come back (controll
 canonical store, the recurrent snapshot and the session record. A restore copies the exact stored
 tensors back: `historical_forward_during_restore` stays 0.
 
-The backend holds one session's cache at a time. Another session's turn empties the backend and
-restores that session's resident pages and recurrent state from the store: copies, never a
-forward pass. The same path (serving.recovery) brings a session back after a crash.
+Up to `resident_sessions` sessions keep a cache of their own (forks of the backend that share its
+weights), least recently used first out: a turn for a resident session only points the engine at
+its cache, with no page I/O. A session without one takes a free cache, or the least recently used
+session's, emptied, and has its resident pages and recurrent state restored from the store:
+copies, never a forward pass. The same path (serving.recovery) brings a session back after a crash.
 
 A session that contextd does not know yet, whose prompt begins with whole stored pages of another
 session (a Pi `/fork`, a resumed branch, a subagent with the same system prompt and tools),
@@ -29,6 +31,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -93,10 +96,13 @@ class EngineConfig:
     refresh: bool = False          # prefill restored pages' tokens again in the current view (PageMover.refresh)
     key_index: KeyIndexConfig = field(default_factory=KeyIndexConfig)
     lexical_index: LexicalConfig = DEFAULT_LEXICAL
+    resident_sessions: int = 1     # sessions whose caches stay in memory (each a budget's worth of K/V)
 
     def __post_init__(self) -> None:
         if self.prefill_chunk <= 0 or self.max_new_tokens <= 0:
             raise ValueError("prefill_chunk and max_new_tokens must be positive")
+        if self.resident_sessions < 1:
+            raise ValueError(f"resident_sessions must be >= 1, got {self.resident_sessions}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, not {self.placement!r}")
         self.pager_config()  # validates the budget knobs
@@ -182,7 +188,8 @@ class ProbeResult:
 
 
 class Engine:
-    """Owns the backend. Not thread-safe: the server runs every call on one worker thread."""
+    """Owns the backend and its forks. Not thread-safe: the server runs every call on one worker thread.
+    `self.backend` (and the mover's) is the cache of the session being served."""
 
     def __init__(self, backend: Backend, chat_format: ChatFormat, contextd: Client, config: EngineConfig,
                  selector: Selector | None = None) -> None:
@@ -195,7 +202,9 @@ class Engine:
         self.mover = PageMover(backend, contextd, self.tally, compress=config.compress_pages)
         self.recovery = Recovery(self.mover, contextd, self.tally, self._indexes)
         self.sessions: dict[str, Session] = {}
-        self.active: str | None = None
+        self.active: str | None = None                 # the session whose cache `self.backend` is
+        self.caches: OrderedDict[str, Backend] = OrderedDict()  # resident session -> its cache, oldest first
+        self.spare_caches: list[Backend] = [backend]   # empty caches no session holds
         self.watched: dict[str, list[str]] = {}        # session -> candidate answers to score at its next turn
         self.readings: dict[str, ViewReading] = {}     # session -> what its last watched turn's answer read
         self.stop_ids = chat_format.stop_ids
@@ -217,6 +226,34 @@ class Engine:
     def _lexical_index(self) -> LexicalIndex:
         return LexicalIndex(self.config.lexical_index, stop_ids=self.format.template_ids,
                             token_bytes=self.format.token_bytes)
+
+    def _take_cache(self, session_id: str) -> None:
+        """Point the engine at `session_id`'s cache: its own when it is resident (nothing moves),
+        else a spare one, a new fork while fewer than `resident_sessions` exist, or the least
+        recently used session's (that session keeps its pages in the store and its state in memory;
+        `_activate` fills the cache)."""
+        cache = self.caches.get(session_id)
+        session = self.sessions.get(session_id)
+        if cache is not None and session is not None:
+            self.caches.move_to_end(session_id)
+            if self.active != session_id:
+                self.tally.count(session, session_switches=1)
+                self.active = session_id
+            self._use(cache)
+            return
+        if cache is None:
+            if self.spare_caches:
+                cache = self.spare_caches.pop()
+            elif len(self.caches) < self.config.resident_sessions:
+                cache = self.backend.fork()
+            else:
+                _, cache = self.caches.popitem(last=False)
+            self.caches[session_id] = cache
+        self._use(cache)
+
+    def _use(self, cache: Backend) -> None:
+        self.backend = cache
+        self.mover.backend = cache
 
     def _activate(self, session_id: str, fingerprint: Fingerprint) -> Session:
         """Make `session_id` the backend's session: from memory, from contextd, or new."""
@@ -247,13 +284,14 @@ class Engine:
     def chat(self, request: ChatRequest) -> Iterator[TurnEvent]:
         """Run one turn; yield text deltas, then one final event with the result."""
         started = time.perf_counter()
-        before = self.backend.counters
         fingerprint = self.format.fingerprint(request.tools, request.thinking)
         known = self.sessions.get(request.session_id)
         # A malformed request fails before any work.
         self.format.check(request.messages, known.render_memo if known is not None else None)
         activating = time.perf_counter()
         parent = self._branch(request, fingerprint) if known is None else ""
+        self._take_cache(request.session_id)
+        before = self.backend.counters
         session = self._activate(request.session_id, fingerprint)
         refreshed_before = session.counters.refresh_forward_tokens
         session.phase_ms = {"receive": request.received_ms, "activate": (time.perf_counter() - activating) * 1e3}
@@ -651,7 +689,9 @@ class Engine:
 
     def forget_active(self) -> None:
         """After a failed turn the backend's state is unknown: the next turn reloads from contextd."""
+        self.mover.empty()
         if self.active is not None:
             self.sessions.pop(self.active, None)
+            if self.caches.pop(self.active, None) is not None:
+                self.spare_caches.append(self.backend)
         self.active = None
-        self.mover.empty()

@@ -55,6 +55,7 @@ def stats(engine: Engine, session_id: str | None) -> dict[str, Any]:
     if session_id is None:
         return {"counters": engine.totals.as_dict(), "sessions": sorted(engine.sessions),
                 "budget_tokens": engine.config.budget_tokens, "active_session": engine.active,
+                "resident_sessions": [s for s in engine.caches if s in engine.sessions],
                 "attention_tokens": backend.attention_tokens, "kv_bytes_per_token": kv_bytes_per_token(backend)}
     session = engine.sessions[session_id]
     pager = session.pager

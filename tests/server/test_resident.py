@@ -1,0 +1,74 @@
+"""Resident sessions through a real server: with `--resident-sessions 2` two sessions keep their
+caches, so a turn for the other one moves no page (nothing is restored from the store), a third
+session pushes the least recently used one out (its next turn restores its working set), and
+every answer is the one a server holding a single cache gives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from serving.launcher import ServerProcess
+from tests.server.test_server import SYSTEM, assistant
+
+
+def opening(name: str) -> list[dict[str, Any]]:
+    body = " ".join(f"{name}_{i}" for i in range(600))   # past the 1,024-token budget in two turns
+    return [SYSTEM, {"role": "user", "content": f"Notes of {name}:\n{body}\nRemember them."}]
+
+
+def play(server: ServerProcess, order: list[str]) -> tuple[list[str], list[dict[str, Any]]]:
+    """Each name in `order` asks its session one more question; the answers and each turn's stats."""
+    transcripts = {name: opening(name) for name in set(order)}
+    answers, stats = [], []
+    for turn, name in enumerate(order):
+        messages = transcripts[name]
+        reply = server.chat(messages, session=name, max_tokens=6)
+        assert reply.status == 200, reply.body
+        messages += [assistant(reply), {"role": "user", "content": f"Turn {turn}: what did {name} say?"}]
+        answers.append(reply.body["choices"][0]["message"]["content"])
+        stats.append(server.stats(name))
+    return answers, stats
+
+
+def test_resident_sessions_switch_without_page_io_and_answer_as_one_cache_does(server_factory: Any) -> None:
+    order = ["a", "b", "a", "b", "a", "b", "c", "a", "c", "a"]
+    resident: ServerProcess = server_factory("tiny-llama", 1024, "--resident-sessions", "2")
+    answers, stats = play(resident, order)
+    single: ServerProcess = server_factory("tiny-llama", 1024)
+    assert play(single, order)[0] == answers
+
+    recovered = [s["counters"]["recovered_pages"] for s in stats]
+    switches = [s["counters"]["session_switches"] for s in stats]
+    # turns 2-5 go back and forth between a and b: switches, and nothing read from the store
+    assert switches[2] > switches[0] and switches[5] > switches[3]
+    assert recovered[2] == recovered[4] == 0 and recovered[3] == recovered[5] == 0
+    assert all(s["last_turn"]["activate_ms"] < 50 for s in stats[2:6]), [s["last_turn"] for s in stats]
+    # c came in and pushed out a (least recently used then); a's next turn pushed out b and
+    # restored a's working set from the store; from then on a and c switch without page I/O
+    assert recovered[7] > 0 and recovered[8] == 0 and recovered[9] == recovered[7]
+    totals = resident.stats()
+    assert sorted(totals["resident_sessions"]) == ["a", "c"]
+    for s in stats:
+        counters = s["counters"]
+        assert counters["historical_forward_during_restore"] == 0
+        assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
+    # on one cache every switch restores the other session's working set
+    single_stats = single.stats("a")["counters"]
+    assert single_stats["recovered_pages"] > 0
+
+
+def test_a_pushed_out_session_restores_its_working_set(server_factory: Any) -> None:
+    resident: ServerProcess = server_factory("tiny-llama", 1024, "--resident-sessions", "2")
+    _, stats = play(resident, ["a", "b", "c", "a"])
+    assert stats[3]["counters"]["recovered_pages"] > 0   # a was least recently used when c came
+    assert sorted(resident.stats()["resident_sessions"]) == ["a", "c"]
+
+
+def test_a_resident_session_count_below_one_is_refused(server_factory: Any) -> None:
+    server: ServerProcess = server_factory("tiny-llama", 1024, "--resident-sessions", "0", start=False)
+    try:
+        server.start(timeout=60)
+    except RuntimeError as exc:
+        assert "resident_sessions must be >= 1" in str(exc)
+    else:
+        raise AssertionError("a server with --resident-sessions 0 started")
