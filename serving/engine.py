@@ -205,6 +205,7 @@ class Engine:
         self.active: str | None = None                 # the session whose cache `self.backend` is
         self.caches: OrderedDict[str, Backend] = OrderedDict()  # resident session -> its cache, oldest first
         self.spare_caches: list[Backend] = [backend]   # empty caches no session holds
+        self.turning: set[str] = set()                 # sessions with a turn in progress (their caches stay)
         self.watched: dict[str, list[str]] = {}        # session -> candidate answers to score at its next turn
         self.readings: dict[str, ViewReading] = {}     # session -> what its last watched turn's answer read
         self.stop_ids = chat_format.stop_ids
@@ -247,13 +248,22 @@ class Engine:
             elif len(self.caches) < self.config.resident_sessions:
                 cache = self.backend.fork()
             else:
-                _, cache = self.caches.popitem(last=False)
+                oldest = next((s for s in self.caches if s not in self.turning), None)
+                if oldest is None:
+                    raise RuntimeError(f"all {len(self.caches)} caches hold a turn in progress")
+                cache = self.caches.pop(oldest)
             self.caches[session_id] = cache
         self._use(cache)
 
     def _use(self, cache: Backend) -> None:
         self.backend = cache
         self.mover.backend = cache
+
+    def resume(self, session_id: str) -> None:
+        """Point the engine back at a session whose turn is in progress, before its next step (the
+        server's worker interleaves the turns of resident sessions): its cache, as it left it."""
+        self._use(self.caches[session_id])
+        self.active = session_id
 
     def _activate(self, session_id: str, fingerprint: Fingerprint) -> Session:
         """Make `session_id` the backend's session: from memory, from contextd, or new."""
@@ -281,8 +291,17 @@ class Engine:
 
     # ------------------------------------------------------------------ the turn
 
-    def chat(self, request: ChatRequest) -> Iterator[TurnEvent]:
-        """Run one turn; yield text deltas, then one final event with the result."""
+    def chat(self, request: ChatRequest) -> Generator[TurnEvent, None, None]:
+        """Run one turn; yield text deltas, then one final event with the result. Between two
+        events another session's turn may run (the server's worker), after which `resume` must
+        point the engine back at this one."""
+        self.turning.add(request.session_id)
+        try:
+            yield from self._turn(request)
+        finally:
+            self.turning.discard(request.session_id)
+
+    def _turn(self, request: ChatRequest) -> Iterator[TurnEvent]:
         started = time.perf_counter()
         fingerprint = self.format.fingerprint(request.tools, request.thinking)
         known = self.sessions.get(request.session_id)

@@ -12,7 +12,10 @@ Routes:
   GET  /health
 
 Request threads parse and validate; the single worker runs turns in arrival order and streams
-events back through a queue. Session identity: the `X-KV-Session` header, else the
+events back through a queue. It runs up to `--resident-sessions` turns of different sessions at
+once, one step each in turn (a step is a prefill up to the answer's first token, or one decoded
+token), so a short request does not wait for another session's long answer; a session's own
+turns run one after the other. Session identity: the `X-KV-Session` header, else the
 `X-Session-Affinity` header Pi sends, else a digest of the transcript's first messages. Response
 headers say what the server did: `X-KV-Session`, `X-KV-Prefilled-Tokens`, and `X-KV-Rebuilt` /
 `X-KV-Sampled` with a reason when it had to.
@@ -33,7 +36,9 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Generator
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -66,14 +71,23 @@ class _Job:
     gone: threading.Event  # the client disconnected: a queued turn is dropped, a running one ends
 
 
+@dataclass
+class _Turn:
+    job: _Job
+    steps: Generator[TurnEvent, None, None] = field(init=False)
+    started: bool = False
+
+
 class Worker(threading.Thread):
-    """The one thread that touches the engine (and so the model)."""
+    """The one thread that touches the engine (and so the model). It interleaves the turns of up
+    to `resident_sessions` different sessions, a step at a time: each has a cache of its own, so
+    going from one to the next moves no page (Engine.resume)."""
 
     def __init__(self, engine: Engine) -> None:
         super().__init__(name="kv-elision-worker", daemon=True)
         self.engine = engine
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
-        self.lock = threading.Lock()  # held while a turn runs; stats readers take it briefly
+        self.lock = threading.Lock()  # held during a step; stats readers take it briefly between steps
 
     def submit(self, request: ChatRequest) -> _Job:
         job = _Job(request, queue.Queue(), threading.Event())
@@ -82,25 +96,69 @@ class Worker(threading.Thread):
         return job
 
     def run(self) -> None:
+        waiting: deque[_Job] = deque()
+        running: list[_Turn] = []
         while True:
-            job = self.jobs.get()
-            if job is None:
-                return
+            block = not running and not waiting
+            while True:
+                try:
+                    job = self.jobs.get(block=block)
+                except queue.Empty:
+                    break
+                if job is None:
+                    for turn in running:
+                        turn.steps.close()
+                        turn.job.events.put(RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is stopping"))
+                    return
+                waiting.append(job)
+                block = False
+            self._admit(waiting, running)
+            for turn in list(running):
+                if not self._step(turn):
+                    running.remove(turn)
+
+    def _admit(self, waiting: deque[_Job], running: list[_Turn]) -> None:
+        """Start the waiting turns, in arrival order, of sessions with no turn running, while
+        fewer than `resident_sessions` run; drop those whose client left."""
+        busy = {turn.job.request.session_id for turn in running}
+        for job in list(waiting):
             if job.gone.is_set():
+                waiting.remove(job)
                 log.info("session %s: the client left before its turn started; dropped", job.request.session_id)
                 job.events.put(RequestError(HTTPStatus.BAD_REQUEST, "the client disconnected"))
-                continue
-            with self.lock:
-                try:
-                    for event in self.engine.chat(job.request):
-                        job.events.put(event)
-                except Exception as exc:  # noqa: BLE001 - the worker must outlive any one turn
-                    error = error_for(exc)
-                    if error.kind == "server_error":
-                        log.exception("turn failed")
-                    if not isinstance(exc, TranscriptError):
-                        self.engine.forget_active()   # the next turn starts from the last durable state
-                    job.events.put(error)
+            elif job.request.session_id not in busy and len(running) < self.engine.config.resident_sessions:
+                waiting.remove(job)
+                turn = _Turn(job)
+                turn.steps = self.engine.chat(job.request)
+                running.append(turn)
+                busy.add(job.request.session_id)
+
+    def _step(self, turn: _Turn) -> bool:
+        """Advance one turn by a step (to its end once its final event is out, so what the turn
+        leaves behind is there before the lock is let go); False once it has ended."""
+        job = turn.job
+        with self.lock:
+            try:
+                if turn.started:
+                    self.engine.resume(job.request.session_id)
+                turn.started = True
+                event = next(turn.steps)
+                job.events.put(event)
+                if event.final is not None:
+                    for rest in turn.steps:
+                        job.events.put(rest)
+                    return False
+                return True
+            except StopIteration:
+                return False
+            except Exception as exc:  # noqa: BLE001 - the worker must outlive any one turn
+                error = error_for(exc)
+                if error.kind == "server_error":
+                    log.exception("turn failed")
+                if not isinstance(exc, TranscriptError):
+                    self.engine.forget_active()   # the next turn starts from the last durable state
+                job.events.put(error)
+                return False
 
 
 # What a failed turn answers, by the exception out of the engine: the first row whose type matches

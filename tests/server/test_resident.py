@@ -5,6 +5,9 @@ every answer is the one a server holding a single cache gives."""
 
 from __future__ import annotations
 
+import http.client
+import json
+import threading
 from typing import Any
 
 from serving.launcher import ServerProcess
@@ -72,3 +75,39 @@ def test_a_resident_session_count_below_one_is_refused(server_factory: Any) -> N
         assert "resident_sessions must be >= 1" in str(exc)
     else:
         raise AssertionError("a server with --resident-sessions 0 started")
+
+
+def test_a_short_request_is_answered_while_another_session_writes_a_long_answer(server_factory: Any) -> None:
+    server: ServerProcess = server_factory("tiny-llama", 1024, "--resident-sessions", "2", "--max-new-tokens", "400")
+    long_messages = [SYSTEM, {"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+    short_messages = [SYSTEM, {"role": "user", "content": "Say yes."}]
+    chunks: list[str] = []
+    writing = threading.Event()
+
+    def long_answer() -> None:
+        """Stream the long answer, noting when its text starts to arrive."""
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
+        conn.request("POST", "/v1/chat/completions", json.dumps({
+            "model": "tiny-llama", "messages": long_messages, "max_tokens": 400, "stream": True}),
+            headers={"X-KV-Session": "long", "Content-Type": "application/json"})
+        for raw in conn.getresponse():
+            line = raw.decode().strip()
+            if line.startswith("data: {"):
+                chunks.extend(c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"])
+                writing.set()
+        conn.close()
+
+    streaming = threading.Thread(target=long_answer)
+    streaming.start()
+    assert writing.wait(60)
+    short = server.chat(short_messages, session="short", max_tokens=4)
+    written_meanwhile = len(chunks)
+    streaming.join()
+    assert short.status == 200, short.body
+    assert len(chunks) > written_meanwhile + 50   # most of the long answer came after the short one
+    # Interleaved, each answer is the one it is alone.
+    alone: ServerProcess = server_factory("tiny-llama", 1024, "--max-new-tokens", "400")
+    assert alone.chat(long_messages, session="long", max_tokens=400).body["choices"][0]["message"]["content"] \
+        == "".join(chunks)
+    assert alone.chat(short_messages, session="short", max_tokens=4).body["choices"][0]["message"] \
+        == short.body["choices"][0]["message"]
