@@ -72,7 +72,7 @@ lint: $(STAMP)
 test: $(STAMP) $(EXT_STAMP)
 	$(PY) -m ruff check contextd backends controller serving harness benchmarks tests
 	$(PY) -m mypy contextd controller serving backends harness
-	$(PY) -m pytest -q -n auto --dist worksteal
+	$(PY) -m pytest -q -n auto --dist worksteal --durations=25
 	$(MAKE) --no-print-directory test-extension
 
 test-extension: $(STAMP) $(EXT_STAMP)

@@ -56,7 +56,6 @@ class LexicalConfig:
     idf_power: float = 1.0                   # > 1 lets the rarest shared term dominate the sum
     idf_over: str = "candidates"             # "candidates" (the pages scored) or "all" (every indexed page)
     max_df_pages: int = 512                  # a term in more pages than this is skipped (see below)
-    fold_case: bool = False                  # byte n-grams over ASCII-lowercased bytes (A-Z only)
 
     def __post_init__(self) -> None:
         if not self.token_ngrams and not self.byte_ngrams:
@@ -173,8 +172,7 @@ class LexicalIndex:
             table = self.token_bytes
             pieces = [table[i] if 0 <= i < len(table) else b"" for i in ids.tolist()]
             lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
-            joined = b"".join(pieces)
-            raw = np.frombuffer(joined.lower() if self.config.fold_case else joined, dtype=np.uint8).astype(np.uint64)
+            raw = np.frombuffer(b"".join(pieces), dtype=np.uint8).astype(np.uint64)
             owner = np.repeat(np.arange(len(ids), dtype=np.int64), lengths)   # byte -> token
             blocked = np.repeat(stop, lengths)
             for n in self.config.byte_ngrams:
