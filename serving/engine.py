@@ -656,6 +656,7 @@ class Engine:
         new tokens back out: nothing is generated and the session is left as it was. For measuring
         selectors (benchmarks.selectors and the retrieval tests)."""
         fingerprint = self.format.fingerprint(request.tools, request.thinking)
+        self._take_cache(request.session_id)
         session = self._activate(request.session_id, fingerprint)
         rendering = self.format.render(request.messages, request.tools, request.thinking, session.transcript.generated,
                                        session.render_memo)
