@@ -162,11 +162,16 @@ class TurnResult:
 
 @dataclass(frozen=True)
 class TurnEvent:
-    """Streamed out of `Engine.chat`: one `prepared` once the prompt is in, text deltas, one `final`."""
+    """Streamed out of `Engine.chat`: one `prepared` once the prompt is in, text deltas, one `final`.
+    An empty one (`pause`) comes between prefill chunks: a point where another session's turn may run."""
 
     delta: str = ""
     prepared: Prepared | None = None
     final: TurnResult | None = None
+
+    @property
+    def pause(self) -> bool:
+        return not (self.delta or self.prepared or self.final)
 
 
 @dataclass(frozen=True)
@@ -206,6 +211,7 @@ class Engine:
         self.caches: OrderedDict[str, Backend] = OrderedDict()  # resident session -> its cache, oldest first
         self.spare_caches: list[Backend] = [backend]   # empty caches no session holds
         self.turning: set[str] = set()                 # sessions with a turn in progress (their caches stay)
+        self.paused_ms: dict[str, float] = {}          # per turn in progress: time other turns ran meanwhile
         self.watched: dict[str, list[str]] = {}        # session -> candidate answers to score at its next turn
         self.readings: dict[str, ViewReading] = {}     # session -> what its last watched turn's answer read
         self.stop_ids = chat_format.stop_ids
@@ -295,11 +301,17 @@ class Engine:
         """Run one turn; yield text deltas, then one final event with the result. Between two
         events another session's turn may run (the server's worker), after which `resume` must
         point the engine back at this one."""
-        self.turning.add(request.session_id)
+        session_id = request.session_id
+        self.turning.add(session_id)
+        self.paused_ms[session_id] = 0.0
         try:
-            yield from self._turn(request)
+            for event in self._turn(request):
+                paused = time.perf_counter()
+                yield event
+                self.paused_ms[session_id] += (time.perf_counter() - paused) * 1e3
         finally:
-            self.turning.discard(request.session_id)
+            self.turning.discard(session_id)
+            self.paused_ms.pop(session_id, None)
 
     def _turn(self, request: ChatRequest) -> Iterator[TurnEvent]:
         started = time.perf_counter()
@@ -359,12 +371,12 @@ class Engine:
         # answer token comes from then see the restored pages too.
         body, opener = (pieces[:-1], pieces[-1:]) if pieces[-1].segment.opener else (pieces, [])
         for piece in body:
-            self._prefill(session, piece.segment, piece.pin)
+            yield from self._prefill(session, piece.segment, piece.pin)
             if piece.tool_call:
                 session.pager.mark_ledger(len(session.pager.pages) - 1)
         restored, placed = self._apply_plan(session, request, sum(len(p.segment.ids) for p in body))
         for piece in opener:
-            self._prefill(session, piece.segment, piece.pin)
+            yield from self._prefill(session, piece.segment, piece.pin)
         watched = self._capture_answer_view(session, restored)
         yield TurnEvent(prepared=Prepared(prefilled_tokens=len(prompt_ids), rebuilt=rebuilt))
 
@@ -502,7 +514,8 @@ class Engine:
             return None
         return self.mover.newest_keys(min(new_tokens, self.config.key_index.incoming_tokens))
 
-    def _prefill(self, session: Session, segment: Segment, pin: PinKind | None) -> None:
+    def _prefill(self, session: Session, segment: Segment, pin: PinKind | None) -> Iterator[TurnEvent]:
+        """Prefill one segment in chunks, pausing after each (another session's turn may run)."""
         chunk = self.config.prefill_chunk
         for i in range(0, len(segment.ids), chunk):
             part = segment.ids[i:i + chunk]
@@ -511,6 +524,7 @@ class Engine:
             crashpoints.reached("serving.prefill.chunk")
             session.pager.append(part, pin=pin)
             self.tally.peak(session, self.backend.attention_tokens)
+            yield TurnEvent()
         session.transcript.append(segment)
         self.mover.snapshot_recurrent(session)
 
@@ -630,7 +644,7 @@ class Engine:
         persisting = time.perf_counter()
         self.mover.persist(session, lambda: self._record(session))
         session.timed("persist", persisting)
-        elapsed_ms = (time.perf_counter() - started) * 1e3
+        elapsed_ms = (time.perf_counter() - started) * 1e3 - self.paused_ms.get(session.session_id, 0.0)
         session.last_turn = TurnTimings(total_ms=elapsed_ms + session.phase_ms["receive"],
                                         forward_ms=(after.forward_ns - before.forward_ns) / 1e6,
                                         phases=dict(session.phase_ms))
@@ -670,7 +684,8 @@ class Engine:
         for piece in self._prompt_pieces(session, request, rendering, alignment.new_text):
             if piece.segment.opener:
                 continue  # as in a turn: the plan is made before the answer's opening is prefilled
-            self._prefill(session, piece.segment, piece.pin)
+            for _ in self._prefill(session, piece.segment, piece.pin):
+                pass   # a probe runs alone: nothing to interleave at its pauses
             new_tokens += len(piece.segment.ids)
         pager = session.pager
         if session.key_index is None and any(s.uses_key_index for s in selectors):

@@ -13,9 +13,9 @@ Routes:
 
 Request threads parse and validate; the single worker runs turns in arrival order and streams
 events back through a queue. It runs up to `--resident-sessions` turns of different sessions at
-once, one step each in turn (a step is a prefill up to the answer's first token, or one decoded
-token), so a short request does not wait for another session's long answer; a session's own
-turns run one after the other. Session identity: the `X-KV-Session` header, else the
+once, one step each in turn (a step is one prefill chunk, the plan, or one decoded token), so a
+short request does not wait for another session's long prefill or answer; a session's own turns
+run one after the other. Session identity: the `X-KV-Session` header, else the
 `X-Session-Affinity` header Pi sends, else a digest of the transcript's first messages. Response
 headers say what the server did: `X-KV-Session`, `X-KV-Prefilled-Tokens`, and `X-KV-Rebuilt` /
 `X-KV-Sampled` with a reason when it had to.
@@ -134,8 +134,9 @@ class Worker(threading.Thread):
                 busy.add(job.request.session_id)
 
     def _step(self, turn: _Turn) -> bool:
-        """Advance one turn by a step (to its end once its final event is out, so what the turn
-        leaves behind is there before the lock is let go); False once it has ended."""
+        """Advance one turn by a step: to its next event or pause (and to its end once its final
+        event is out, so what the turn leaves behind is there before the lock is let go); False
+        once it has ended. Pauses are the worker's own, never sent to the client."""
         job = turn.job
         with self.lock:
             try:
@@ -143,6 +144,8 @@ class Worker(threading.Thread):
                     self.engine.resume(job.request.session_id)
                 turn.started = True
                 event = next(turn.steps)
+                if event.pause:
+                    return True
                 job.events.put(event)
                 if event.final is not None:
                     for rest in turn.steps:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 from typing import Any
 
 from serving.launcher import ServerProcess
@@ -111,3 +112,32 @@ def test_a_short_request_is_answered_while_another_session_writes_a_long_answer(
         == "".join(chunks)
     assert alone.chat(short_messages, session="short", max_tokens=4).body["choices"][0]["message"] \
         == short.body["choices"][0]["message"]
+
+
+def test_a_short_request_is_answered_while_another_session_prefills_a_long_prompt(server_factory: Any) -> None:
+    server: ServerProcess = server_factory("tiny-llama", 1024, "--resident-sessions", "2")
+    long_messages = [SYSTEM, {"role": "user", "content": " ".join(f"w{i}" for i in range(4000))}]
+    short_messages = [SYSTEM, {"role": "user", "content": "Say yes."}]
+    first_text: list[float] = []
+
+    def long_prompt() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
+        conn.request("POST", "/v1/chat/completions", json.dumps({
+            "model": "tiny-llama", "messages": long_messages, "max_tokens": 4, "stream": True}),
+            headers={"X-KV-Session": "long", "Content-Type": "application/json"})
+        for raw in conn.getresponse():
+            if raw.startswith(b"data: {") and not first_text:
+                first_text.append(time.monotonic())
+        conn.close()
+
+    prefilling = threading.Thread(target=long_prompt)
+    prefilling.start()
+    deadline = time.monotonic() + 60
+    while "long" not in server.stats()["sessions"]:   # its turn has begun: the prefill is under way
+        assert time.monotonic() < deadline
+    short = server.chat(short_messages, session="short", max_tokens=4)
+    answered = time.monotonic()
+    prefilling.join()
+    assert short.status == 200, short.body
+    assert first_text and answered < first_text[0]   # it did not wait for the ~10k-token prefill
+    assert server.stats("long")["session_tokens"] > 8_000

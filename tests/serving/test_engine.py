@@ -152,7 +152,7 @@ def test_a_corrupt_payload_is_reported_and_never_served(backend: Backend, contex
 
 
 def prepared(engine: Engine, session: str, messages: list[dict[str, Any]]) -> tuple[Prepared, TurnResult]:
-    events = list(engine.chat(ChatRequest(session, list(messages), max_tokens=4)))
+    events = [e for e in engine.chat(ChatRequest(session, list(messages), max_tokens=4)) if not e.pause]
     first = events[0].prepared
     final = events[-1].final
     assert first is not None and final is not None
