@@ -9,6 +9,7 @@ import http.client
 import json
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from serving.launcher import ServerProcess
@@ -32,6 +33,20 @@ def play(server: ServerProcess, order: list[str]) -> tuple[list[str], list[dict[
         answers.append(reply.body["choices"][0]["message"]["content"])
         stats.append(server.stats(name))
     return answers, stats
+
+
+def streamed(server: ServerProcess, session: str, messages: list[dict[str, Any]], max_tokens: int
+             ) -> Iterator[tuple[float, str]]:
+    """(arrival time, text) of each chunk of a streamed answer, as it arrives."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "model": "tiny-llama", "messages": messages, "max_tokens": max_tokens, "stream": True}),
+        headers={"X-KV-Session": session, "Content-Type": "application/json"})
+    for raw in conn.getresponse():
+        line = raw.decode().strip()
+        if line.startswith("data: {"):
+            yield time.monotonic(), "".join(c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"])
+    conn.close()
 
 
 def test_resident_sessions_switch_without_page_io_and_answer_as_one_cache_does(server_factory: Any) -> None:
@@ -86,17 +101,9 @@ def test_a_short_request_is_answered_while_another_session_writes_a_long_answer(
     writing = threading.Event()
 
     def long_answer() -> None:
-        """Stream the long answer, noting when its text starts to arrive."""
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
-        conn.request("POST", "/v1/chat/completions", json.dumps({
-            "model": "tiny-llama", "messages": long_messages, "max_tokens": 400, "stream": True}),
-            headers={"X-KV-Session": "long", "Content-Type": "application/json"})
-        for raw in conn.getresponse():
-            line = raw.decode().strip()
-            if line.startswith("data: {"):
-                chunks.extend(c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"])
-                writing.set()
-        conn.close()
+        for _, text in streamed(server, "long", long_messages, 400):
+            chunks.append(text)
+            writing.set()
 
     streaming = threading.Thread(target=long_answer)
     streaming.start()
@@ -121,14 +128,7 @@ def test_a_short_request_is_answered_while_another_session_prefills_a_long_promp
     first_text: list[float] = []
 
     def long_prompt() -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
-        conn.request("POST", "/v1/chat/completions", json.dumps({
-            "model": "tiny-llama", "messages": long_messages, "max_tokens": 4, "stream": True}),
-            headers={"X-KV-Session": "long", "Content-Type": "application/json"})
-        for raw in conn.getresponse():
-            if raw.startswith(b"data: {") and not first_text:
-                first_text.append(time.monotonic())
-        conn.close()
+        first_text.extend(arrived for arrived, _ in streamed(server, "long", long_messages, 4))
 
     prefilling = threading.Thread(target=long_prompt)
     prefilling.start()
