@@ -12,7 +12,7 @@ HELD_OUT_SEEDS.
 
     python -m benchmarks.selectors [--shapes all] [--seeds held-out|tuning|101,102]
         [--budgets 2048,4096] [--tokens 16000] [--selectors recency,attention,bm25,hybrid]
-        [--model smollm2-135m] [--ablation] [--controller-models smollm2-135m]
+        [--model smollm2-135m] [--ablation]
 
 Selectors: recency (no advice), attention (the model's keys, controller.keyindex), bm25 (lexical
 rarity alone: the 8 best pages by BM25 that fit), hybrid (the default, controller.hybrid), rerank

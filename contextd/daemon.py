@@ -253,57 +253,60 @@ class Daemon:
         transcript segments, manifest, pins and recurrent snapshots. Every payload is shared, not
         copied: a hard link in the new session's folder (payloads are immutable, and the file is
         gone only when its last owner deletes it). Counters and leases start empty; the label
-        `branch_of` names the parent. Links are made before the commit: a crash in between leaves
+        `branch_of` names the parent. Links are made before the commit, with the space lock held
+        from the read to the commit (no drop and no `gc` in between): a crash in between leaves
         files that no row names, which `gc` removes."""
         check_id(session_id, "session_id")
         if session_id == check_id(parent_id, "parent_id"):
             raise InvalidArgument(f"session {session_id} cannot branch from itself")
-        with self.store.read() as txn:
-            if txn.has(SESSIONS, SessionKey(session_id)):
-                raise FailedPrecondition(f"session {session_id} exists; a branch starts a new session")
-            parent = self._session(txn, parent_id)
-            record = txn.get(RECORDS, SessionKey(parent_id))
-            if record is None:
-                raise FailedPrecondition(f"session {parent_id} has no completed turn to branch from")
-            segments = [s for _, s in txn.scan(SEGMENTS, session_scope(parent_id))]
-            pages = [p for _, p in txn.scan(MANIFEST, session_scope(parent_id))]
-            pins = [(k.page_id, pin) for k, pin in txn.scan(PINS, session_scope(parent_id))]
-            snapshots = [s for _, s in txn.scan(SNAPSHOTS, session_scope(parent_id))]
-        shared = [p.locator for p in pages if p.locator and p.state in (HOT, COLD)] + \
-            [s.locator for s in snapshots if s.locator]
+        # Held from the read to the commit: no drop (reclaim) and no `gc` between them can remove a
+        # payload being shared, or a link made but not yet named by a row.
         with self._space_lock:
+            with self.store.read() as txn:
+                if txn.has(SESSIONS, SessionKey(session_id)):
+                    raise FailedPrecondition(f"session {session_id} exists; a branch starts a new session")
+                parent = self._session(txn, parent_id)
+                record = txn.get(RECORDS, SessionKey(parent_id))
+                if record is None:
+                    raise FailedPrecondition(f"session {parent_id} has no completed turn to branch from")
+                segments = [s for _, s in txn.scan(SEGMENTS, session_scope(parent_id))]
+                pages = [p for _, p in txn.scan(MANIFEST, session_scope(parent_id))]
+                pins = [(k.page_id, pin) for k, pin in txn.scan(PINS, session_scope(parent_id))]
+                snapshots = [s for _, s in txn.scan(SNAPSHOTS, session_scope(parent_id))]
+            shared = [p.locator for p in pages if p.locator and p.state in (HOT, COLD)] + \
+                [s.locator for s in snapshots if s.locator]
             moved = self.blobs.link(shared, session_id)
 
-        def op(txn: Txn) -> SessionRow:
-            if txn.has(SESSIONS, SessionKey(session_id)):
-                raise FailedPrecondition(f"session {session_id} exists; a branch starts a new session")
-            now = time.time()
-            for page_id, pin in pins:
-                txn.put(PINS, PageKey(session_id, page_id), pin)
-            counts = PageCounts()
-            for page in pages:
-                copy = replace(page, locator=moved.get(page.locator, ""), updated_unix=now)
-                if page.locator and page.locator not in moved:  # a corrupt page: nothing to share
-                    copy = replace(copy, state=DROPPED, checksum="", byte_size=0)
-                counts = self._put_page(txn, session_id, counts, None, copy)
-            for snapshot in snapshots:
-                if snapshot.locator in moved:
-                    txn.put(SNAPSHOTS, SnapshotKey(session_id, snapshot.slot),
-                            replace(snapshot, locator=moved[snapshot.locator]))
-            for seq, segment in enumerate(segments):
-                txn.put(SEGMENTS, SegmentKey(session_id, seq), segment)
-            txn.put(RECORDS, SessionKey(session_id), replace(record, counters={}))
-            session = replace(parent, session_id=session_id, created_unix=now, updated_unix=now, counters={},
-                              pages=counts, closed=False, labels={**parent.labels, "branch_of": parent_id})
-            txn.put(SESSIONS, SessionKey(session_id), session)
-            return session
+            def op(txn: Txn) -> SessionRow:
+                if txn.has(SESSIONS, SessionKey(session_id)):
+                    raise FailedPrecondition(f"session {session_id} exists; a branch starts a new session")
+                now = time.time()
+                for page_id, pin in pins:
+                    txn.put(PINS, PageKey(session_id, page_id), pin)
+                counts = PageCounts()
+                for page in pages:
+                    copy = replace(page, locator=moved.get(page.locator, ""), updated_unix=now)
+                    if page.locator and page.locator not in moved:  # a corrupt page: nothing to share
+                        copy = replace(copy, state=DROPPED, checksum="", byte_size=0)
+                    counts = self._put_page(txn, session_id, counts, None, copy)
+                for snapshot in snapshots:
+                    if snapshot.locator in moved:
+                        txn.put(SNAPSHOTS, SnapshotKey(session_id, snapshot.slot),
+                                replace(snapshot, locator=moved[snapshot.locator]))
+                for seq, segment in enumerate(segments):
+                    txn.put(SEGMENTS, SegmentKey(session_id, seq), segment)
+                txn.put(RECORDS, SessionKey(session_id), replace(record, counters={}))
+                session = replace(parent, session_id=session_id, created_unix=now, updated_unix=now, counters={},
+                                  pages=counts, closed=False, labels={**parent.labels, "branch_of": parent_id})
+                txn.put(SESSIONS, SessionKey(session_id), session)
+                return session
 
-        try:
-            session = self.store.write(op)[0]
-        except BaseException:
-            for locator in moved.values():
-                self.blobs.delete(locator)
-            raise
+            try:
+                session = self.store.write(op)[0]
+            except BaseException:
+                for locator in moved.values():
+                    self.blobs.delete(locator)
+                raise
         sizes = {p.locator: p.byte_size for p in pages} | {s.locator: s.byte_size for s in snapshots}
         return Branch(session, len(pages), sum(sizes[locator] for locator in moved))
 
@@ -567,7 +570,7 @@ class Daemon:
             if planned < bytes_needed and not partial:
                 return 0, []
 
-            def op(txn: Txn) -> list[str]:
+            def op(txn: Txn) -> list[tuple[str, int]]:
                 now = time.time()
                 locators = []
                 recorded: dict[str, set[int]] = {}
@@ -580,14 +583,18 @@ class Daemon:
                     if page is None or page.state != COLD or not self._may_drop(txn, sid, page, session.turn,
                                                                                  now, recorded[sid]):
                         continue
-                    locators.append(page.locator)
+                    locators.append((page.locator, page.byte_size))
                     new = replace(page, state=DROPPED, locator="", checksum="", byte_size=0, updated_unix=now)
                     counts = self._put_page(txn, sid, session.pages, page, new)
                     txn.put(SESSIONS, SessionKey(sid), replace(session, pages=counts))
                 return locators
 
-            locators = self.store.write(op)[0]
-            return sum(self.blobs.delete(loc) for loc in locators), chosen
+            dropped = self.store.write(op)[0]
+            for locator, _ in dropped:
+                self.blobs.delete(locator)
+            # What the store's accounting (bytes_on_disk, the quotas) lost: a payload a branch still
+            # shares frees no disk, yet counts no more against this session (docs/contextd.md).
+            return sum(size for _, size in dropped), chosen
 
     def mark_corrupt(self, session_id: str, page_id: str, reason: str) -> CommitInfo:
         key = PageKey(session_id, check_id(page_id, "page_id"))
@@ -800,7 +807,8 @@ class Daemon:
             grace = time.time() - 60.0  # a temp file younger than this may be a write in flight
             for locator, path in self.blobs.files():
                 is_temp = path.name.startswith(TEMP_PREFIX)
-                # a young payload file was written by an engine whose manifest upsert may not have landed yet
+                # a young payload file was written by an engine whose manifest upsert may not have landed
+                # yet (a branch's links are made and named under this lock: never seen half-made here)
                 if locator in refs or path.stat().st_mtime > grace:
                     continue
                 removed[is_temp] += 1

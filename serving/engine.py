@@ -43,7 +43,7 @@ from backends import Backend, Counters
 from backends.slots import pick_token
 from contextd import crashpoints
 from contextd.client import Client, pb
-from contextd.errors import NotFound
+from contextd.errors import FailedPrecondition, NotFound, StoreFull
 from contextd.wire import PinKind
 from controller.keyindex import KeyIndex, KeyIndexConfig
 from controller.lexical import DEFAULT_LEXICAL, LexicalConfig, LexicalIndex
@@ -271,6 +271,12 @@ class Engine:
         self._use(self.caches[session_id])
         self.active = session_id
 
+    def activate(self, session_id: str, fingerprint: Fingerprint) -> Session:
+        """Bring `session_id` into a cache of its own, as a turn does first (the fault campaign's
+        driver and `probe` use it on their own)."""
+        self._take_cache(session_id)
+        return self._activate(session_id, fingerprint)
+
     def _activate(self, session_id: str, fingerprint: Fingerprint) -> Session:
         """Make `session_id` the backend's session: from memory, from contextd, or new."""
         session = self.sessions.get(session_id)
@@ -409,7 +415,12 @@ class Engine:
         found = self.contextd.find_prefix(self.backend.model_name, fingerprint.combined(), chain.hashes)
         if found.pages < MIN_BRANCH_PAGES:
             return ""
-        branch = self.contextd.branch_session(request.session_id, found.session_id)
+        try:
+            branch = self.contextd.branch_session(request.session_id, found.session_id)
+        except (FailedPrecondition, StoreFull) as exc:
+            # The parent changed under the copy, or there is no room for the links: start fresh.
+            log.warning("session %s does not branch from %s: %s", request.session_id, found.session_id, exc)
+            return ""
         log.info("session %s branches from %s: %d of its prompt's pages are stored there, %d pages shared",
                  request.session_id, found.session_id, found.pages, branch.pages)
         return found.session_id
@@ -670,8 +681,7 @@ class Engine:
         new tokens back out: nothing is generated and the session is left as it was. For measuring
         selectors (benchmarks.selectors and the retrieval tests)."""
         fingerprint = self.format.fingerprint(request.tools, request.thinking)
-        self._take_cache(request.session_id)
-        session = self._activate(request.session_id, fingerprint)
+        session = self.activate(request.session_id, fingerprint)
         rendering = self.format.render(request.messages, request.tools, request.thinking, session.transcript.generated,
                                        session.render_memo)
         alignment = align(session.transcript, fingerprint, rendering.text, request.message_hashes)
@@ -722,11 +732,14 @@ class Engine:
                 remove=[pager.pages[i].page_id for i in back if leases_before[i] <= pager.turn])
         return results
 
-    def forget_active(self) -> None:
-        """After a failed turn the backend's state is unknown: the next turn reloads from contextd."""
-        self.mover.empty()
-        if self.active is not None:
-            self.sessions.pop(self.active, None)
-            if self.caches.pop(self.active, None) is not None:
-                self.spare_caches.append(self.backend)
-        self.active = None
+    def forget(self, session_id: str) -> None:
+        """After a failed turn of `session_id` its cache's state is unknown: empty that cache (no
+        other session's) and drop the session from memory; its next turn reloads from contextd."""
+        self.sessions.pop(session_id, None)
+        cache = self.caches.pop(session_id, None)
+        if cache is not None:
+            self._use(cache)
+            self.mover.empty()
+            self.spare_caches.append(cache)
+        if self.active == session_id or cache is not None:
+            self.active = None

@@ -108,7 +108,9 @@ class Worker(threading.Thread):
                 if job is None:
                     for turn in running:
                         turn.steps.close()
-                        turn.job.events.put(RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is stopping"))
+                    stopping = RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is stopping")
+                    for left in [*(turn.job for turn in running), *waiting, *self._drain()]:
+                        left.events.put(stopping)
                     return
                 waiting.append(job)
                 block = False
@@ -116,6 +118,17 @@ class Worker(threading.Thread):
             for turn in list(running):
                 if not self._step(turn):
                     running.remove(turn)
+
+    def _drain(self) -> list[_Job]:
+        """Whatever is still queued (at a stop)."""
+        left: list[_Job] = []
+        while True:
+            try:
+                job = self.jobs.get(block=False)
+            except queue.Empty:
+                return left
+            if job is not None:
+                left.append(job)
 
     def _admit(self, waiting: deque[_Job], running: list[_Turn]) -> None:
         """Start the waiting turns, in arrival order, of sessions with no turn running, while
@@ -159,7 +172,7 @@ class Worker(threading.Thread):
                 if error.kind == "server_error":
                     log.exception("turn failed")
                 if not isinstance(exc, TranscriptError):
-                    self.engine.forget_active()   # the next turn starts from the last durable state
+                    self.engine.forget(job.request.session_id)   # its next turn starts from the last durable state
                 job.events.put(error)
                 return False
 

@@ -141,7 +141,7 @@ class Driver:
         """Bring the session in (what the next request would do first) and describe it."""
         with self.worker.lock:
             engine = self.engine
-            session = engine._activate(self.sid, engine.format.fingerprint(None, "default"))
+            session = engine.activate(self.sid, engine.format.fingerprint(None, "default"))
             return {"turn": session.pager.turn, "tokens": session.transcript.tokens, "pager": _pager(session),
                     "notes": list(session.recovery_notes), "manifest": _manifest(self.client, self.sid)}
 
@@ -205,7 +205,7 @@ def job_drive(rep: Reporter, loaded: dict[str, tuple[Any, Any]], p: dict[str, An
                 failures += 1  # what the worker answers when bringing the session in fails like this
                 rep.event(failed=todo[0] if todo else -1, status=int(error_for(exc).status),
                           error=f"{type(exc).__name__}: {exc}"[:400])
-                d.engine.forget_active()
+                d.engine.forget(d.sid)
                 d.client.wait_ready(timeout=120)
             continue
         i = todo[0]
@@ -255,7 +255,7 @@ def _act(d: Driver, action: list[Any]) -> Any:
         return _corrupt(d, *args)
     if kind == "forget":
         with d.worker.lock:
-            d.engine.forget_active()
+            d.engine.forget(d.sid)
         return {"forgot": True}
     if kind == "fill":
         folder, leave = Path(args[0]), int(args[1])

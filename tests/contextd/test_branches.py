@@ -4,12 +4,14 @@ parent that shares every payload file (hard links) and outlives the parent."""
 
 from __future__ import annotations
 
+import errno
 import os
+from pathlib import Path
 
 import pytest
 
 from contextd.client import Client, pb
-from contextd.errors import FailedPrecondition, InvalidArgument, NotFound
+from contextd.errors import FailedPrecondition, InvalidArgument, NotFound, StoreFull
 from contextd.wire import PageState, PinKind
 from serving.launcher import ContextdProcess
 from tests.contextd.conftest import states, store_payload
@@ -123,3 +125,32 @@ def test_bad_branches_get_clear_errors_and_change_nothing(daemon: ContextdProces
     assert "child" not in {s.session_id for s in client.list_sessions(include_closed=True)}
     assert not (daemon.root / "store" / "child").exists() or not any((daemon.root / "store" / "child").iterdir())
     assert client.query_pages("busy")[0].locator.startswith("busy/")
+
+
+def test_a_branch_that_cannot_link_every_payload_leaves_nothing_behind(tmp_path: Path) -> None:
+    from contextd import blobs
+    from contextd.blobs import Reserve
+    from contextd.daemon import Daemon, DaemonConfig
+    from contextd.records import PageRow, RecordRow, SegmentRow
+
+    daemon = Daemon(DaemonConfig(tmp_path, reserve=Reserve(bytes=0)))
+    try:
+        daemon.open_session("parent", model_id=MODEL, fingerprint=FINGERPRINT)
+        for i, prefix_hash in enumerate(chain("a", 4)):
+            stored = daemon.blobs.write("parent", f"p{i:06d}", bytes([i]) * 1024)
+            daemon.upsert_pages("parent", [PageRow(f"p{i:06d}", i, i * 128, (i + 1) * 128, i * 128,
+                                                   locator=stored.locator, byte_size=stored.byte_size,
+                                                   checksum=stored.checksum, prefix_hash=prefix_hash)])
+        daemon.write_record("parent", RecordRow(turn=1, fingerprint=FINGERPRINT), 0, [SegmentRow("hi", (1,))])
+        blobs.inject("link", errno.ENOSPC, nth=3)
+        try:
+            with pytest.raises(StoreFull, match="nothing was shared"):
+                daemon.branch_session("child", "parent")
+        finally:
+            blobs.clear_fault()
+        assert "child" not in {s.session_id for s in daemon.list_sessions(include_closed=True)}
+        assert not any((tmp_path / "store" / "child").glob("*"))
+        assert daemon.verify("parent").pages_ok == 4
+        assert daemon.branch_session("child", "parent").pages == 4   # and once the disk has room, it does
+    finally:
+        daemon.close()

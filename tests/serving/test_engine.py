@@ -8,6 +8,7 @@ is reported and never served.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -188,3 +189,22 @@ def test_an_answer_the_client_does_not_replay_leaves_the_tail_with_no_forward_an
     assert "transcript changed" in edited.rebuilt and session.counters.rebuilds == 1
     assert session.counters.reprefilled_tokens == n_tokens(engine, f"<|im_start|>user\n{u2['content']}<|im_end|>\n")
     np.testing.assert_array_equal(engine.backend.held_token_ids(), session.transcript.ids)
+
+
+def test_a_failed_turn_forgets_its_own_session_and_no_other(backend: Backend, contextd: ContextdProcess) -> None:
+    fresh = backend.fork()
+    fresh.reset()
+    engine = Engine(fresh, ChatFormat(fresh.tokenizer), Client(contextd.socket, timeout=60.0),
+                    dataclasses.replace(CONFIG, resident_sessions=2), HybridSelector())
+    kept, failed = grow(engine, "kept", 3), grow(engine, "failed", 3)
+    steps = engine.chat(ChatRequest("kept", [*kept[:-1], {"role": "user", "content": "And then?"}]))
+    assert next(e for e in steps if not e.pause).prepared is not None   # "kept" is mid-turn
+    held = engine.caches["kept"].attention_tokens
+    engine.forget("failed")   # what the worker does when another session's turn fails
+    engine.resume("kept")
+    assert held > 0 and engine.backend.attention_tokens == held
+    final = [e.final for e in steps if e.final is not None]
+    assert final and final[0].counters.recovered_pages == 0   # its cache was not touched
+    assert "failed" not in engine.sessions and "failed" not in engine.caches
+    again = turn(engine, "failed", [*failed[:-1], {"role": "user", "content": "Go on."}])
+    assert again.counters.recovered_pages > 0   # it came back from contextd
