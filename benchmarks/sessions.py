@@ -27,8 +27,6 @@ Last line: one JSON object with those figures, `other_processes_cpu_share` and `
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import shutil
 import tempfile
 import threading
@@ -51,33 +49,24 @@ def streamed(server: ServerProcess, messages: list[dict[str, Any]], session: str
     """(ms to the first content chunk, ms to the end, the final chunk's usage and the prefilled
     tokens) of one streamed request; with `tools`, the workload's tool schemas go with it;
     `decoding` is set when the first content arrives."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=3600)
     started = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", json.dumps({
-        "model": server.model, "messages": messages, **({"tools": TOOLS} if tools else {}), "max_tokens": max_tokens,
-        "stream": True, "stream_options": {"include_usage": True}}),
-        headers={"X-KV-Session": session, "Content-Type": "application/json"})
-    response = conn.getresponse()
-    if response.status != 200:
-        raise RuntimeError(f"{session}: {response.status} {response.read()[:300]!r}")
+    reply = server.stream(messages, session, **({"tools": TOOLS} if tools else {}), max_tokens=max_tokens,
+                          stream_options={"include_usage": True})
+    if reply.status != 200:
+        raise RuntimeError(f"{session}: {reply.status} {reply.error[:300]}")
     first = None
     usage: dict[str, Any] = {}
-    for raw in response:
-        line = raw.decode().strip()
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        chunk = json.loads(line[6:])
+    for arrived, chunk in reply.chunks():
         if first is None and any(c.get("delta", {}).get("content") or c.get("delta", {}).get("tool_calls")
                                  for c in chunk.get("choices", [])):
-            first = time.perf_counter()
+            first = arrived
             if decoding is not None:
                 decoding.set()
         usage = chunk.get("usage") or usage
     ended = time.perf_counter()
-    conn.close()
     first = ended if first is None else first
     return (first - started) * 1e3, (ended - started) * 1e3, {
-        "usage": usage, "prefilled": int(response.getheader("X-KV-Prefilled-Tokens") or 0)}
+        "usage": usage, "prefilled": int(reply.headers.get("x-kv-prefilled-tokens") or 0)}
 
 
 def grown(server: ServerProcess, session: str, tokens: int, seed: int) -> AgentRun:

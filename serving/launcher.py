@@ -23,7 +23,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -158,6 +158,28 @@ class Reply:
 
 
 @dataclass
+class Streamed:
+    """A streamed turn as it arrives: its status and headers first, then `chunks()`."""
+
+    status: int
+    headers: dict[str, str]  # lower-case names
+    error: str               # the body of an answer that is not 200 ("" otherwise)
+    response: http.client.HTTPResponse
+    conn: http.client.HTTPConnection
+
+    def chunks(self) -> Iterator[tuple[float, dict[str, Any]]]:
+        """(time.perf_counter() at its arrival, the parsed chunk) of each SSE data event; the
+        connection is closed once they end."""
+        try:
+            for raw in self.response:
+                line = raw.decode().strip()
+                if line.startswith("data: {"):
+                    yield time.perf_counter(), json.loads(line[6:])
+        finally:
+            self.conn.close()
+
+
+@dataclass
 class ServerProcess:
     """`kv-elision serve` as a child process with its data under `root`, and its own contextd
     (started first, on `root/run/c.sock` unless `socket_path` is given), both ended by pid."""
@@ -218,6 +240,16 @@ class ServerProcess:
         headers = {"X-KV-Session": session} if session else {}
         return self.request("POST", "/v1/chat/completions", {"model": self.model, "messages": messages, **body},
                             headers=headers)
+
+    def stream(self, messages: list[dict[str, Any]], session: str | None = None, **body: Any) -> Streamed:
+        """A chat turn with `stream: true`, read as it arrives (Streamed.chunks)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=3600.0)
+        conn.request("POST", "/v1/chat/completions", json.dumps(
+            {"model": self.model, "messages": messages, **body, "stream": True}),
+            headers={"Content-Type": "application/json", **({"X-KV-Session": session} if session else {})})
+        response = conn.getresponse()
+        error = response.read().decode() if response.status != 200 else ""
+        return Streamed(response.status, {k.lower(): v for k, v in response.getheaders()}, error, response, conn)
 
     def stats(self, session: str | None = None) -> dict[str, Any]:
         reply = self.request("GET", "/v1/kv/stats" + (f"?session={session}" if session else ""), timeout=30.0)
