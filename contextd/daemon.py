@@ -97,6 +97,11 @@ def _check_text(value: str, what: str, limit: int = MAX_TEXT) -> str:
     return value
 
 
+def _lower_hex(value: str) -> bool:
+    """Only lowercase hex digits (a checksum's or a prefix hash's alphabet)."""
+    return all(c in "0123456789abcdef" for c in value)
+
+
 def _check_batch(items: Sequence[Any], what: str) -> None:
     if len(items) > MAX_BATCH:
         raise InvalidArgument(f"{len(items)} {what} in one request; at most {MAX_BATCH} are allowed")
@@ -319,13 +324,12 @@ class Daemon:
                 f"page {page.page_id}: token range [{page.token_start}, {page.token_end}) is inverted")
         _check_text(page.dtype, "dtype", 256)
         _check_text(page.layer_view, "layer_view", 256)
-        if page.prefix_hash and (len(page.prefix_hash) > 32 or any(c not in "0123456789abcdef"
-                                                                   for c in page.prefix_hash)):
+        if len(page.prefix_hash) > 32 or not _lower_hex(page.prefix_hash):
             raise InvalidArgument(f"page {page.page_id}: prefix_hash must be at most 32 lowercase hex digits")
         if page.locator:
             if not page.locator.startswith(session_id + "/"):
                 raise InvalidArgument(f"page {page.page_id}: locator is outside session {session_id}")
-            if len(page.checksum) != 32 or any(c not in "0123456789abcdef" for c in page.checksum):
+            if len(page.checksum) != 32 or not _lower_hex(page.checksum):
                 raise InvalidArgument(f"page {page.page_id}: checksum must be 32 lowercase hex digits")
             if not self.blobs.exists(page.locator, page.byte_size):
                 raise FailedPrecondition(

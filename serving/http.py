@@ -99,36 +99,29 @@ class Worker(threading.Thread):
         waiting: deque[_Job] = deque()
         running: list[_Turn] = []
         while True:
-            block = not running and not waiting
-            while True:
-                try:
-                    job = self.jobs.get(block=block)
-                except queue.Empty:
-                    break
-                if job is None:
-                    for turn in running:
-                        turn.steps.close()
-                    stopping = RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is stopping")
-                    for left in [*(turn.job for turn in running), *waiting, *self._drain()]:
+            arrived = self._take(block=not running and not waiting)
+            waiting.extend(job for job in arrived if job is not None)
+            if None in arrived:   # the server is stopping
+                for turn in running:
+                    turn.steps.close()
+                stopping = RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is stopping")
+                for left in [*(turn.job for turn in running), *waiting, *self._take(block=False)]:
+                    if left is not None:
                         left.events.put(stopping)
-                    return
-                waiting.append(job)
-                block = False
+                return
             self._admit(waiting, running)
             for turn in list(running):
                 if not self._step(turn):
                     running.remove(turn)
 
-    def _drain(self) -> list[_Job]:
-        """Whatever is still queued (at a stop)."""
-        left: list[_Job] = []
+    def _take(self, block: bool) -> list[_Job | None]:
+        """Every job queued now, the first one waited for when `block` (None: the server stops)."""
+        taken: list[_Job | None] = []
         while True:
             try:
-                job = self.jobs.get(block=False)
+                taken.append(self.jobs.get(block=block and not taken))
             except queue.Empty:
-                return left
-            if job is not None:
-                left.append(job)
+                return taken
 
     def _admit(self, waiting: deque[_Job], running: list[_Turn]) -> None:
         """Start the waiting turns, in arrival order, of sessions with no turn running, while
