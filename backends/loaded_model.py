@@ -14,16 +14,15 @@ import dataclasses
 import enum
 import functools
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .models import ModelSource
 from .protocol import ROPE_LAYOUT_NEOX, ROPE_LAYOUT_NONE, BackendError, LayerView, Tokenizer, UnsupportedModelError
 
 if TYPE_CHECKING:
     from .runtime import SlotBackend
-    from .slot_store import SlotStore
 
-__all__ = ["KeyLayout", "LayerRoles", "LoadedModel", "WindowShape"]
+__all__ = ["ForwardTarget", "KeyLayout", "LayerRoles", "LoadedModel", "WindowShape"]
 
 
 class KeyLayout(enum.Enum):
@@ -71,6 +70,15 @@ class WindowShape:
     rotary_dim: int
 
 
+class ForwardTarget(Protocol):
+    """What the model's hooks write to during a forward: one session's store, or the rows of a
+    batched decode (one session each)."""
+
+    def observe_key(self, layer: int, out: Any) -> None: ...
+
+    def count_entered(self, n: int) -> None: ...
+
+
 @dataclasses.dataclass(kw_only=True)
 class LoadedModel:
     """One loaded model, shared by a backend session and its forks; runtimes add their own fields."""
@@ -92,7 +100,7 @@ class LoadedModel:
     # The store of the session whose forward is running (the model's hooks write there) and the
     # session running a page operation (a token entering the model meanwhile is counted as a
     # historical forward: there must be none).
-    active: SlotStore | None = None
+    active: ForwardTarget | None = None
     page_op: SlotBackend | None = None
     tokenizer: Tokenizer | None = None
 
@@ -142,7 +150,7 @@ class LoadedModel:
         if self.page_op is not None:
             self.page_op._counters.historical_forward_during_restore += n
         if self.active is not None:
-            self.active.entered += n
+            self.active.count_entered(n)
 
     @property
     def linear_layers(self) -> tuple[int, ...]:

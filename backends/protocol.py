@@ -35,6 +35,7 @@ __all__ = [
     "BlockStream",
     "Counters",
     "CorruptPayloadError",
+    "DecodeStep",
     "LayerView",
     "ROPE_LAYOUT_NEOX",
     "ROPE_LAYOUT_NONE",
@@ -343,6 +344,20 @@ class BlockStream:
 
 
 @dataclasses.dataclass(frozen=True)
+class DecodeStep:
+    """One session's next decode, as `Backend.decode` takes it, for `Backend.decode_batch`:
+    `backend` is that session's cache (this backend or one of its forks)."""
+
+    backend: Backend
+    token: int | None
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class StoredBlock:
     """A stored block file to insert: where it is, what its manifest says it is, and where it goes
     (before the held token now at index `at`). With `token_ids`, a file holding other tokens is
@@ -546,6 +561,20 @@ class Backend(Protocol):
 
         Right after `prefill` nothing is fed and the token is picked from the prefill logits. The
         returned token becomes pending. `seed` reseeds the backend's sampler before sampling.
+        """
+        ...
+
+    @property
+    def batches_decode(self) -> bool:
+        """Whether `decode_batch` runs several sessions' steps as one forward (else one by one)."""
+        ...
+
+    def decode_batch(self, steps: Sequence[DecodeStep]) -> list[int]:
+        """`decode` in each of several sessions that share this backend's weights (it and its
+        forks, one step each), as one forward where the runtime batches them, else one after the
+        other. Each session's counters, sampler and pending token move exactly as its own `decode`
+        would move them. A batched row's logits equal its own decode's to float rounding, not bit
+        for bit (other matrix kernels). A failed batched forward fails every session in it.
         """
         ...
 

@@ -46,6 +46,7 @@ from .protocol import (
     BlockMismatchError,
     BlockStream,
     Counters,
+    DecodeStep,
     LayerView,
     RecurrentSnapshot,
     StoredBlock,
@@ -447,11 +448,59 @@ class SlotBackend(abc.ABC):
         logits = self._decode_step(feed, greedy)
         if feed is not None:
             self._counters.decoded_tokens += 1
+        return self._pick(logits, greedy, temperature, top_k, top_p, seed)
+
+    def _pick(self, logits: np.ndarray, greedy: bool, temperature: float, top_k: int, top_p: float,
+              seed: int | None) -> int:
+        """The next token from `logits` by this session's sampler (reseeded by `seed`); it becomes pending."""
         if seed is not None:
             self._rng = np.random.default_rng(seed)
         nxt = pick_token(logits, greedy, temperature, top_k, top_p, self._rng)
         self._pending = nxt
         return nxt
+
+    def decode_batch(self, steps: Sequence[DecodeStep]) -> list[int]:
+        rows: list[SlotBackend] = []
+        for step in steps:
+            b = step.backend
+            if not isinstance(b, SlotBackend) or b._rt is not self._rt:
+                raise BackendError("decode_batch takes the sessions of this backend and its forks only")
+            if any(b is r for r in rows):
+                raise BackendError("decode_batch takes one step per session")
+            rows.append(b)
+        # every token is checked before any session moves
+        feeds = checked_token_ids([s.token for s in steps if s.token is not None], self._rt.vocab_size)
+        if len(rows) < 2 or not self.batches_decode or len(feeds) < len(steps):
+            return [s.backend.decode(s.token, greedy=s.greedy, temperature=s.temperature, top_k=s.top_k,
+                                     top_p=s.top_p, seed=s.seed) for s in steps]
+        for b in rows:
+            b._check_usable()
+        placed = [b._place([feed], None) for b, feed in zip(rows, feeds, strict=True)]
+        started = time.perf_counter_ns()
+        try:
+            logits = self._forward_rows([(b, feed, slots, positions, b._store.high_water())
+                                         for b, feed, (slots, positions) in zip(rows, feeds, placed, strict=True)])
+        except BaseException as e:
+            for b in rows:
+                b._forward_failed(e)
+            raise
+        picked = []
+        for i, (b, step, (_, positions)) in enumerate(zip(rows, steps, placed, strict=True)):
+            b._advance(positions)
+            b._landed(logits[i], started, b._store.take_entered())
+            b._counters.decoded_tokens += 1
+            greedy = step.greedy or step.temperature <= 0.0
+            picked.append(b._pick(logits[i], greedy, step.temperature, step.top_k, step.top_p, step.seed))
+        return picked
+
+    @property
+    def batches_decode(self) -> bool:
+        return False
+
+    def _forward_rows(self, rows: Sequence[tuple[SlotBackend, int, np.ndarray, np.ndarray, int]]) -> np.ndarray:
+        """One forward of one token in each of several sessions (backend, token, slot, position,
+        high-water slot, each placed by its backend's `_place`): their last logits, [rows, vocab]."""
+        raise NotImplementedError
 
     def _decode_step(self, feed: int | None, greedy: bool) -> np.ndarray:
         """One decode step: feed `feed` (None: nothing, right after a prefill) and return the logits

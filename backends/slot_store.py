@@ -125,6 +125,10 @@ class SlotStore(abc.ABC):
         else:
             self.fwd_win_canon[window[layer]] = key
 
+    def count_entered(self, n: int) -> None:
+        """The model's embedding took in `n` tokens of this store's forward (see `entered`)."""
+        self.entered += n
+
     def append_window(self, w: int, k_rot: Any, v: Any) -> tuple[Any, Any]:
         """Window layer `w`: attention reads its window plus this forward's tokens (rotated keys and
         values); afterwards the window keeps the newest W - 1 of them, canonical keys included."""

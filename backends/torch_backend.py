@@ -86,6 +86,9 @@ _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.fl
 # The masks of the forward running on this thread that are plain causal attention (no gap, the
 # forward's tokens last): id(mask) -> "causal" (square: SDPA's is_causal) or "all" (one query).
 _SHORTCUTS = threading.local()
+# The batched decode running on this thread, if any (`_BatchRows`): attention runs row by row over
+# each session's own slots.
+_BATCH = threading.local()
 
 
 def _slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -103,6 +106,12 @@ def _slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         raise UnsupportedModelError("attention logit softcapping is not applied by the slot attention")
     kwargs.pop("is_causal", None)
     kwargs.pop("sliding_window", None)  # the window is in the mask
+    rows: _BatchRows | None = getattr(_BATCH, "rows", None)
+    if rows is not None and rows.reads:
+        reads, rows.reads = rows.reads, []
+        outs = [_slot_attention(module, query[b:b + 1], k, v, mask, dropout, scaling, s_aux, **kwargs)[0]
+                for b, (k, v, mask) in enumerate(reads)]
+        return torch.cat(outs, dim=0), None
     shortcut = getattr(_SHORTCUTS, "masks", {}).get(id(attention_mask))
     if s_aux is None:
         if shortcut is not None and tuple(attention_mask.shape[-2:]) == (query.shape[2], key.shape[2]):
@@ -576,6 +585,82 @@ class _SlotCache(Cache):
         super().__init__(layers=layers)
 
 
+class _BatchRows:
+    """The sessions of one batched decode forward, row b being `stores[b]`'s one token: what the
+    model's hooks (`rt.active`) and the batch cache's layers dispatch to, row by row. Each row's
+    attention runs over its own session's slots with its own mask, so no session's K/V is copied
+    or padded; only the projections and MLPs see the batch."""
+
+    def __init__(self, stores: list[_SlotStore], masks: list[dict[str, torch.Tensor | None]]) -> None:
+        self.stores = stores
+        self.masks = masks
+        # Per row, what the attention about to run reads: (keys, values, mask), set by a layer's update.
+        self.reads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+
+    def observe_key(self, layer: int, out: torch.Tensor) -> None:
+        for b, st in enumerate(self.stores):
+            st.observe_key(layer, out[b:b + 1])
+
+    def count_entered(self, n: int) -> None:
+        assert n % len(self.stores) == 0
+        for st in self.stores:
+            st.count_entered(n // len(self.stores))
+
+
+class _BatchLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
+    """A paged or window layer of a batched decode: each row's token goes to its own session's
+    slots (or window), and what each row's attention reads is left in `rows.reads`."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, rows: _BatchRows, index: int, sliding: bool) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.rows, self.index, self.is_sliding = rows, index, sliding
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        kind = "sliding_attention" if self.is_sliding else "full_attention"
+        reads = []
+        for b, st in enumerate(self.rows.stores):
+            k, v = key_states[b:b + 1], value_states[b:b + 1]
+            keys, values = st.append_window(self.index, k, v) if self.is_sliding else st.write_layer(self.index, k, v)
+            reads.append((keys, values, self.rows.masks[b][kind]))
+        self.rows.reads = reads
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return 1, 0
+
+    def get_seq_length(self) -> int:
+        return max(int(st.order.shape[0]) for st in self.rows.stores)
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class _BatchCache(Cache):
+    """transformers `Cache` of one batched decode over sessions whose layers are all paged,
+    window or cache-free (`TorchBackend._batches_decode`)."""
+
+    def __init__(self, rows: _BatchRows, roles: LayerRoles) -> None:
+        paged = {layer: a for a, layer in enumerate(roles.paged)}
+        window = {layer: w for w, layer in enumerate(roles.window)}
+        layers: list[Any] = []
+        for layer in range(roles.n_layers):
+            if layer in paged:
+                layers.append(_BatchLayer(rows, paged[layer], sliding=False))
+            elif layer in window:
+                layers.append(_BatchLayer(rows, window[layer], sliding=True))
+            else:
+                layers.append(DummyLayer())  # type: ignore[no-untyped-call]
+        super().__init__(layers=layers)
+
+
 def _clone_linear_layer(layer: LinearAttentionLayer) -> LinearAttentionLayer:
     out = LinearAttentionLayer(number_of_states=layer.number_of_states)
     for i in range(layer.number_of_states):
@@ -778,6 +863,52 @@ class TorchBackend(SlotBackend):
         finally:
             st.fwd_slots = None
         logits: np.ndarray = (out.logits[0] if every else out.logits[0, -1]).float().cpu().numpy()
+        return logits
+
+    @property
+    def batches_decode(self) -> bool:
+        """Recurrent layers keep per-session state in transformers' own cache layers and kv-shared
+        layers read another layer's cache: models with either decode one session at a time."""
+        roles = self._rt.roles
+        return not roles.recurrent and not roles.shared
+
+    def _forward_rows(self, rows: Sequence[tuple[SlotBackend, int, np.ndarray, np.ndarray, int]]) -> np.ndarray:
+        rt = self._rt
+        stores: list[_SlotStore] = []
+        masks: list[dict[str, torch.Tensor | None]] = []
+        shortcuts: dict[int, str] = {}
+        for backend, _, slots, positions, high_water in rows:
+            assert isinstance(backend, TorchBackend)
+            mask, fast = backend._masks(positions, slots, high_water)
+            masks.append(mask if isinstance(mask, dict) else {"full_attention": mask})
+            shortcuts.update(fast)
+            st = backend._store
+            st.fwd_slots, st.fwd_high_water = slots, high_water
+            stores.append(st)
+        batch = _BatchRows(stores, masks)
+        n = len(rows)
+        # The model only passes these along; each row's attention takes its own mask (`_slot_attention`).
+        passed = torch.ones((n, 1, 1, 1), dtype=torch.bool, device=rt.device)
+        attention_mask: torch.Tensor | dict[str, torch.Tensor | None] = passed
+        if rt.shape.mask_dict:
+            attention_mask = {t: passed if t in ("full_attention", "sliding_attention") else None
+                              for t in rt.shape.mask_types}
+        input_ids = torch.tensor([[token] for _, token, _, _, _ in rows], dtype=torch.long, device=rt.device)
+        position_ids = torch.from_numpy(np.concatenate([p for _, _, _, p, _ in rows])).to(rt.device)[:, None]
+        try:
+            with rt.lock, torch.no_grad():
+                rt.active = batch
+                _SHORTCUTS.masks, _BATCH.rows = shortcuts, batch
+                try:
+                    out = rt.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                                   cache=_BatchCache(batch, rt.roles), use_cache=True, logits_to_keep=1)
+                finally:
+                    rt.active = None
+                    _SHORTCUTS.masks, _BATCH.rows = {}, None
+        finally:
+            for st in stores:
+                st.fwd_slots = None
+        logits: np.ndarray = out.logits[:, -1].float().cpu().numpy()
         return logits
 
     @contextlib.contextmanager

@@ -15,10 +15,14 @@ transcript in every request; harness.workload's `read` results):
   engine's time to bring the other session in: `last_turn.activate_ms`), and round-robin over one
   session more than there are caches, so every turn restores its working set from the store
   (`switch_from_store_ms_p50` / `_p95`);
-- **decode**: 1, 2 and 4 sessions asking for `--decode-tokens` each at the same moment; the
-  aggregate decoded tokens a second, and `decode_speedup_2` / `_4` over one session's;
-- **busy**: a short request in another session while one session decodes `--decode-tokens`;
-  `ttft_ratio_busy` is its time to first content over the same request's on an idle server.
+- **decode**: 1, 2 and 4 sessions asking for `--decode-tokens` each at the same moment, on a
+  server of their own with 4 resident caches; the aggregate decoded tokens a second, and
+  `decode_speedup_2` / `_4` over one session's, with batched decode (the default) and, side by
+  side on another such server, with `--no-batch-decode` (`decode_speedup_4_unbatched`: turns
+  interleaved a token at a time, each its own forward);
+- **busy**: a short request in another session while one session decodes `--decode-tokens` (on
+  the batching server); `ttft_ratio_busy` is its time to first content over the same request's
+  on an idle server.
 
 Last line: one JSON object with those figures, `other_processes_cpu_share` and `reliable`
 (benchmarks.stats: false above 10%).
@@ -159,6 +163,21 @@ def busy(server: ServerProcess, tokens: int) -> dict[str, Any]:
             "ttft_ratio_busy": round(waited / idle, 2)}
 
 
+def concurrency(model: str, budget: int, tokens: int, work: Path, batched: bool) -> dict[str, Any]:
+    """Decode rates of 1, 2 and 4 sessions at once, and the busy figures when `batched`, on a
+    server of their own holding 4 resident caches."""
+    server = ServerProcess(root=work / ("batched" if batched else "unbatched"), model=model, budget=budget,
+                           extra=["--max-new-tokens", str(max(tokens, 256)),
+                                  "--tail-tokens", str(min(512, budget // 4)), "--resident-sessions", "4",
+                                  *([] if batched else ["--no-batch-decode"])])
+    try:
+        server.start(timeout=600)
+        rates = {n: decode(server, n, tokens) for n in (1, 2, 4)}
+        return {"rates": rates, **(busy(server, tokens) if batched else {})}
+    finally:
+        server.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -178,18 +197,22 @@ def main(argv: list[str] | None = None) -> int:
         server.start(timeout=600)
         branches = {str(size): branch(server, int(size), args.seed) for size in args.tokens.split(",")}
         switched = switches(server, args.budget, args.resident_sessions, args.seed + 100)
-        rates = {n: decode(server, n, args.decode_tokens) for n in (1, 2, 4)}
-        waited = busy(server, args.decode_tokens)
+        server.stop()
+        batched = concurrency(args.model, args.budget, args.decode_tokens, work, batched=True)
+        unbatched = concurrency(args.model, args.budget, args.decode_tokens, work, batched=False)
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
+    rates, alone = batched.pop("rates"), unbatched["rates"]
+    waited = batched
     first = branches[args.tokens.split(",")[0]]
     result: dict[str, Any] = {
         "model": args.model, "budget_tokens": args.budget, "branches": branches,
         "branch_prefill_fraction": first["branch_prefill_fraction"], "branch_ttft_ms": first["branch_ttft_ms"],
         **switched, "decode_tok_s": {str(n): round(r, 2) for n, r in rates.items()},
         "decode_speedup_2": round(rates[2] / rates[1], 2), "decode_speedup_4": round(rates[4] / rates[1], 2),
-        **waited}
+        "decode_tok_s_unbatched": {str(n): round(r, 2) for n, r in alone.items()},
+        "decode_speedup_4_unbatched": round(alone[4] / alone[1], 2), **waited}
     other = other_cpu_share(machine0, machine_cpu_seconds(), own_cpu_seconds() - ours0)
     for size, figures in branches.items():
         print(f"branch of a {figures['parent_tokens']:,}-token session ({size}): prefilled "
@@ -198,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"switch between two resident sessions: p50 {switched['switch_ms_p50']} ms, p95 {switched['switch_ms_p95']} "
           f"ms; from the store: p50 {switched['switch_from_store_ms_p50']} ms, p95 "
           f"{switched['switch_from_store_ms_p95']} ms")
-    print(f"decode tok/s with 1/2/4 sessions: {result['decode_tok_s']}")
+    print(f"decode tok/s with 1/2/4 sessions: {result['decode_tok_s']} batched, "
+          f"{result['decode_tok_s_unbatched']} each alone")
     print(f"first token behind a {args.decode_tokens}-token answer: {waited['ttft_busy_ms']} ms "
           f"({waited['ttft_ratio_busy']}x idle)")
     print_result(result, other)

@@ -63,7 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = EngineConfig(budget_tokens=args.budget, max_new_tokens=args.max_new_tokens,
                           tail_tokens=args.tail_tokens, lease_turns=args.lease_turns,
                           compress_pages=args.compress == "zstd", placement=args.placement, refresh=args.refresh,
-                          resident_sessions=args.resident_sessions)
+                          resident_sessions=args.resident_sessions, batch_decode=args.batch_decode)
     client, daemon = _connect_or_start_contextd(root, socket_path)
     try:
         backend = load_backend(args.backend, args.model, device=args.device, dtype=args.dtype,
@@ -143,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sessions whose caches stay in memory, least recently used out (each holds a budget's "
                        "worth of K/V: kv_bytes_per_token x (budget + 256)); a turn for a resident session moves no "
                        "page, another restores its working set from the store")
+    serve.add_argument("--batch-decode", action=argparse.BooleanOptionalAction, default=True,
+                       help="resident sessions that decode at once share one forward per token (torch, models "
+                       "without recurrent or kv-shared layers); a row's logits then equal its own decode's to "
+                       "float rounding, not bit for bit: --no-batch-decode decodes each session alone")
     serve.add_argument("--selector", default="hybrid", choices=list(SELECTORS),
                        help="who advises which pages come back (default: hybrid: rare token ids and byte "
                        "n-grams, coverage, neighbours; attention: the model's own keys; see docs/controller.md)")

@@ -32,14 +32,14 @@ import functools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 import numpy as np
 
-from backends import Backend, Counters
+from backends import Backend, Counters, DecodeStep
 from backends.slots import pick_token
 from contextd import crashpoints
 from contextd.client import Client, pb
@@ -97,6 +97,7 @@ class EngineConfig:
     key_index: KeyIndexConfig = field(default_factory=KeyIndexConfig)
     lexical_index: LexicalConfig = DEFAULT_LEXICAL
     resident_sessions: int = 1     # sessions whose caches stay in memory (each a budget's worth of K/V)
+    batch_decode: bool = True      # resident sessions decoding at once share one forward (Engine.decode_batch)
 
     def __post_init__(self) -> None:
         if self.prefill_chunk <= 0 or self.max_new_tokens <= 0:
@@ -163,11 +164,15 @@ class TurnResult:
 @dataclass(frozen=True)
 class TurnEvent:
     """Streamed out of `Engine.chat`: one `prepared` once the prompt is in, text deltas, one `final`.
-    An empty one (`pause`) comes between prefill chunks: a point where another session's turn may run."""
+    An empty one (`pause`) comes between prefill chunks and before each decoded token: a point
+    where another session's turn may run. One before a token carries the `decode` step it waits
+    for: a caller may run it, together with other sessions' (`Engine.decode_batch`), and send the
+    token in; one that sends nothing (plain iteration) has the turn run it itself."""
 
     delta: str = ""
     prepared: Prepared | None = None
     final: TurnResult | None = None
+    decode: DecodeStep | None = None
 
     @property
     def pause(self) -> bool:
@@ -303,23 +308,52 @@ class Engine:
 
     # ------------------------------------------------------------------ the turn
 
-    def chat(self, request: ChatRequest) -> Generator[TurnEvent, None, None]:
+    def chat(self, request: ChatRequest) -> Generator[TurnEvent, int | None, None]:
         """Run one turn; yield text deltas, then one final event with the result. Between two
         events another session's turn may run (the server's worker), after which `resume` must
-        point the engine back at this one."""
+        point the engine back at this one. An event's `decode` step takes the token sent back
+        (`Engine.decode_batch` ran it) or, when nothing is sent, runs in the turn; an exception
+        thrown back (that forward failed) is raised where the turn would have decoded."""
         session_id = request.session_id
         self.turning.add(session_id)
         self.paused_ms[session_id] = 0.0
+        steps = self._turn(request)
+        answer: int | None = None
+        failure: Exception | None = None
         try:
-            for event in self._turn(request):
+            while True:
+                try:
+                    event = steps.throw(failure) if failure is not None else steps.send(answer)
+                except StopIteration:
+                    return
+                answer, failure = None, None
                 paused = time.perf_counter()
-                yield event
+                try:
+                    answer = yield event
+                except Exception as exc:  # noqa: BLE001 - handed to the turn, which raises it
+                    failure = exc
                 self.paused_ms[session_id] += (time.perf_counter() - paused) * 1e3
         finally:
+            steps.close()
             self.turning.discard(session_id)
             self.paused_ms.pop(session_id, None)
 
-    def _turn(self, request: ChatRequest) -> Iterator[TurnEvent]:
+    def decode_batch(self, steps: dict[str, DecodeStep]) -> list[int]:
+        """Run the waiting decode steps of several turns in progress (session -> its step, as its
+        turn's last event carried it) in one batched forward where the backend can. Each turn's
+        time counts the whole forward: its token was in it, so it is not time spent waiting."""
+        started = time.perf_counter()
+        tokens = self.backend.decode_batch(list(steps.values()))
+        spent = (time.perf_counter() - started) * 1e3
+        batched = len(steps) > 1 and self.backend.batches_decode
+        for session_id in steps:
+            if session_id in self.paused_ms:
+                self.paused_ms[session_id] -= spent
+            if batched:
+                self.tally.count(self.sessions[session_id], batched_decode_tokens=1)
+        return tokens
+
+    def _turn(self, request: ChatRequest) -> Generator[TurnEvent, int | None, None]:
         started = time.perf_counter()
         fingerprint = self.format.fingerprint(request.tools, request.thinking)
         known = self.sessions.get(request.session_id)
@@ -525,7 +559,8 @@ class Engine:
             return None
         return self.mover.newest_keys(min(new_tokens, self.config.key_index.incoming_tokens))
 
-    def _prefill(self, session: Session, segment: Segment, pin: PinKind | None) -> Iterator[TurnEvent]:
+    def _prefill(self, session: Session, segment: Segment, pin: PinKind | None
+                 ) -> Generator[TurnEvent, int | None, None]:
         """Prefill one segment in chunks, pausing after each (another session's turn may run)."""
         chunk = self.config.prefill_chunk
         for i in range(0, len(segment.ids), chunk):
@@ -567,7 +602,7 @@ class Engine:
     # ------------------------------------------------------------------ generation
 
     def _generate(self, session: Session, request: ChatRequest, prompt_ids: list[int]
-                  ) -> Generator[TurnEvent, None, tuple[list[int], FinishReason, str]]:
+                  ) -> Generator[TurnEvent, int | None, tuple[list[int], FinishReason, str]]:
         limit = min(request.max_tokens or self.config.max_new_tokens, self.config.max_new_tokens)
         greedy = request.temperature <= 0.0
         previous = session.last_answer
@@ -594,7 +629,7 @@ class Engine:
     def _decode_loop(self, session: Session, limit: int, greedy: bool, temperature: float, seed: int | None,
                      first: int | None = None, hold_while: list[int] | None = None,
                      cancelled: Callable[[], bool] | None = None
-                     ) -> Generator[TurnEvent, None, tuple[list[int], FinishReason]]:
+                     ) -> Generator[TurnEvent, int | None, tuple[list[int], FinishReason]]:
         """Pick tokens until a stop token or the limit. Every picked token but a stop is fed, so the
         cache spells exactly the answer. With `hold_while`, text is held back while the answer
         matches that earlier answer (it may be replaced by a sampled one)."""
@@ -616,7 +651,10 @@ class Engine:
                 yield TurnEvent(delta=text[len(emitted):])
                 emitted = text
             self.mover.make_room(session, 1)
-            token = self.backend.decode(picked[-1], greedy=greedy, temperature=temperature, seed=reseed)
+            step = DecodeStep(self.backend, picked[-1], greedy=greedy, temperature=temperature, seed=reseed)
+            sent = yield TurnEvent(decode=step)
+            token = sent if sent is not None else self.backend.decode(step.token, greedy=greedy,
+                                                                       temperature=temperature, seed=reseed)
             crashpoints.reached("serving.decode.token")
             reseed = None
             pager.append([picked[-1]])

@@ -15,7 +15,9 @@ Request threads parse and validate; the single worker runs turns in arrival orde
 events back through a queue. It runs up to `--resident-sessions` turns of different sessions at
 once, one step each in turn (a step is one prefill chunk, the plan, or one decoded token), so a
 short request does not wait for another session's long prefill or answer; a session's own turns
-run one after the other. Session identity: the `X-KV-Session` header, else the
+run one after the other. The turns waiting for their next token after a round decode in one
+batched forward (`Engine.decode_batch`; `--no-batch-decode` has each decode alone). Session
+identity: the `X-KV-Session` header, else the
 `X-Session-Affinity` header Pi sends, else a digest of the transcript's first messages. Response
 headers say what the server did: `X-KV-Session`, `X-KV-Prefilled-Tokens`, and `X-KV-Rebuilt` /
 `X-KV-Sampled` with a reason when it had to.
@@ -44,6 +46,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from backends import DecodeStep
 from contextd.errors import ContextdError, DaemonUnavailable, StoreFull
 from serving import views
 from serving.engine import ChatRequest, Engine, Prepared, TurnEvent, TurnResult
@@ -74,8 +77,11 @@ class _Job:
 @dataclass
 class _Turn:
     job: _Job
-    steps: Generator[TurnEvent, None, None] = field(init=False)
+    steps: Generator[TurnEvent, int | None, None] = field(init=False)
     started: bool = False
+    decode: DecodeStep | None = None     # the decode step it waits on, run with the round's others
+    token: int | None = None             # what that step picked, sent in at its next step
+    failure: Exception | None = None     # or how the batched forward failed, thrown in instead
 
 
 class Worker(threading.Thread):
@@ -113,6 +119,7 @@ class Worker(threading.Thread):
             for turn in list(running):
                 if not self._step(turn):
                     running.remove(turn)
+            self._decode(running)
 
     def _take(self, block: bool) -> list[_Job | None]:
         """Every job queued now, the first one waited for when `block` (None: the server stops)."""
@@ -140,23 +147,29 @@ class Worker(threading.Thread):
                 busy.add(job.request.session_id)
 
     def _step(self, turn: _Turn) -> bool:
-        """Advance one turn by a step: to its next event or pause (and to its end once its final
-        event is out, so what the turn leaves behind is there before the lock is let go); False
-        once it has ended. Pauses are the worker's own, never sent to the client."""
+        """Advance one turn by a step: to its next pause, sending the client the events before it
+        (and to its end once its final event is out, so what the turn leaves behind is there
+        before the lock is let go); False once it has ended. A pause with a decode step leaves
+        the turn waiting for `_decode` when batching is on. Pauses are never sent to the client."""
         job = turn.job
+        if turn.decode is not None:
+            return True
         with self.lock:
             try:
                 if turn.started:
                     self.engine.resume(job.request.session_id)
                 turn.started = True
-                event = next(turn.steps)
-                if event.pause:
-                    return True
-                job.events.put(event)
-                if event.final is not None:
-                    for rest in turn.steps:
-                        job.events.put(rest)
-                    return False
+                token, failure, turn.token, turn.failure = turn.token, turn.failure, None, None
+                event = turn.steps.throw(failure) if failure is not None else turn.steps.send(token)
+                while not event.pause:
+                    job.events.put(event)
+                    if event.final is not None:
+                        for rest in turn.steps:
+                            job.events.put(rest)
+                        return False
+                    event = next(turn.steps)
+                if self.engine.config.batch_decode:
+                    turn.decode = event.decode
                 return True
             except StopIteration:
                 return False
@@ -168,6 +181,25 @@ class Worker(threading.Thread):
                     self.engine.forget(job.request.session_id)   # its next turn starts from the last durable state
                 job.events.put(error)
                 return False
+
+    def _decode(self, running: list[_Turn]) -> None:
+        """The round's waiting decode steps, in one forward: each turn takes its token, or the
+        forward's failure, at its next step."""
+        waiting = [turn for turn in running if turn.decode is not None]
+        if not waiting:
+            return
+        steps = {turn.job.request.session_id: turn.decode for turn in waiting if turn.decode is not None}
+        with self.lock:
+            try:
+                tokens = self.engine.decode_batch(steps)
+            except Exception as exc:  # noqa: BLE001 - each turn fails as its own decode would have
+                for turn in waiting:
+                    turn.failure = exc
+            else:
+                for turn, token in zip(waiting, tokens, strict=True):
+                    turn.token = token
+        for turn in waiting:
+            turn.decode = None
 
 
 # What a failed turn answers, by the exception out of the engine: the first row whose type matches

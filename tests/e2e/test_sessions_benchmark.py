@@ -28,7 +28,8 @@ def test_the_sessions_benchmark_reports_a_branch_that_prefills_under_a_tenth() -
     assert branch["prefilled_tokens"] < 0.1 * branch["prompt_tokens"]
     assert result["switch_ms_p95"] < result["switch_from_store_ms_p50"]   # a resident switch moves no page
     for key in ("branch_ttft_ms", "switch_ms_p50", "switch_ms_p95", "switch_from_store_ms_p95", "decode_speedup_2",
-                "decode_speedup_4",
+                "decode_speedup_4", "decode_speedup_4_unbatched",
                 "ttft_ratio_busy", "other_processes_cpu_share"):
         assert isinstance(result[key], float | int), (key, result[key])
     assert result["switch_samples"] == 12 and set(result["decode_tok_s"]) == {"1", "2", "4"}
+    assert set(result["decode_tok_s_unbatched"]) == {"1", "2", "4"}
