@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import shutil
 import threading
@@ -585,6 +586,18 @@ class _SlotCache(Cache):
         super().__init__(layers=layers)
 
 
+def _tall_head(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """The vocabulary projection of a few rows as weight @ hidden^T: on the CPU the same product
+    as `F.linear`, with the tall weight as the left operand. For SmolLM2's 49,152 x 576 head on
+    this 2-core CPU, `F.linear` took 10.7 / 21.9 / 28.7 ms for 1 / 2 / 4 rows and this form 12.0 /
+    7.8 / 8.2 ms: it reads the weight once for all rows (batched decode only)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    out = torch.mm(head.weight, flat.t()).t()
+    if head.bias is not None:
+        out = out + head.bias
+    return out.reshape(*hidden.shape[:-1], out.shape[-1])
+
+
 class _BatchRows:
     """The sessions of one batched decode forward, row b being `stores[b]`'s one token: what the
     model's hooks (`rt.active`) and the batch cache's layers dispatch to, row by row. Each row's
@@ -895,16 +908,22 @@ class TorchBackend(SlotBackend):
                               for t in rt.shape.mask_types}
         input_ids = torch.tensor([[token] for _, token, _, _, _ in rows], dtype=torch.long, device=rt.device)
         position_ids = torch.from_numpy(np.concatenate([p for _, _, _, p, _ in rows])).to(rt.device)[:, None]
+        head = rt.model.get_output_embeddings()  # type: ignore[no-untyped-call]
+        tall = rt.device.type == "cpu" and type(head) is torch.nn.Linear
         try:
             with rt.lock, torch.no_grad():
                 rt.active = batch
                 _SHORTCUTS.masks, _BATCH.rows = shortcuts, batch
+                if tall:
+                    head.forward = functools.partial(_tall_head, head)  # shadows Linear.forward for this call
                 try:
                     out = rt.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                                    cache=_BatchCache(batch, rt.roles), use_cache=True, logits_to_keep=1)
                 finally:
                     rt.active = None
                     _SHORTCUTS.masks, _BATCH.rows = {}, None
+                    if tall:
+                        del head.forward
         finally:
             for st in stores:
                 st.fwd_slots = None
