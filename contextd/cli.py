@@ -20,6 +20,7 @@ from contextd.blobs import Reserve
 from contextd.client import Client, pb
 from contextd.daemon import DaemonConfig, Retention
 from contextd.errors import ContextdError
+from contextd.objects import ObjectStoreConfig
 from contextd.paths import default_root, default_socket
 from contextd.store import SyncMode
 
@@ -79,6 +80,10 @@ def _print_status(reply: pb.StatusReply) -> None:
           + (f"  quota {_size(reply.quota_bytes)}" if reply.quota_bytes else "")
           + (f"  per-session quota {_size(reply.session_quota_bytes)}" if reply.session_quota_bytes else "")
           + (f"  max idle {reply.max_idle_s / 3600:.0f} h" if reply.max_idle_s else ""))
+    if reply.object_store:
+        limit = _size(reply.cache_limit_bytes) if reply.cache_limit_bytes else "unbounded"
+        print(f"object store {reply.object_store}  cache {_size(reply.cached_bytes)} of {limit}  "
+              f"uploaded {reply.objects_uploaded}  fetched {reply.objects_fetched}")
     if not reply.sessions:
         print("no sessions")
         return
@@ -108,7 +113,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     root = Path(args.root)
     reserve = Reserve(bytes=args.reserve_bytes, percent=args.reserve_percent, quota_bytes=args.quota_bytes)
     retention = Retention(session_quota_bytes=args.session_quota_bytes, max_idle_s=args.max_idle)
-    config = DaemonConfig(root=root, sync=SyncMode.parse(args.sync), reserve=reserve, retention=retention)
+    objects = ObjectStoreConfig(url=args.object_store, endpoint=args.object_endpoint, deadline_s=args.object_deadline,
+                                connect_timeout_s=min(3.0, args.object_deadline),
+                                read_timeout_s=min(20.0, args.object_deadline)) if args.object_store else None
+    config = DaemonConfig(root=root, sync=SyncMode.parse(args.sync), reserve=reserve, retention=retention,
+                          objects=objects, cache_bytes=args.cache_bytes)
     return serve(config, Path(args.socket) if args.socket else default_socket(root))
 
 
@@ -174,6 +183,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="cap on one session's payloads; its least recently used cold pages go first (0: none)")
     serve.add_argument("--max-idle", type=_parse_duration, default=0.0,
                        help="delete sessions idle longer than this, e.g. 30d, 12h (0: keep them)")
+    serve.add_argument("--object-store", default="", metavar="s3://BUCKET[/PREFIX]",
+                       help="keep every payload in this S3-compatible object store (the durable tier); the store "
+                       "folder becomes a cache in front of it. Credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
+                       "or any source boto3 reads (docs/deployment.md)")
+    serve.add_argument("--object-endpoint", default="", metavar="URL",
+                       help="the object store's address, e.g. http://127.0.0.1:7480 for a Ceph RGW (default: AWS)")
+    serve.add_argument("--object-deadline", type=float, default=30.0, metavar="S",
+                       help="how long one object-store request may keep retrying before the write or read fails "
+                       "with 'object store unavailable' (default 30)")
+    serve.add_argument("--cache-bytes", type=_parse_size, default=0,
+                       help="with --object-store: the most the store folder keeps, least recently used out "
+                       "(0: no bound)")
     serve.set_defaults(run=cmd_serve)
 
     status = with_socket(sub.add_parser("status", help="sessions, pages, store and commit figures"))

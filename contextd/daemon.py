@@ -18,8 +18,12 @@ Session rows carry page-count aggregates updated in the same transaction as the 
 pins (`pinned` counts the hot pages with a pin), so `status` costs O(sessions) and is always
 consistent with the manifest.
 
-Depends on contextd.store, contextd.keys, contextd.records, contextd.blobs, contextd.ids,
-contextd.errors and contextd.wire; no gRPC types.
+With an object store configured (contextd.tiering), payloads are uploaded before the commit
+that names them, brought back into the folder by the reads that name them, and deleted from both
+tiers; the folder is then a bounded cache.
+
+Depends on contextd.store, contextd.keys, contextd.records, contextd.blobs, contextd.tiering /
+objects, contextd.ids, contextd.errors and contextd.wire; no gRPC types.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from contextd.keys import (
     session_scope,
     state_scope,
 )
+from contextd.objects import ObjectStore, ObjectStoreConfig
 from contextd.records import (
     Branch,
     GcResult,
@@ -84,6 +89,7 @@ from contextd.store import (
     Table,
     Txn,
 )
+from contextd.tiering import ObjectTier, Wanted
 from contextd.wire import MAX_BATCH, MAX_SEGMENT_TEXT, MAX_TEXT, PageState
 
 HOT, COLD, DROPPED, CORRUPT = PageState.HOT, PageState.COLD, PageState.DROPPED, PageState.CORRUPT
@@ -135,10 +141,14 @@ class DaemonConfig:
     reserve: Reserve = Reserve()
     retention: Retention = Retention()
     map_size: int = 1 << 34
+    objects: ObjectStoreConfig | None = None   # the durable tier; None: the folder is
+    cache_bytes: int = 0                       # with `objects`: the folder's bound (0: none)
 
     def __post_init__(self) -> None:
         if self.map_size < 1 << 20:
             raise InvalidArgument("map size must be at least 1 MiB")
+        if self.cache_bytes < 0:
+            raise InvalidArgument("the cache size must not be negative")
 
 
 class Daemon:
@@ -152,9 +162,44 @@ class Daemon:
         # Payload writes and the drops that make room for them are serialised, so two writers
         # cannot both count the same free bytes.
         self._space_lock = threading.RLock()
+        self.tier: ObjectTier | None = None
+        if config.objects is not None:
+            self.tier = ObjectTier(ObjectStore(config.objects), self.blobs, config.cache_bytes)
+            with self.store.read() as txn:
+                committed = [(p.locator, p.byte_size) for _, p in txn.scan(MANIFEST, EVERYTHING) if p.locator]
+                committed += [(s.locator, s.byte_size) for _, s in txn.scan(SNAPSHOTS, EVERYTHING) if s.locator]
+            try:
+                self.tier.start(committed)
+            except BaseException:
+                self.close()
+                raise
 
     def close(self) -> None:
+        if self.tier is not None:
+            self.tier.close()
         self.store.close()
+
+    # ----------------------------------------------------------------- the payloads' tiers
+
+    def _commit_payloads(self, locators: Sequence[str]) -> None:
+        """Before a commit names them: the payloads are in the durable tier (uploaded, with an
+        object store; already, without)."""
+        if self.tier is not None and locators:
+            self.tier.commit(locators)
+
+    def _delete_payloads(self, locators: Sequence[str]) -> int:
+        """After a commit stopped naming them: the payloads go (from both tiers); the folder's bytes freed."""
+        if self.tier is not None:
+            return self.tier.delete(locators)
+        return sum(self.blobs.delete(locator) for locator in locators)
+
+    def _fetch_payloads(self, wanted: Sequence[Wanted]) -> dict[str, str]:
+        """Before a reader opens them: the payloads are in the folder (downloaded, with an object
+        store). Returns those the object store lost or holds other bytes of (locator -> why): they
+        stay out of the folder, and their pages are marked corrupt by the caller."""
+        if self.tier is None or not wanted:
+            return {}
+        return self.tier.fetch(wanted)
 
     # ----------------------------------------------------------------- sessions
 
@@ -203,10 +248,15 @@ class Daemon:
         return self.store.write(op)[0]
 
     def delete_session(self, session_id: str) -> tuple[int, int]:
+        named: list[str] = []
+
         def op(txn: Txn) -> int:
             self._session(txn, session_id)
             for key, page in list(txn.scan(MANIFEST, session_scope(session_id))):
                 self._unindex(txn, key, page)
+                if page.locator:
+                    named.append(page.locator)
+            named.extend(s.locator for _, s in txn.scan(SNAPSHOTS, session_scope(session_id)) if s.locator)
             removed = {table.name: txn.delete_prefix(table, session_scope(session_id)) for table in SCOPED}
             txn.delete(RECORDS, SessionKey(session_id))
             txn.delete(SESSIONS, SessionKey(session_id))
@@ -215,6 +265,8 @@ class Daemon:
         pages, _ = self.store.write(op)
         # Files go after the commit: a crash in between leaves orphans for `gc`, never a
         # manifest entry pointing at nothing.
+        if self.tier is not None:
+            return pages, self.tier.forget_session(session_id, named)
         return pages, self.blobs.delete_session(session_id)
 
     # ----------------------------------------------------------------- branches
@@ -280,7 +332,7 @@ class Daemon:
                 snapshots = [s for _, s in txn.scan(SNAPSHOTS, session_scope(parent_id))]
             shared = [p.locator for p in pages if p.locator and p.state in (HOT, COLD)] + \
                 [s.locator for s in snapshots if s.locator]
-            moved = self.blobs.link(shared, session_id)
+            moved = self.blobs.link(shared, session_id) if self.tier is None else self.tier.copy(shared, session_id)
 
             def op(txn: Txn) -> SessionRow:
                 if txn.has(SESSIONS, SessionKey(session_id)):
@@ -309,15 +361,16 @@ class Daemon:
             try:
                 session = self.store.write(op)[0]
             except BaseException:
-                for locator in moved.values():
-                    self.blobs.delete(locator)
+                self._delete_payloads(list(moved.values()))
                 raise
         sizes = {p.locator: p.byte_size for p in pages} | {s.locator: s.byte_size for s in snapshots}
         return Branch(session, len(pages), sum(sizes[locator] for locator in moved))
 
     # ----------------------------------------------------------------- pages
 
-    def _check_page(self, session_id: str, page: PageRow) -> PageRow:
+    def _check_page(self, session_id: str, page: PageRow, committed: str = "") -> PageRow:
+        """A page row as a writer sends it, checked; `committed` is the locator the manifest names
+        for it now (its payload may be out of the folder with an object store)."""
         check_id(page.page_id, "page_id")
         if page.token_end < page.token_start:
             raise InvalidArgument(
@@ -331,7 +384,7 @@ class Daemon:
                 raise InvalidArgument(f"page {page.page_id}: locator is outside session {session_id}")
             if len(page.checksum) != 32 or not _lower_hex(page.checksum):
                 raise InvalidArgument(f"page {page.page_id}: checksum must be 32 lowercase hex digits")
-            if not self.blobs.exists(page.locator, page.byte_size):
+            if page.locator != committed and not self.blobs.exists(page.locator, page.byte_size):
                 raise FailedPrecondition(
                     f"page {page.page_id}: no payload of {page.byte_size} bytes at {page.locator}")
         elif page.state == COLD:
@@ -379,9 +432,15 @@ class Daemon:
 
     def upsert_pages(self, session_id: str, pages: Sequence[PageRow]) -> CommitInfo:
         _check_batch(pages, "pages")
-        checked = [self._check_page(session_id, p) for p in pages]
+        for p in pages:
+            check_id(p.page_id, "page_id")
+        with self.store.read() as txn:
+            named = {p.page_id: (old.locator if (old := txn.get(MANIFEST, PageKey(session_id, p.page_id))) else "")
+                     for p in pages}
+        checked = [self._check_page(session_id, p, named[p.page_id]) for p in pages]
         if len({p.page_id for p in checked}) != len(checked):
             raise InvalidArgument("a page_id appears twice in one batch")
+        self._commit_payloads([p.locator for p in checked if p.locator and p.locator != named[p.page_id]])
         replaced: list[str] = []
 
         def move(txn: Txn, session: SessionRow, now: float) -> PageCounts:
@@ -394,8 +453,7 @@ class Daemon:
             return counts
 
         info = self._change_pages(session_id, move)
-        for locator in replaced:
-            self.blobs.delete(locator)
+        self._delete_payloads(replaced)
         quota = self.config.retention.session_quota_bytes
         if quota:
             over = self.get_session(session_id).pages.bytes_on_disk - quota
@@ -464,8 +522,7 @@ class Daemon:
             return counts
 
         info = self._change_pages(session_id, move)
-        for locator in removed:
-            self.blobs.delete(locator)
+        self._delete_payloads(removed)
         return info
 
     def query_pages(self, session_id: str, states: Sequence[PageState], start_after: str, limit: int
@@ -501,8 +558,16 @@ class Daemon:
             check_id(page_id, "page_id")
         with self.store.read() as txn:
             self._session(txn, session_id)
-            found = [txn.get(MANIFEST, PageKey(session_id, page_id)) for page_id in page_ids]
-        return [page for page in found if page is not None]
+            found = [page for page_id in page_ids if (page := txn.get(MANIFEST, PageKey(session_id, page_id)))]
+        lost = self._fetch_payloads([(p.locator, p.byte_size, p.checksum) for p in found
+                                     if p.locator and p.state != CORRUPT])
+        if not lost:
+            return found
+        by_locator = {p.locator: p for p in found}
+        for locator, reason in lost.items():
+            self.mark_corrupt(session_id, by_locator[locator].page_id, reason)
+        with self.store.read() as txn:
+            return [page for p in found if (page := txn.get(MANIFEST, PageKey(session_id, p.page_id)))]
 
     # ----------------------------------------------------------------- payloads
 
@@ -559,8 +624,13 @@ class Daemon:
 
         Nothing resident (hot) and nothing pinned or leased is ever dropped. When the
         droppable pages cannot cover bytes_needed, none is dropped and (0, []) is returned, unless
-        `partial` (a session over its quota gives up what it can).
+        `partial` (a session over its quota gives up what it can). With an object store, the
+        folder's copies of committed payloads go first (least recently used), no page dropped.
         """
+        if self.tier is not None and not session_id:
+            evicted = self.tier.evict(bytes_needed, set())
+            if evicted >= bytes_needed:
+                return evicted, []
         with self._space_lock:
             with self.store.read() as txn:
                 candidates = self._droppable(txn, session_id)
@@ -594,8 +664,7 @@ class Daemon:
                 return locators
 
             dropped = self.store.write(op)[0]
-            for locator, _ in dropped:
-                self.blobs.delete(locator)
+            self._delete_payloads([locator for locator, _ in dropped])
             # What the store's accounting (bytes_on_disk, the quotas) lost: a payload a branch still
             # shares frees no disk, yet counts no more against this session (docs/contextd.md).
             return sum(size for _, size in dropped), chosen
@@ -661,6 +730,7 @@ class Daemon:
         """Record a snapshot whose payload is already in the store; the slot's previous payload
         is deleted after the commit."""
         self._check_snapshot(session_id, snapshot)
+        self._commit_payloads([snapshot.locator])
         replaced: list[str] = []
 
         def op(txn: Txn) -> None:
@@ -668,8 +738,7 @@ class Daemon:
             self._put_snapshot(txn, session_id, snapshot, replaced)
 
         info = self.store.write(op)[1]
-        for old_locator in replaced:
-            self.blobs.delete(old_locator)
+        self._delete_payloads(replaced)
         return info
 
     def _check_snapshot(self, session_id: str, snapshot: SnapshotRow) -> None:
@@ -692,7 +761,9 @@ class Daemon:
     def query_snapshots(self, session_id: str) -> list[SnapshotRow]:
         with self.store.read() as txn:
             self._session(txn, session_id)
-            return [s for _, s in txn.scan(SNAPSHOTS, session_scope(session_id))]
+            found = [s for _, s in txn.scan(SNAPSHOTS, session_scope(session_id))]
+        self._fetch_payloads([(s.locator, s.byte_size, s.checksum) for s in found if s.locator])
+        return found
 
     def write_record(self, session_id: str, record: RecordRow, keep_segments: int, append: Sequence[SegmentRow],
                      snapshots: Sequence[SnapshotRow] = ()) -> CommitInfo:
@@ -717,6 +788,7 @@ class Daemon:
         _check_batch(record.resident_pages, "resident_pages")
         for segment in append:
             _check_text(segment.text, "segment text", MAX_SEGMENT_TEXT)
+        self._commit_payloads([snapshot.locator for snapshot in snapshots])
 
         def op(txn: Txn) -> int:
             session = self._session(txn, session_id)
@@ -744,8 +816,7 @@ class Daemon:
 
         replaced: list[str] = []
         info = self.store.write(op)[1]
-        for old_locator in replaced:
-            self.blobs.delete(old_locator)
+        self._delete_payloads(replaced)
         return info
 
     def read_record(self, session_id: str) -> tuple[RecordRow, list[SegmentRow]]:
@@ -782,7 +853,15 @@ class Daemon:
                       session_quota_bytes=self.config.retention.session_quota_bytes,
                       max_idle_s=self.config.retention.max_idle_s, sync_mode=self.config.sync.value,
                       root=str(self.config.root), pid=os.getpid(), uptime_s=time.time() - self.started,
-                      sessions=rows, schema_version=SCHEMA_VERSION)
+                      sessions=rows, schema_version=SCHEMA_VERSION, **self._tier_status())
+
+    def _tier_status(self) -> dict[str, Any]:
+        tier = self.tier
+        if tier is None:
+            return {}
+        return {"object_store": tier.objects.config.url, "cached_bytes": tier.cached_bytes,
+                "cache_limit_bytes": tier.cache_bytes, "objects_uploaded": tier.uploaded,
+                "objects_fetched": tier.fetched}
 
     def idle_sessions(self) -> list[str]:
         """Sessions idle for longer than the retention's max idle age (none without one)."""
@@ -847,6 +926,8 @@ class Daemon:
         pages_ok = bytes_read = 0
         for sid, page in pages:
             try:
+                for reason in self._fetch_payloads([(page.locator, page.byte_size, page.checksum)]).values():
+                    raise DataCorrupt(reason)
                 self.blobs.read(page.locator, page.checksum, page.byte_size)
             except DataCorrupt as exc:
                 self.mark_corrupt(sid, page.page_id, str(exc))
@@ -856,6 +937,8 @@ class Daemon:
             bytes_read += page.byte_size
         for sid, snap in snapshots:
             try:
+                for reason in self._fetch_payloads([(snap.locator, snap.byte_size, snap.checksum)]).values():
+                    raise DataCorrupt(reason)
                 self.blobs.read(snap.locator, snap.checksum, snap.byte_size)
             except DataCorrupt:
                 corrupt.append(PageRef(sid, f"snapshot:{snap.slot}"))

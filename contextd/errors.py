@@ -50,6 +50,15 @@ class DaemonUnavailable(ContextdError):
     code = "UNAVAILABLE"
 
 
+class TierUnavailable(ContextdError):
+    """The object store, the durable tier, did not take or give a payload in time (down, stalled,
+    refusing). Nothing was committed: the manifest names only payloads the tier holds, and a
+    page whose upload failed stays where it was. ABORTED, not UNAVAILABLE: that one means the
+    daemon itself is not answering."""
+
+    code = "ABORTED"
+
+
 class AlreadyRunning(ContextdError):
     """Another daemon already serves this root."""
 
@@ -59,5 +68,5 @@ class AlreadyRunning(ContextdError):
 BY_CODE: dict[str, type[ContextdError]] = {
     cls.code: cls
     for cls in (InvalidArgument, NotFound, FailedPrecondition, StoreFull, DataCorrupt, DaemonUnavailable,
-                AlreadyRunning)
+                TierUnavailable, AlreadyRunning)
 }

@@ -259,6 +259,11 @@ class Status:
     uptime_s: float
     sessions: tuple[SessionStatus, ...]
     schema_version: int
+    object_store: str = ""
+    cached_bytes: int = 0
+    cache_limit_bytes: int = 0
+    objects_uploaded: int = 0
+    objects_fetched: int = 0
 
 
 @dataclass(frozen=True, slots=True)

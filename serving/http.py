@@ -47,7 +47,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from backends import DecodeStep
-from contextd.errors import ContextdError, DaemonUnavailable, StoreFull
+from contextd.errors import ContextdError, DaemonUnavailable, StoreFull, TierUnavailable
 from serving import views
 from serving.engine import ChatRequest, Engine, Prepared, TurnEvent, TurnResult
 from serving.request_body import BodyParser
@@ -203,12 +203,13 @@ class Worker(threading.Thread):
 
 
 # What a failed turn answers, by the exception out of the engine: the first row whose type matches
-# wins (DaemonUnavailable and StoreFull are ContextdErrors; OSError is EIO, EROFS, ... from the
+# wins (DaemonUnavailable, TierUnavailable and StoreFull are ContextdErrors; OSError is EIO, EROFS, ... from the
 # store's disk). Anything else is a 500 "server_error". The reliability campaign's oracle reads it.
 ERROR_STATUS: tuple[tuple[type[Exception], HTTPStatus, str], ...] = (
     (TranscriptError, HTTPStatus.BAD_REQUEST, "invalid_request_error"),
     (StoreFull, HTTPStatus.INSUFFICIENT_STORAGE, "store_full"),
     (DaemonUnavailable, HTTPStatus.SERVICE_UNAVAILABLE, "contextd_down"),
+    (TierUnavailable, HTTPStatus.SERVICE_UNAVAILABLE, "object_store_unavailable"),
     (ContextdError, HTTPStatus.INTERNAL_SERVER_ERROR, "contextd_error"),
     (OSError, HTTPStatus.SERVICE_UNAVAILABLE, "storage_unavailable"),
 )

@@ -111,13 +111,17 @@ class ContextdProcess:
             if self.log is not None:
                 output.close()
         self.client = Client(self.socket, timeout=60.0)
-        try:
-            self.client.wait_ready(timeout=timeout)
-        except DaemonUnavailable:
-            self.proc.kill()
-            out = self.proc.communicate()[0] if self.log is None else self.log.read_text(errors="replace")
-            raise RuntimeError(f"contextd did not start: {out}") from None
-        return self.client
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.client.wait_ready(timeout=min(0.5, max(0.05, deadline - time.monotonic())))
+                return self.client
+            except DaemonUnavailable:
+                if self.proc.poll() is None and time.monotonic() < deadline:
+                    continue   # still starting
+                self.proc.kill()
+                out = self.proc.communicate()[0] if self.log is None else self.log.read_text(errors="replace")
+                raise RuntimeError(f"contextd did not start: {out}") from None
 
     @property
     def running(self) -> bool:

@@ -14,6 +14,8 @@ import os
 
 import pytest
 
+pytest_plugins = ["tests.objectstore"]   # the `rgw` fixtures: a real S3 store for the object-tier tests
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[variable] = "1"

@@ -29,7 +29,7 @@ ALLOWED: dict[str, set[str]] = {
 NARROW: dict[tuple[str, str], tuple[str, ...]] = {("controller", "contextd"): ("contextd.wire",)}
 # Inside contextd: the client side must not reach the daemon side.
 CLIENT_SIDE = ("client.py", "wire.py", "errors.py", "paths.py", "ids.py", "blobs.py")
-DAEMON_SIDE = {"contextd.daemon", "contextd.service", "contextd.server", "contextd.store"}
+DAEMON_SIDE = {"contextd.daemon", "contextd.service", "contextd.server", "contextd.store", "contextd.tiering"}
 
 
 def ours(module: str) -> str | None:

@@ -1,0 +1,220 @@
+"""The object tier against a real S3 store: a single-node Ceph RGW that the suite starts
+(harness/rgw.py; `make test` installs Debian's ceph-mon, ceph-osd and radosgw).
+
+contextd runs with `--object-store s3://BUCKET`: a payload is in the object store before the
+manifest row that names it commits, the store folder is a bounded cache whose losses come back on
+the next read, a payload whose bytes changed in the object store is refused (its page marked
+corrupt), and an object store that is down or stalls fails a commit with a clear error, committing
+nothing, until it answers again."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from contextd.client import Client, pb
+from contextd.errors import InvalidArgument, TierUnavailable
+from contextd.objects import ObjectStore, ObjectStoreConfig
+from contextd.wire import PageState
+from harness.rgw import Rgw
+from serving.launcher import ContextdProcess
+from tests.objectstore import bucket
+
+from .conftest import store_payload
+
+PAYLOAD = (6 << 20) // 4   # 1.5 MiB: one PUT each
+BIG = (11 << 20) + 12345  # past two 5 MiB parts: a multipart upload
+
+
+@pytest.fixture
+def s3(rgw: Rgw, monkeypatch: pytest.MonkeyPatch) -> ObjectStore:
+    return bucket(rgw, monkeypatch)
+
+
+def tiered(daemon_factory: Any, s3: ObjectStore, *extra: str, endpoint: str = "") -> tuple[ContextdProcess, Client]:
+    """A daemon keeping its payloads in `s3` (through `endpoint` when given), with session "s" open."""
+    proc: ContextdProcess = daemon_factory("--reserve-bytes", "0", "--object-store", s3.config.url,
+                                           "--object-endpoint", endpoint or s3.config.endpoint, *extra)
+    assert proc.client is not None
+    proc.client.open_session("s", model_id="m")
+    return proc, proc.client
+
+
+def page(n: int) -> pb.Page:
+    return pb.Page(page_id=f"p{n}", token_start=128 * n, token_end=128 * (n + 1), state=PageState.COLD.value,
+                   dtype="float32", layer_view="v")
+
+
+def data(n: int, size: int = PAYLOAD) -> bytes:
+    return (bytes([n % 251]) * 4096 + uuid.uuid4().bytes * 16)[:size].ljust(size, b"x")
+
+
+def folder_files(proc: ContextdProcess) -> list[Path]:
+    return sorted(p for p in (proc.root / "store").rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def test_a_committed_payload_is_in_the_object_store_and_comes_back_when_the_folder_loses_it(
+        daemon_factory: Any, s3: ObjectStore) -> None:
+    _, client = tiered(daemon_factory, s3)
+    small, big = data(1), data(2, BIG)
+    records = [store_payload(client, "s", page(1), small), store_payload(client, "s", page(2), big)]
+    for record, payload in zip(records, (small, big), strict=True):
+        assert s3.exists(record.locator, len(payload))
+        client.payloads().path(record.locator).unlink()      # the folder lost it
+    got = client.get_pages("s", ["p1", "p2"])
+    assert [r.state for r in got] == [PageState.COLD.value] * 2
+    assert client.payloads().path(got[0].locator).read_bytes() == small
+    assert client.payloads().path(got[1].locator).read_bytes() == big
+    assert client.verify().pages_ok == 2
+    # deleting the session deletes its objects too
+    client.delete_session("s")
+    assert not s3.exists(records[0].locator, len(small))
+
+
+def test_the_folder_keeps_at_most_its_cache_bytes_and_fetches_the_rest(daemon_factory: Any, s3: ObjectStore) -> None:
+    proc, client = tiered(daemon_factory, s3, "--cache-bytes", str(3 * PAYLOAD))
+    payloads = {n: data(n) for n in range(6)}
+    for n, payload in payloads.items():
+        store_payload(client, "s", page(n), payload)
+    assert len(folder_files(proc)) == 3          # the three used last
+    for n in (0, 1, 2):
+        (record,) = client.get_pages("s", [f"p{n}"])
+        assert client.payloads().path(record.locator).read_bytes() == payloads[n]
+    assert len(folder_files(proc)) == 3
+    assert client.verify().pages_ok == 6
+    status = client.status()
+    assert status.object_store == s3.config.url and status.objects_uploaded == 6
+    assert status.objects_fetched >= 3 and status.cached_bytes <= 3 * PAYLOAD
+
+
+def test_a_payload_changed_in_the_object_store_is_refused_and_its_page_marked_corrupt(
+        daemon_factory: Any, s3: ObjectStore) -> None:
+    _, client = tiered(daemon_factory, s3)
+    record = store_payload(client, "s", page(1), data(1))
+    s3.client.put_object(Bucket=s3.config.bucket, Key=s3.key(record.locator), Body=data(9))   # same size, other bytes
+    client.payloads().path(record.locator).unlink()
+    (got,) = client.get_pages("s", ["p1"])
+    assert got.state == PageState.CORRUPT.value
+    assert not client.payloads().path(record.locator).exists()
+
+
+def test_an_object_store_that_is_down_fails_the_commit_typed_and_it_goes_through_once_back(
+        daemon_factory: Any, own_rgw: Rgw, monkeypatch: pytest.MonkeyPatch) -> None:
+    rgw = own_rgw
+    s3 = bucket(rgw, monkeypatch)
+    _, client = tiered(daemon_factory, s3, "--object-deadline", "2")
+    store_payload(client, "s", page(1), data(1))
+    blob = client.payloads().write("s", "p2", data(2))
+    record = pb.Page()
+    record.CopyFrom(page(2))
+    record.locator, record.byte_size, record.checksum = blob.locator, blob.byte_size, blob.checksum
+    rgw.kill_gateway()
+    try:
+        started = time.monotonic()
+        with pytest.raises(TierUnavailable, match="object store"):
+            client.upsert_pages("s", [record])
+        assert time.monotonic() - started < 15
+        assert [p.page_id for p in client.query_pages("s")] == ["p1"]     # nothing was committed
+    finally:
+        rgw.restart_gateway()
+    client.upsert_pages("s", [record])
+    assert s3.exists(record.locator, record.byte_size)
+    assert client.verify().pages_ok == 2
+
+
+class StallingProxy:
+    """A TCP proxy to the object store that can stop forwarding bytes while keeping every
+    connection open (a stalled network path, not a refused one)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = target_port
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.server.getsockname()[1])
+        self.stalled = threading.Event()
+        self.closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while chunk := source.recv(65536):
+                while self.stalled.is_set() and not self.closed.is_set():
+                    time.sleep(0.05)
+                sink.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                s.close()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.server.close()
+
+
+def test_a_stalled_object_store_fails_the_commit_after_its_deadline(daemon_factory: Any, s3: ObjectStore,
+                                                                    rgw: Rgw) -> None:
+    proxy = StallingProxy(rgw.port)
+    try:
+        _, client = tiered(daemon_factory, s3, "--object-deadline", "2", endpoint=f"http://127.0.0.1:{proxy.port}")
+        store_payload(client, "s", page(1), data(1))
+        proxy.stalled.set()
+        started = time.monotonic()
+        with pytest.raises(TierUnavailable, match="did not take"):
+            store_payload(client, "s", page(2), data(2))
+        assert time.monotonic() - started < 20
+        assert [p.page_id for p in client.query_pages("s")] == ["p1"]
+        proxy.stalled.clear()
+        store_payload(client, "s", page(2), data(2))
+        assert client.verify().pages_ok == 2
+    finally:
+        proxy.close()
+
+
+def test_a_root_moves_to_the_object_store_at_start_and_keeps_to_it(daemon_factory: Any, s3: ObjectStore) -> None:
+    local = daemon_factory("--reserve-bytes", "0")
+    client: Client = local.client
+    client.open_session("s", model_id="m")
+    record = store_payload(client, "s", page(1), data(1))
+    local.proc.terminate()
+    local.proc.wait()
+    # the same root with an object store: its payloads go up before it serves
+    moved = ContextdProcess(root=local.root, socket=local.socket,
+                            extra=["--reserve-bytes", "0", "--object-store", s3.config.url, "--object-endpoint",
+                                   s3.config.endpoint])
+    try:
+        moved.start()
+        assert s3.exists(record.locator, record.byte_size)
+        moved.stop()
+        # and it stays with that store: another one is refused with the reason
+        other = ContextdProcess(root=local.root, socket=local.socket, extra=[
+            "--object-store", "s3://another-bucket", "--object-endpoint", s3.config.endpoint])
+        with pytest.raises(RuntimeError, match="durable in"):
+            other.start(timeout=10)
+    finally:
+        moved.stop()
+
+
+def test_object_store_settings_are_checked() -> None:
+    for url in ("s3://", "http://bucket", "s3://Upper", "s3://b"):
+        with pytest.raises(InvalidArgument):
+            ObjectStoreConfig(url=url)
+    with pytest.raises(InvalidArgument, match="endpoint"):
+        ObjectStoreConfig(url="s3://bucket", endpoint="127.0.0.1:7480")
+    with pytest.raises(InvalidArgument, match="parts"):
+        ObjectStoreConfig(url="s3://bucket", part_bytes=1 << 20)

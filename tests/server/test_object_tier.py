@@ -1,0 +1,90 @@
+"""A real server whose contextd keeps every payload in a real S3 store (Ceph RGW, tests/objectstore.py)
+with a store folder far smaller than the session: pages evicted to the object store come back
+through it (fetched on the restore's GetPages), every answer is the one a server on local disk
+gives, and an object store that goes down mid-session answers 503 for the turn, loses nothing,
+and the session answers again (the same tokens) once the store is back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from harness.rgw import Rgw
+from serving.launcher import ContextdProcess, ServerProcess
+from tests.objectstore import bucket
+from tests.server.test_resident import opening
+
+QUESTIONS = ["What did a say first?", "Repeat a_3.", "And a_590?", "Which word came last?"]
+
+
+def tiered_server(server_factory: Any, rgw: Rgw, monkeypatch: pytest.MonkeyPatch, cache_bytes: int) -> ServerProcess:
+    s3 = bucket(rgw, monkeypatch)
+    server: ServerProcess = server_factory("tiny-llama", 1024, start=False)
+    server.contextd = ContextdProcess(server.root / "contextd", server.socket, log=server.root / "contextd.log",
+                                      extra=["--object-store", s3.config.url, "--object-endpoint", rgw.endpoint,
+                                             "--object-deadline", "2", "--cache-bytes", str(cache_bytes)])
+    return server.start()
+
+
+def folder_bytes(server: ServerProcess) -> int:
+    store = server.root / "contextd" / "store"
+    return sum(p.stat().st_size for p in store.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def ask(server: ServerProcess, messages: list[dict[str, Any]], question: str) -> tuple[int, str, dict[str, Any]]:
+    reply = server.chat([*messages, {"role": "user", "content": question}], session="a", max_tokens=6)
+    text = reply.body["choices"][0]["message"]["content"] if reply.status == 200 else ""
+    return reply.status, text, reply.body
+
+
+def test_pages_come_back_through_the_object_store_and_answers_equal_a_local_servers(
+        server_factory: Any, rgw: Rgw, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = 64 << 10
+    tiered = tiered_server(server_factory, rgw, monkeypatch, cache)
+    local: ServerProcess = server_factory("tiny-llama", 1024)
+    answers: dict[str, list[str]] = {"tiered": [], "local": []}
+    for name, server in (("tiered", tiered), ("local", local)):
+        messages = opening("a")
+        for question in QUESTIONS:
+            status, text, body = ask(server, messages, question)
+            assert status == 200, body
+            answers[name].append(text)
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": text}]
+    assert answers["tiered"] == answers["local"]
+    counters = tiered.stats("a")["counters"]
+    assert counters["restored_pages"] > 0 and counters["historical_forward_during_restore"] == 0
+    assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
+    stored = counters["stored_bytes"]
+    assert stored > 4 * cache and folder_bytes(tiered) <= cache + stored // counters["stored_pages"] * 8
+    assert tiered.contextd is not None and tiered.contextd.client is not None
+    status = tiered.contextd.client.status()
+    assert status.objects_fetched > 0 and status.objects_uploaded >= counters["stored_pages"]
+    # past the bound only by the payloads of the last commit or read, which are never evicted by it
+    assert status.cached_bytes <= cache + 8 * stored // counters["stored_pages"]
+    assert status.cache_limit_bytes == cache
+
+
+def test_an_object_store_down_mid_session_fails_the_turn_and_loses_nothing(
+        server_factory: Any, own_rgw: Rgw, monkeypatch: pytest.MonkeyPatch) -> None:
+    tiered = tiered_server(server_factory, own_rgw, monkeypatch, 0)
+    local: ServerProcess = server_factory("tiny-llama", 1024)
+    messages = {"tiered": opening("a"), "local": opening("a")}
+
+    def turn(name: str, server: ServerProcess, question: str) -> str:
+        status, text, body = ask(server, messages[name], question)
+        assert status == 200, body
+        messages[name] += [{"role": "user", "content": question}, {"role": "assistant", "content": text}]
+        return text
+
+    assert turn("tiered", tiered, QUESTIONS[0]) == turn("local", local, QUESTIONS[0])
+    own_rgw.kill_gateway()
+    status, _, body = ask(tiered, messages["tiered"], QUESTIONS[1])
+    assert status == 503 and body["error"]["type"] == "object_store_unavailable", body
+    assert "object store" in body["error"]["message"]
+    own_rgw.restart_gateway()
+    for question in QUESTIONS[1:]:
+        assert turn("tiered", tiered, question) == turn("local", local, question)
+    counters = tiered.stats("a")["counters"]
+    assert counters["historical_forward_during_restore"] == 0
+
