@@ -127,14 +127,15 @@ def switches(server: ServerProcess, budget: int, resident: int, seed: int) -> di
 
 
 def decode(server: ServerProcess, sessions: int, tokens: int) -> float:
-    """Aggregate decoded tokens a second of `sessions` requests sent at once (each its own session)."""
+    """Aggregate decoded tokens a second of `sessions` requests sent at once (each its own session,
+    new to the server: its prompt's prefill is in the time)."""
     done: list[int] = []
     ready = threading.Barrier(sessions + 1)
 
     def one(n: int) -> None:
         messages = [{"role": "user", "content": f"Session {n} of {sessions}: write a long story about a ship."}]
         ready.wait()
-        _, _, reply = streamed(server, messages, f"decode-{sessions}-{n}", tokens, tools=False)
+        _, _, reply = streamed(server, messages, f"decode-{sessions}-{tokens}-{n}", tokens, tools=False)
         done.append(int(reply["usage"]["completion_tokens"]))
 
     threads = [threading.Thread(target=one, args=(n,)) for n in range(sessions)]
@@ -172,6 +173,7 @@ def concurrency(model: str, budget: int, tokens: int, work: Path, batched: bool)
                                   *([] if batched else ["--no-batch-decode"])])
     try:
         server.start(timeout=600)
+        decode(server, 4, 1)   # warm-up: the four caches exist before anything is timed (a new one is a fork)
         rates = {n: decode(server, n, tokens) for n in (1, 2, 4)}
         return {"rates": rates, **(busy(server, tokens) if batched else {})}
     finally:
