@@ -16,7 +16,10 @@ transcript in every request; harness.workload's `read` results):
   session more than there are caches, so every turn restores its working set from the store
   (`switch_from_store_ms_p50` / `_p95`);
 - **decode**: 1, 2 and 4 sessions asking for `--decode-tokens` each at the same moment, on a
-  server of their own with 4 resident caches; the aggregate decoded tokens a second, and
+  server of their own with 4 resident caches (made before timing); the aggregate decode rate
+  while all of them decode (`decode_tok_s`: streamed chunks, about one a token, from the last
+  session's first to the first session's last, so neither prefill nor a tail after one story
+  ended is in it; `decode_tok_s_overall`: completion tokens from send to the last end), and
   `decode_speedup_2` / `_4` over one session's, with batched decode (the default) and, side by
   side on another such server, with `--no-batch-decode` (`decode_speedup_4_unbatched`: turns
   interleaved a token at a time, each its own forward);
@@ -49,10 +52,12 @@ QUESTION = {"role": "user", "content": "Which file defined the retry limit? Answ
 
 
 def streamed(server: ServerProcess, messages: list[dict[str, Any]], session: str, max_tokens: int,
-             tools: bool = True, decoding: threading.Event | None = None) -> tuple[float, float, dict[str, Any]]:
+             tools: bool = True, decoding: threading.Event | None = None,
+             arrivals: list[float] | None = None) -> tuple[float, float, dict[str, Any]]:
     """(ms to the first content chunk, ms to the end, the final chunk's usage and the prefilled
     tokens) of one streamed request; with `tools`, the workload's tool schemas go with it;
-    `decoding` is set when the first content arrives."""
+    `decoding` is set when the first content arrives; `arrivals` gets each content chunk's
+    arrival time (time.perf_counter)."""
     started = time.perf_counter()
     reply = server.stream(messages, session, **({"tools": TOOLS} if tools else {}), max_tokens=max_tokens,
                           stream_options={"include_usage": True})
@@ -61,8 +66,11 @@ def streamed(server: ServerProcess, messages: list[dict[str, Any]], session: str
     first = None
     usage: dict[str, Any] = {}
     for arrived, chunk in reply.chunks():
-        if first is None and any(c.get("delta", {}).get("content") or c.get("delta", {}).get("tool_calls")
-                                 for c in chunk.get("choices", [])):
+        content = any(c.get("delta", {}).get("content") or c.get("delta", {}).get("tool_calls")
+                      for c in chunk.get("choices", []))
+        if content and arrivals is not None:
+            arrivals.append(arrived)
+        if first is None and content:
             first = arrived
             if decoding is not None:
                 decoding.set()
@@ -126,16 +134,18 @@ def switches(server: ServerProcess, budget: int, resident: int, seed: int) -> di
             "switch_from_store_ms_p95": round(percentile(from_store, 95), 1), "switch_samples": len(between)}
 
 
-def decode(server: ServerProcess, sessions: int, tokens: int) -> float:
-    """Aggregate decoded tokens a second of `sessions` requests sent at once (each its own session,
-    new to the server: its prompt's prefill is in the time)."""
+def at_once(server: ServerProcess, sessions: int, tokens: int) -> tuple[float, list[int], list[list[float]]]:
+    """`sessions` requests sent at once, each its own session new to the server: the seconds from
+    send to the last end, each one's completion tokens and its content chunks' arrival times."""
     done: list[int] = []
+    arrivals: list[list[float]] = [[] for _ in range(sessions)]
     ready = threading.Barrier(sessions + 1)
 
     def one(n: int) -> None:
         messages = [{"role": "user", "content": f"Session {n} of {sessions}: write a long story about a ship."}]
         ready.wait()
-        _, _, reply = streamed(server, messages, f"decode-{sessions}-{tokens}-{n}", tokens, tools=False)
+        _, _, reply = streamed(server, messages, f"decode-{sessions}-{tokens}-{n}", tokens, tools=False,
+                               arrivals=arrivals[n])
         done.append(int(reply["usage"]["completion_tokens"]))
 
     threads = [threading.Thread(target=one, args=(n,)) for n in range(sessions)]
@@ -145,7 +155,20 @@ def decode(server: ServerProcess, sessions: int, tokens: int) -> float:
     started = time.perf_counter()
     for thread in threads:
         thread.join()
-    return sum(done) / (time.perf_counter() - started)
+    return time.perf_counter() - started, done, arrivals
+
+
+def decode(server: ServerProcess, sessions: int, tokens: int) -> tuple[float, float]:
+    """The aggregate decode rate of `sessions` sessions asked at once while all of them decode
+    (content chunks, about one a token, from the last session's first to the first session's last:
+    neither a prefill nor a batch that lost a finished session is in it), and the aggregate
+    completion tokens a second from send to the last end."""
+    seconds, done, arrivals = at_once(server, sessions, tokens)
+    start, end = max(a[0] for a in arrivals), min(a[-1] for a in arrivals)
+    together = sum(sum(1 for t in a if start < t <= end) for a in arrivals)
+    if together < 8 * sessions:
+        raise RuntimeError(f"{sessions} sessions decoded together for only {together} chunks; ask for more tokens")
+    return together / (end - start), sum(done) / seconds
 
 
 def busy(server: ServerProcess, tokens: int) -> dict[str, Any]:
@@ -173,9 +196,10 @@ def concurrency(model: str, budget: int, tokens: int, work: Path, batched: bool)
                                   *([] if batched else ["--no-batch-decode"])])
     try:
         server.start(timeout=600)
-        decode(server, 4, 1)   # warm-up: the four caches exist before anything is timed (a new one is a fork)
+        at_once(server, 4, 1)   # warm-up: the four caches exist before anything is timed (a new one is a fork)
         rates = {n: decode(server, n, tokens) for n in (1, 2, 4)}
-        return {"rates": rates, **(busy(server, tokens) if batched else {})}
+        return {"rates": {n: r[0] for n, r in rates.items()}, "overall": {n: r[1] for n, r in rates.items()},
+                **(busy(server, tokens) if batched else {})}
     finally:
         server.stop()
 
@@ -205,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
-    rates, alone = batched.pop("rates"), unbatched["rates"]
+    rates, alone, overall = batched.pop("rates"), unbatched["rates"], batched.pop("overall")
     waited = batched
     first = branches[args.tokens.split(",")[0]]
     result: dict[str, Any] = {
@@ -214,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         **switched, "decode_tok_s": {str(n): round(r, 2) for n, r in rates.items()},
         "decode_speedup_2": round(rates[2] / rates[1], 2), "decode_speedup_4": round(rates[4] / rates[1], 2),
         "decode_tok_s_unbatched": {str(n): round(r, 2) for n, r in alone.items()},
+        "decode_tok_s_overall": {str(n): round(r, 2) for n, r in overall.items()},
         "decode_speedup_4_unbatched": round(alone[4] / alone[1], 2), **waited}
     other = other_cpu_share(machine0, machine_cpu_seconds(), own_cpu_seconds() - ours0)
     for size, figures in branches.items():

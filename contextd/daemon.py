@@ -861,7 +861,8 @@ class Daemon:
             return {}
         return {"object_store": tier.objects.config.url, "cached_bytes": tier.cached_bytes,
                 "cache_limit_bytes": tier.cache_bytes, "objects_uploaded": tier.uploaded,
-                "objects_fetched": tier.fetched}
+                "objects_fetched": tier.fetched, "bytes_uploaded": tier.bytes_uploaded,
+                "bytes_fetched": tier.bytes_fetched}
 
     def idle_sessions(self) -> list[str]:
         """Sessions idle for longer than the retention's max idle age (none without one)."""

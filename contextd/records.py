@@ -264,6 +264,8 @@ class Status:
     cache_limit_bytes: int = 0
     objects_uploaded: int = 0
     objects_fetched: int = 0
+    bytes_uploaded: int = 0
+    bytes_fetched: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,8 +58,8 @@ class ObjectTier:
         self._cached: OrderedDict[str, int] = OrderedDict()   # committed payloads in the folder, LRU first
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(TRANSFERS, thread_name_prefix="contextd-tier")
-        self.uploaded = 0   # payloads uploaded since the start (status)
-        self.fetched = 0    # payloads downloaded back into the folder
+        self.uploaded = self.bytes_uploaded = 0   # payloads uploaded since the start (status)
+        self.fetched = self.bytes_fetched = 0     # payloads downloaded back into the folder
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -105,10 +105,11 @@ class ObjectTier:
             todo = [locator for locator in dict.fromkeys(locators) if locator not in self._cached]
         self._each(lambda locator: self.objects.upload(locator, self.blobs.path(locator)), todo)
         with self._lock:
-            self.uploaded += len(todo)
             for locator in locators:
                 self._cached[locator] = self.blobs.path(locator).stat().st_size
                 self._cached.move_to_end(locator)
+            self.uploaded += len(todo)
+            self.bytes_uploaded += sum(self._cached[locator] for locator in todo)
         self.trim(set(locators))
 
     def fetch(self, wanted: Sequence[Wanted]) -> dict[str, str]:
@@ -127,6 +128,7 @@ class ObjectTier:
         self._each(download, missing)
         with self._lock:
             self.fetched += len(missing) - len(lost)
+            self.bytes_fetched += sum(size for locator, size, _ in missing if locator not in lost)
             for locator, size, _ in wanted:
                 if locator not in lost:
                     self._cached[locator] = size

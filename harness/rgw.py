@@ -6,7 +6,7 @@ start one in about 4 s on 2 cores (no mgr, no cephx; each option is explained wh
 stop it daemon by daemon, and restart radosgw alone (under a second), which is how a test makes the
 object store go away and come back while the cluster keeps its objects.
 
-Dependency rules: the standard library only.
+Dependency rules: the standard library and harness.procfs.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+
+from harness.procfs import process_cpu_seconds
 
 __all__ = ["Rgw", "missing"]
 
@@ -70,6 +72,11 @@ class Rgw:
     def stop(self) -> None:
         """Every daemon of the cluster, radosgw first; the folder stays (the caller removes it)."""
         self._run("rgw-down.sh", timeout=60)
+
+    def cpu_seconds(self) -> float:
+        """CPU time the cluster's daemons have used (they are not this process's children: a
+        benchmark adds them to its own work)."""
+        return sum(process_cpu_seconds(int(path.read_text())) for path in (self.root / "run").glob("*.pid"))
 
     def kill_gateway(self) -> None:
         """SIGKILL radosgw: the object store stops answering; the cluster keeps its objects."""
