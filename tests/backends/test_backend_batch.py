@@ -37,6 +37,8 @@ SAMPLING = [{}, {}, {"greedy": False, "temperature": 0.9, "top_k": 40, "top_p": 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_a_batched_decode_leaves_each_session_where_its_own_decode_would(models: Models, model: str) -> None:
+    if models.backend == "mlx" and model not in ("tiny-llama", "tiny-qwen3-next"):
+        pytest.skip("MLX decodes a batch one session at a time; two families show it")
     alone, together = sessions(models, model), sessions(models, model)
     batching = together[0].batches_decode
     assert batching == (models.backend == "torch" and model not in ("tiny-qwen3-next", "tiny-gemma4"))

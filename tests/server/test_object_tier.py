@@ -15,7 +15,7 @@ from serving.launcher import ContextdProcess, ServerProcess
 from tests.objectstore import bucket
 from tests.server.test_resident import opening
 
-QUESTIONS = ["What did a say first?", "Repeat a_3.", "And a_590?", "Which word came last?"]
+QUESTIONS = ["What did a say first?", "Repeat a_3.", "Which word came last?"]
 
 
 def tiered_server(server_factory: Any, rgw: Rgw, monkeypatch: pytest.MonkeyPatch, cache_bytes: int) -> ServerProcess:
