@@ -569,10 +569,9 @@ class _SlotCache(Cache):
     windows, whose linear-attention layers are the stock ones (so hybrid recurrent state follows
     transformers exactly) and whose other layers hold nothing."""
 
-    def __init__(self, store: _SlotStore, roles: LayerRoles, linear_states: int) -> None:
+    def __init__(self, store: _SlotStore, rt: _Runtime, linear_states: int) -> None:
         self.store = store
-        paged = {layer: a for a, layer in enumerate(roles.paged)}
-        window = {layer: w for w, layer in enumerate(roles.window)}
+        paged, window, roles = rt.paged_index, rt.window_index, rt.roles
         layers: list[Any] = []
         for layer in range(roles.n_layers):
             if layer in paged:
@@ -658,13 +657,12 @@ class _BatchLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
 
 class _BatchCache(Cache):
     """transformers `Cache` of one batched decode over sessions whose layers are all paged,
-    window or cache-free (`TorchBackend._batches_decode`)."""
+    window or cache-free (`TorchBackend.batches_decode`)."""
 
-    def __init__(self, rows: _BatchRows, roles: LayerRoles) -> None:
-        paged = {layer: a for a, layer in enumerate(roles.paged)}
-        window = {layer: w for w, layer in enumerate(roles.window)}
+    def __init__(self, rows: _BatchRows, rt: _Runtime) -> None:
+        paged, window = rt.paged_index, rt.window_index
         layers: list[Any] = []
-        for layer in range(roles.n_layers):
+        for layer in range(rt.roles.n_layers):
             if layer in paged:
                 layers.append(_BatchLayer(rows, paged[layer], sliding=False))
             elif layer in window:
@@ -816,7 +814,7 @@ class TorchBackend(SlotBackend):
 
     def _new_cache(self) -> _SlotCache:
         states = int(getattr(self._rt.model.config.get_text_config(), "number_of_conv_states", 1))
-        return _SlotCache(self._store, self._rt.roles, states)
+        return _SlotCache(self._store, self._rt, states)
 
     def _masks(self, positions: np.ndarray, slots: np.ndarray,
                high_water: int) -> tuple[torch.Tensor | dict[str, torch.Tensor | None], dict[int, str]]:
@@ -918,7 +916,7 @@ class TorchBackend(SlotBackend):
                     head.forward = functools.partial(_tall_head, head)  # shadows Linear.forward for this call
                 try:
                     out = rt.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                                   cache=_BatchCache(batch, rt.roles), use_cache=True, logits_to_keep=1)
+                                   cache=_BatchCache(batch, rt), use_cache=True, logits_to_keep=1)
                 finally:
                     rt.active = None
                     _SHORTCUTS.masks, _BATCH.rows = {}, None

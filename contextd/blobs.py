@@ -167,6 +167,11 @@ class BlobStore:
         check_id(name, "payload name")
         return f"{session_id}/{name}.{digest[:16]}.{suffix}"
 
+    def shared_locator(self, locator: str, session_id: str) -> str:
+        """Where `session_id`'s share of the payload at `locator` is named: the same file name in its
+        folder (names are unique per content and page)."""
+        return f"{check_id(session_id, 'session_id')}/{self.path(locator).name}"
+
     def path(self, locator: str) -> Path:
         if _LOCATOR.fullmatch(locator) is None or "/." in locator:
             raise InvalidArgument(f"locator {locator[:60]!r} is not a store-relative payload name")
@@ -280,7 +285,7 @@ class BlobStore:
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             for locator in locators:
                 source = self.path(locator)
-                target = f"{session_id}/{source.name}"
+                target = self.shared_locator(locator, session_id)
                 _io("link", source)
                 os.link(source, self.path(target))
                 made[locator] = target

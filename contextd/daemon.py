@@ -853,16 +853,8 @@ class Daemon:
                       session_quota_bytes=self.config.retention.session_quota_bytes,
                       max_idle_s=self.config.retention.max_idle_s, sync_mode=self.config.sync.value,
                       root=str(self.config.root), pid=os.getpid(), uptime_s=time.time() - self.started,
-                      sessions=rows, schema_version=SCHEMA_VERSION, **self._tier_status())
-
-    def _tier_status(self) -> dict[str, Any]:
-        tier = self.tier
-        if tier is None:
-            return {}
-        return {"object_store": tier.objects.config.url, "cached_bytes": tier.cached_bytes,
-                "cache_limit_bytes": tier.cache_bytes, "objects_uploaded": tier.uploaded,
-                "objects_fetched": tier.fetched, "bytes_uploaded": tier.bytes_uploaded,
-                "bytes_fetched": tier.bytes_fetched}
+                      sessions=rows, schema_version=SCHEMA_VERSION,
+                      **(self.tier.status() if self.tier is not None else {}))
 
     def idle_sessions(self) -> list[str]:
         """Sessions idle for longer than the retention's max idle age (none without one)."""

@@ -96,12 +96,17 @@ class ObjectStoreConfig:
         return f"{prefix}/" if prefix else ""
 
 
+def _status(exc: Any) -> int:
+    """The HTTP status of a botocore ClientError (0 when it carries none)."""
+    return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+
+
 def _retryable(exc: Exception) -> bool:
     """Connection errors, timeouts, throttling and 5xx are worth another attempt; a 4xx is not."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     if isinstance(exc, ClientError):
-        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+        status = _status(exc)
         code = str(exc.response.get("Error", {}).get("Code", ""))
         return status >= 500 or status in (408, 429) or code in ("SlowDown", "RequestTimeout", "Throttling")
     return isinstance(exc, BotoCoreError | OSError)
@@ -155,7 +160,7 @@ class ObjectStore:
             try:
                 self.client.head_bucket(Bucket=self.config.bucket)
             except ClientError as exc:
-                if int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)) != 404:
+                if _status(exc) != 404:
                     raise
                 self.client.create_bucket(Bucket=self.config.bucket)
 
@@ -252,7 +257,7 @@ class ObjectStore:
             try:
                 head = self.client.head_object(Bucket=self.config.bucket, Key=self.key(locator))
             except ClientError as exc:
-                if int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)) == 404:
+                if _status(exc) == 404:
                     return False
                 raise
             return int(head["ContentLength"]) == size

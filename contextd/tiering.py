@@ -27,8 +27,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from contextd.blobs import BlobStore
 from contextd.errors import ContextdError, DataCorrupt, InvalidArgument
@@ -68,6 +67,14 @@ class ObjectTier:
     def cached_bytes(self) -> int:
         with self._lock:
             return sum(self._cached.values())
+
+    def status(self) -> dict[str, Any]:
+        """The tier's figures, as contextd's Status reports them."""
+        with self._lock:
+            moved = {"objects_uploaded": self.uploaded, "objects_fetched": self.fetched,
+                     "bytes_uploaded": self.bytes_uploaded, "bytes_fetched": self.bytes_fetched}
+        return {"object_store": self.objects.config.url, "cached_bytes": self.cached_bytes,
+                "cache_limit_bytes": self.cache_bytes, **moved}
 
     def start(self, committed: Iterable[tuple[str, int]]) -> None:
         """At the daemon's start, with every payload the rows name: the bucket is there, the folder's
@@ -144,11 +151,15 @@ class ObjectTier:
                 self._cached.pop(locator, None)
         for locator in locators:
             freed += self.blobs.delete(locator)
-            try:
-                self.objects.delete(locator)
-            except ContextdError as exc:
-                log.warning("payload %s stays in the object store as an orphan: %s", locator, exc)
+            self._delete_object(locator)
         return freed
+
+    def _delete_object(self, locator: str) -> None:
+        """Delete an object; when the store does not answer, it stays behind as an orphan (logged)."""
+        try:
+            self.objects.delete(locator)
+        except ContextdError as exc:
+            log.warning("payload %s stays in the object store as an orphan: %s", locator, exc)
 
     def forget_session(self, session_id: str, locators: Sequence[str]) -> int:
         """A deleted session's payloads, from both tiers; the folder's bytes freed."""
@@ -158,15 +169,12 @@ class ObjectTier:
     def copy(self, locators: Sequence[str], session_id: str) -> dict[str, str]:
         """A branch's payloads: a server-side copy each in the object store (all or nothing), and a
         hard link each in the folder for the files it holds. Returns old locator -> new."""
-        moved = {locator: f"{session_id}/{Path(locator).name}" for locator in locators}
+        moved = {locator: self.blobs.shared_locator(locator, session_id) for locator in locators}
         try:
             self._each(lambda item: self.objects.copy(item[0], item[1]), list(moved.items()))
         except BaseException:
             for target in moved.values():
-                try:
-                    self.objects.delete(target)
-                except ContextdError as exc:
-                    log.warning("branch copy %s stays in the object store as an orphan: %s", target, exc)
+                self._delete_object(target)
             raise
         local = [locator for locator in locators if self.blobs.path(locator).exists()]
         linked = self.blobs.link(local, session_id)
