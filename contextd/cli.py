@@ -83,7 +83,7 @@ def _print_status(reply: pb.StatusReply) -> None:
     if reply.object_store:
         limit = _size(reply.cache_limit_bytes) if reply.cache_limit_bytes else "unbounded"
         print(f"object store {reply.object_store}  cache {_size(reply.cached_bytes)} of {limit}  "
-              f"uploaded {reply.objects_uploaded}  fetched {reply.objects_fetched}")
+              f"uploaded {reply.objects_uploaded}  fetched {reply.objects_fetched}  node {reply.node}")
     if not reply.sessions:
         print("no sessions")
         return

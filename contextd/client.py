@@ -141,6 +141,13 @@ class Client:
         return self._call("BranchSession", pb.BranchSessionRequest(session_id=session_id, parent_id=parent_id),
                           pb.BranchSessionResponse)
 
+    def hold_session(self, session_id: str, model_id: str = "", lease_s: float = 30.0,
+                     renew: bool = False) -> pb.HoldSessionResponse:
+        """Hold `session_id` for a turn of `lease_s` seconds; `adopted` when it changed hands to this
+        daemon. With `renew`, only this daemon's own lease is renewed (SessionHeld otherwise)."""
+        return self._call("HoldSession", pb.HoldSessionRequest(session_id=session_id, model_id=model_id,
+                                                               lease_s=lease_s, renew=renew), pb.HoldSessionResponse)
+
     # pages
 
     def upsert_pages(self, session_id: str, pages: Iterable[pb.Page]) -> pb.WriteAck:

@@ -20,24 +20,30 @@ consistent with the manifest.
 
 With an object store configured (contextd.tiering), payloads are uploaded before the commit
 that names them, brought back into the folder by the reads that name them, and deleted from both
-tiers; the folder is then a bounded cache.
+tiers; the folder is then a bounded cache. Sessions are then also held and exported
+(contextd.handover): HoldSession takes a turn's lease or adopts a session another server
+exported, and each WriteRecord exports the session's state after its commit; a payload's object
+is deleted only once a publish stops naming it.
 
 Depends on contextd.store, contextd.keys, contextd.records, contextd.blobs, contextd.tiering /
-objects, contextd.ids, contextd.errors and contextd.wire; no gRPC types.
+objects / handover, contextd.ids, contextd.errors and contextd.wire; no gRPC types.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 from contextd.blobs import TEMP_PREFIX, BlobStore, Reserve
-from contextd.errors import DataCorrupt, FailedPrecondition, InvalidArgument, NotFound, StoreFull
+from contextd.errors import DataCorrupt, FailedPrecondition, InvalidArgument, NotFound, SessionHeld, StoreFull
+from contextd.handover import Handover, Holder
 from contextd.ids import check_id
 from contextd.keys import (
     EVERYTHING,
@@ -56,6 +62,8 @@ from contextd.objects import ObjectStore, ObjectStoreConfig
 from contextd.records import (
     Branch,
     GcResult,
+    Hold,
+    HoldRow,
     LeaseRow,
     PageCounts,
     PageRef,
@@ -71,6 +79,7 @@ from contextd.records import (
     VerifyResult,
 )
 from contextd.store import (
+    HOLDS,
     LEASES,
     MANIFEST,
     META,
@@ -143,6 +152,7 @@ class DaemonConfig:
     map_size: int = 1 << 34
     objects: ObjectStoreConfig | None = None   # the durable tier; None: the folder is
     cache_bytes: int = 0                       # with `objects`: the folder's bound (0: none)
+    max_lease_s: float = 3600.0                # the longest turn lease HoldSession grants
 
     def __post_init__(self) -> None:
         if self.map_size < 1 << 20:
@@ -163,8 +173,13 @@ class Daemon:
         # cannot both count the same free bytes.
         self._space_lock = threading.RLock()
         self.tier: ObjectTier | None = None
+        self.handover: Handover | None = None
+        # session -> payload objects its manifest stopped naming, deleted at its next publish
+        self._unpublished: dict[str, set[str]] = {}
+        self._unpublished_lock = threading.Lock()
         if config.objects is not None:
             self.tier = ObjectTier(ObjectStore(config.objects), self.blobs, config.cache_bytes)
+            self.handover = Handover(self.tier.objects, node_id(config.root))
             with self.store.read() as txn:
                 committed = [(p.locator, p.byte_size) for _, p in txn.scan(MANIFEST, EVERYTHING) if p.locator]
                 committed += [(s.locator, s.byte_size) for _, s in txn.scan(SNAPSHOTS, EVERYTHING) if s.locator]
@@ -188,10 +203,23 @@ class Daemon:
             self.tier.commit(locators)
 
     def _delete_payloads(self, locators: Sequence[str]) -> int:
-        """After a commit stopped naming them: the payloads go (from both tiers); the folder's bytes freed."""
+        """After a commit stopped naming them: the payloads' files go; the folder's bytes freed.
+        With an object store their objects go at the session's next publish, not now: the state
+        the holder names until then still names them, and an adopter must find them."""
+        if self.tier is None:
+            return sum(self.blobs.delete(locator) for locator in locators)
+        with self._unpublished_lock:
+            for locator in locators:
+                self._unpublished.setdefault(locator.split("/", 1)[0], set()).add(locator)
+        return self.tier.uncache(locators)
+
+    def _discard_payloads(self, locators: Sequence[str]) -> None:
+        """Payloads no committed row ever named (a failed branch's copies): gone from both tiers now."""
         if self.tier is not None:
-            return self.tier.delete(locators)
-        return sum(self.blobs.delete(locator) for locator in locators)
+            self.tier.delete(locators)
+        else:
+            for locator in locators:
+                self.blobs.delete(locator)
 
     def _fetch_payloads(self, wanted: Sequence[Wanted]) -> dict[str, str]:
         """Before a reader opens them: the payloads are in the folder (downloaded, with an object
@@ -248,26 +276,154 @@ class Daemon:
         return self.store.write(op)[0]
 
     def delete_session(self, session_id: str) -> tuple[int, int]:
+        """Remove a session's rows, then its payloads. With an object store, its objects (payloads,
+        holder, exported states) go only while this contextd holds it: a session another server
+        took is that server's, and only this root's copy is deleted."""
         named: list[str] = []
+        held: list[HoldRow] = []
 
         def op(txn: Txn) -> int:
             self._session(txn, session_id)
-            for key, page in list(txn.scan(MANIFEST, session_scope(session_id))):
-                self._unindex(txn, key, page)
-                if page.locator:
-                    named.append(page.locator)
-            named.extend(s.locator for _, s in txn.scan(SNAPSHOTS, session_scope(session_id)) if s.locator)
-            removed = {table.name: txn.delete_prefix(table, session_scope(session_id)) for table in SCOPED}
-            txn.delete(RECORDS, SessionKey(session_id))
-            txn.delete(SESSIONS, SessionKey(session_id))
-            return removed[MANIFEST.name]
+            if (hold := txn.get(HOLDS, SessionKey(session_id))) is not None:
+                held.append(hold)
+            pages, locators = self._remove_rows(txn, session_id)
+            named.extend(locators)
+            return pages
 
         pages, _ = self.store.write(op)
+        with self._unpublished_lock:
+            named.extend(self._unpublished.pop(session_id, ()))
         # Files go after the commit: a crash in between leaves orphans for `gc`, never a
         # manifest entry pointing at nothing.
-        if self.tier is not None:
-            return pages, self.tier.forget_session(session_id, named)
-        return pages, self.blobs.delete_session(session_id)
+        if self.tier is None:
+            return pages, self.blobs.delete_session(session_id)
+        assert self.handover is not None
+        if held and not self.handover.remove(session_id, _holder(held[0]), held[0].chunks):
+            return pages, self.tier.uncache(named) + self.blobs.delete_session(session_id)
+        return pages, self.tier.forget_session(session_id, named)
+
+    def _remove_rows(self, txn: Txn, session_id: str) -> tuple[int, list[str]]:
+        """Every row of a session (its hold included): the manifest rows removed and the payloads they
+        and the snapshots named."""
+        named = []
+        for key, page in list(txn.scan(MANIFEST, session_scope(session_id))):
+            self._unindex(txn, key, page)
+            if page.locator:
+                named.append(page.locator)
+        named.extend(s.locator for _, s in txn.scan(SNAPSHOTS, session_scope(session_id)) if s.locator)
+        removed = {table.name: txn.delete_prefix(table, session_scope(session_id)) for table in SCOPED}
+        for table in (RECORDS, HOLDS, SESSIONS):
+            txn.delete(table, SessionKey(session_id))
+        return removed[MANIFEST.name], named
+
+    # ----------------------------------------------------------------- holding and moving sessions
+
+    def hold_session(self, session_id: str, model_id: str = "", lease_s: float = 30.0, renew: bool = False) -> Hold:
+        """Hold `session_id` for a turn of `lease_s` seconds (contextd.handover): with an object store,
+        renew this contextd's lease, or take the session over from the server that held it (its
+        lease run out) and replace this root's rows of it by the state that server exported: the
+        session is adopted. SessionHeld while another server's lease runs, and with `renew` (a turn
+        in progress keeps its lease) whenever this contextd no longer holds it. Without an object store
+        every session is this contextd's: token 0, nothing to do."""
+        check_id(session_id, "session_id")
+        _check_text(model_id, "model_id", 512)
+        if not 0 < lease_s <= self.config.max_lease_s:
+            raise InvalidArgument(f"a lease of {lease_s:g} s is not in (0, {self.config.max_lease_s:g}]")
+        if self.handover is None:
+            return Hold(0, False, "")
+        with self.store.read() as txn:
+            held = txn.get(HOLDS, SessionKey(session_id))
+        claim = self.handover.claim(session_id, held.token if held is not None else 0, model_id, lease_s, renew)
+        if claim.adopted:
+            self._adopt(session_id, claim.holder)
+        else:
+            chunks = held.chunks if held is not None else ()
+            self.store.write(lambda txn: txn.put(HOLDS, SessionKey(session_id), _hold_row(claim.holder, chunks)))
+        return Hold(claim.holder.token, claim.adopted, claim.previous_node)
+
+    def _adopt(self, session_id: str, holder: Holder) -> None:
+        """Replace this root's rows of `session_id` by the state `holder` names (none: the session
+        starts over here). Payloads stay where they are: GetPages downloads them when a restore
+        names them. What this root's rows named and the new state does not (a refused turn's
+        pages) goes from both tiers: this contextd holds the session now, and no state names it."""
+        assert self.tier is not None and self.handover is not None
+        loaded = self.handover.load(holder)
+        state, segments = loaded if loaded is not None else ({}, [])
+        chunks = tuple(state.get("chunks", ()))
+        named_before: list[str] = []
+
+        def op(txn: Txn) -> None:
+            named_before.extend(self._remove_rows(txn, session_id)[1])
+            if loaded is not None:
+                self._put_rows(txn, session_id, state, segments)
+            txn.put(HOLDS, SessionKey(session_id), _hold_row(holder, chunks))
+
+        self.store.write(op)
+        named = {p["locator"] for p in state.get("pages", ()) if p.get("locator")} | \
+            {s["locator"] for s in state.get("snapshots", ()) if s.get("locator")}
+        with self._unpublished_lock:
+            stale = (set(named_before) | self._unpublished.pop(session_id, set())) - named
+        self.tier.delete(sorted(stale))
+
+    def _put_rows(self, txn: Txn, session_id: str, state: Mapping[str, Any],
+                  segments: Sequence[Mapping[str, Any]]) -> None:
+        """Write an exported state's rows as `session_id`'s (pins before pages: a page's counts
+        read its pin)."""
+        for page_id, pin in state["pins"]:
+            txn.put(PINS, PageKey(session_id, check_id(page_id, "page_id")), PinRow.load(pin))
+        for page_id, lease in state["leases"]:
+            txn.put(LEASES, PageKey(session_id, check_id(page_id, "page_id")), LeaseRow.load(lease))
+        counts = PageCounts()
+        for page in state["pages"]:
+            counts = self._put_page(txn, session_id, counts, None, PageRow.load(page))
+        for snapshot in state["snapshots"]:
+            row = SnapshotRow.load(snapshot)
+            txn.put(SNAPSHOTS, SnapshotKey(session_id, row.slot), row)
+        for seq, segment in enumerate(segments):
+            txn.put(SEGMENTS, SegmentKey(session_id, seq), SegmentRow.load(segment))
+        txn.put(RECORDS, SessionKey(session_id), RecordRow.load(state["record"]))
+        txn.put(SESSIONS, SessionKey(session_id), replace(SessionRow.load(state["session"]), pages=counts))
+
+    def _publish(self, session_id: str) -> None:
+        """After a turn's record commits: export the session's state and make the holder name it
+        (contextd.handover); then the objects the state stopped naming go. SessionHeld when
+        another server took the session: the write is refused there, and this root's rows, now
+        stale, are replaced at this server's next hold."""
+        assert self.tier is not None and self.handover is not None
+        with self.store.read() as txn:
+            held = txn.get(HOLDS, SessionKey(session_id))
+            assert held is not None, "write_record holds the session before its commit"
+            session = self._session(txn, session_id)
+            record = txn.get(RECORDS, SessionKey(session_id))
+            assert record is not None
+            scope = session_scope(session_id)
+            pages = [p.stored() for _, p in txn.scan(MANIFEST, scope)]
+            snapshots = [s.stored() for _, s in txn.scan(SNAPSHOTS, scope)]
+            state = {"session": session.stored(), "record": record.stored(), "pages": pages, "snapshots": snapshots,
+                     "pins": [[k.page_id, pin.stored()] for k, pin in txn.scan(PINS, scope)],
+                     "leases": [[k.page_id, lease.stored()] for k, lease in txn.scan(LEASES, scope)]}
+            segments = [s.stored() for _, s in txn.scan(SEGMENTS, scope)]
+        exported = self.handover.publish(session_id, _holder(held), held.chunks, state, segments)
+        self.store.write(lambda txn: txn.put(HOLDS, SessionKey(session_id), _hold_row(exported.holder,
+                                                                                       exported.chunks)))
+        named = {row["locator"] for row in (*pages, *snapshots) if row["locator"]}
+        with self._unpublished_lock:
+            gone = self._unpublished.pop(session_id, set())
+        self.tier.delete(sorted(gone - named))
+
+    def _check_hold(self, session_id: str) -> None:
+        """Before a turn's record commits, with an object store: this contextd holds the session
+        (a caller that never asked, such as a tool writing records itself, holds it here, unless
+        another server exported it: that one's state is not overwritten)."""
+        assert self.handover is not None
+        with self.store.read() as txn:
+            if txn.has(HOLDS, SessionKey(session_id)):
+                return
+        holder = self.handover.holder(session_id)
+        if holder is not None:
+            raise SessionHeld(f"session {session_id} is held by {holder.node} (token {holder.token}); "
+                              "HoldSession adopts it before a turn is written here")
+        self.hold_session(session_id)
 
     # ----------------------------------------------------------------- branches
 
@@ -361,7 +517,7 @@ class Daemon:
             try:
                 session = self.store.write(op)[0]
             except BaseException:
-                self._delete_payloads(list(moved.values()))
+                self._discard_payloads(list(moved.values()))
                 raise
         sizes = {p.locator: p.byte_size for p in pages} | {s.locator: s.byte_size for s in snapshots}
         return Branch(session, len(pages), sum(sizes[locator] for locator in moved))
@@ -788,6 +944,8 @@ class Daemon:
         _check_batch(record.resident_pages, "resident_pages")
         for segment in append:
             _check_text(segment.text, "segment text", MAX_SEGMENT_TEXT)
+        if self.handover is not None:
+            self._check_hold(session_id)
         self._commit_payloads([snapshot.locator for snapshot in snapshots])
 
         def op(txn: Txn) -> int:
@@ -817,6 +975,8 @@ class Daemon:
         replaced: list[str] = []
         info = self.store.write(op)[1]
         self._delete_payloads(replaced)
+        if self.handover is not None:
+            self._publish(session_id)
         return info
 
     def read_record(self, session_id: str) -> tuple[RecordRow, list[SegmentRow]]:
@@ -854,6 +1014,7 @@ class Daemon:
                       max_idle_s=self.config.retention.max_idle_s, sync_mode=self.config.sync.value,
                       root=str(self.config.root), pid=os.getpid(), uptime_s=time.time() - self.started,
                       sessions=rows, schema_version=SCHEMA_VERSION,
+                      node=self.handover.node if self.handover is not None else "",
                       **(self.tier.status() if self.tier is not None else {}))
 
     def idle_sessions(self) -> list[str]:
@@ -945,3 +1106,24 @@ def _recorded_resident(txn: Txn, session_id: str) -> set[int]:
     """Indexes of the pages in attention at the end of the session's last completed turn."""
     record = txn.get(RECORDS, SessionKey(session_id))
     return set(record.resident_pages) if record is not None else set()
+
+
+def _holder(row: HoldRow) -> Holder:
+    return Holder(row.token, row.node, row.model_id, row.state, row.busy_until, row.etag)
+
+
+def _hold_row(holder: Holder, chunks: Sequence[str]) -> HoldRow:
+    return HoldRow(holder.token, holder.node, holder.model_id, holder.state, holder.busy_until, holder.etag,
+                   tuple(chunks))
+
+
+def node_id(root: Path) -> str:
+    """This root's name in holder objects: the host's name and a random suffix, made once and kept
+    in ROOT/node-id (two roots on one host are two nodes)."""
+    path = root / "node-id"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        node = f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+        path.write_text(node + "\n")
+        return node

@@ -59,6 +59,14 @@ class TierUnavailable(ContextdError):
     code = "ABORTED"
 
 
+class SessionHeld(ContextdError):
+    """Another server holds the session (contextd.handover): it is serving a turn of it now, or it
+    took the session over since this server's lease began, and this server's write was refused (a
+    fenced, stale holder). Nothing of the refused write reached the object store."""
+
+    code = "PERMISSION_DENIED"
+
+
 class AlreadyRunning(ContextdError):
     """Another daemon already serves this root."""
 
@@ -68,5 +76,5 @@ class AlreadyRunning(ContextdError):
 BY_CODE: dict[str, type[ContextdError]] = {
     cls.code: cls
     for cls in (InvalidArgument, NotFound, FailedPrecondition, StoreFull, DataCorrupt, DaemonUnavailable,
-                TierUnavailable, AlreadyRunning)
+                TierUnavailable, SessionHeld, AlreadyRunning)
 }

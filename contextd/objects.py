@@ -39,7 +39,7 @@ import xxhash
 from contextd.blobs import TEMP_PREFIX, fsync_dir
 from contextd.errors import DataCorrupt, InvalidArgument, TierUnavailable
 
-__all__ = ["ObjectStore", "ObjectStoreConfig"]
+__all__ = ["ConditionFailed", "ObjectStore", "ObjectStoreConfig"]
 
 T = TypeVar("T")
 
@@ -112,8 +112,14 @@ def _retryable(exc: Exception) -> bool:
     return isinstance(exc, BotoCoreError | OSError)
 
 
+class ConditionFailed(Exception):
+    """A conditional write lost: the object changed since its ETag was read, or it exists where
+    it was to be created (S3's 412). Internal to contextd.handover, which re-reads and decides."""
+
+
 class ObjectStore:
-    """Payload objects in one bucket under one prefix. Thread-safe (a boto3 client is)."""
+    """Payload objects in one bucket under one prefix, and the sessions' small state objects beside
+    them (contextd.handover). Thread-safe (a boto3 client is)."""
 
     def __init__(self, config: ObjectStoreConfig) -> None:
         try:
@@ -122,6 +128,9 @@ class ObjectStore:
         except ImportError:
             raise InvalidArgument("the object tier needs boto3: pip install 'kv-elision[s3]'") from None
         self.config = config
+        # S3 compares If-Match with the ETag in quotes, Ceph 16's RGW without: unquoted first,
+        # and quoted from the first 412 that a re-read shows was this dialect's (write_object).
+        self._quote_etags = False
         self.client: Any = boto3.client(
             "s3", endpoint_url=config.endpoint or None, region_name=config.region,
             config=Config(s3={"addressing_style": "path"}, connect_timeout=config.connect_timeout_s,
@@ -150,6 +159,10 @@ class ObjectStore:
 
     def key(self, locator: str) -> str:
         return f"{self.config.prefix}payloads/{locator}"
+
+    def session_key(self, session_id: str, name: str) -> str:
+        """Where a session's own small objects live (its holder, states and transcript chunks)."""
+        return f"{self.config.prefix}sessions/{session_id}/{name}"
 
     # -- the bucket ----------------------------------------------------------------------------
     def ensure_bucket(self) -> None:
@@ -247,8 +260,55 @@ class ObjectStore:
             CopySource={"Bucket": self.config.bucket, "Key": self.key(source)}))
 
     def delete(self, locator: str) -> None:
-        self._run(f"delete {locator}", lambda: self.client.delete_object(Bucket=self.config.bucket,
-                                                                        Key=self.key(locator)))
+        self.delete_object(self.key(locator))
+
+    # -- small objects: a session's holder, states and transcript chunks (contextd.handover) ---
+    def read_object(self, key: str) -> tuple[bytes, str] | None:
+        """The object's bytes and ETag (unquoted), or None when there is none."""
+        from botocore.exceptions import ClientError
+
+        def op() -> tuple[bytes, str] | None:
+            try:
+                got = self.client.get_object(Bucket=self.config.bucket, Key=key)
+            except ClientError as exc:
+                if _status(exc) == 404:
+                    return None
+                raise
+            return got["Body"].read(), str(got["ETag"]).strip('"')
+
+        return self._run(f"give back {key}", op)
+
+    def write_object(self, key: str, data: bytes, *, match: str = "", absent: bool = False) -> str:
+        """Put `data` at `key` and return its ETag (unquoted). With `match`, only while the object's
+        ETag is that one; with `absent`, only while there is no object: the store decides
+        atomically, and ConditionFailed says the condition did not hold."""
+        from botocore.exceptions import ClientError
+
+        def put(quoted: bool) -> str:
+            condition = {"IfNoneMatch": "*"} if absent else \
+                {"IfMatch": f'"{match}"' if quoted else match} if match else {}
+            try:
+                reply = self._run(f"take {key}", lambda: self.client.put_object(
+                    Bucket=self.config.bucket, Key=key, Body=data, **condition))
+            except ClientError as exc:
+                if _status(exc) == 412:
+                    raise ConditionFailed(key) from None
+                raise
+            return str(reply["ETag"]).strip('"')
+
+        try:
+            return put(self._quote_etags)
+        except ConditionFailed:
+            if not match or self._quote_etags:
+                raise
+            now = self.read_object(key)
+            if now is None or now[1] != match:
+                raise
+            self._quote_etags = True   # the ETag was the one asked for: this store wants quotes
+            return put(True)
+
+    def delete_object(self, key: str) -> None:
+        self._run(f"delete {key}", lambda: self.client.delete_object(Bucket=self.config.bucket, Key=key))
 
     def exists(self, locator: str, size: int) -> bool:
         from botocore.exceptions import ClientError

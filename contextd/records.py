@@ -231,6 +231,33 @@ class SegmentRow(Row):
 
 
 @dataclass(frozen=True, slots=True)
+class HoldRow(Row):
+    """This contextd's hold on a session it exports to the object store (contextd.handover): the
+    holder object as this contextd last wrote it (its ETag included) and the transcript chunks
+    the state it names is made of."""
+
+    token: int = 0
+    node: str = ""
+    model_id: str = ""
+    state: str = ""
+    busy_until: float = 0.0
+    etag: str = ""
+    chunks: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """What HoldSession did: the token this server holds the session with (0 without an object
+    store), whether the session changed hands to it (its rows were replaced by the state the
+    previous holder exported: the serving process must drop what it keeps of the session in
+    memory), and which contextd held it before."""
+
+    token: int
+    adopted: bool
+    previous_node: str
+
+
+@dataclass(frozen=True, slots=True)
 class SessionStatus:
     session_id: str
     model_id: str
@@ -266,6 +293,7 @@ class Status:
     objects_fetched: int = 0
     bytes_uploaded: int = 0
     bytes_fetched: int = 0
+    node: str = ""
 
 
 @dataclass(frozen=True, slots=True)

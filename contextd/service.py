@@ -172,6 +172,13 @@ class ContextdService(pb_grpc.ContextdServicer):
                                             shared_bytes=branch.shared_bytes)
         return self._call(context, run)
 
+    def HoldSession(self, request: pb.HoldSessionRequest, context: grpc.ServicerContext) -> pb.HoldSessionResponse:
+        def run() -> pb.HoldSessionResponse:
+            hold = self.daemon.hold_session(request.session_id, request.model_id, request.lease_s or 30.0,
+                                            renew=request.renew)
+            return pb.HoldSessionResponse(token=hold.token, adopted=hold.adopted, previous_node=hold.previous_node)
+        return self._call(context, run)
+
     # pages
 
     def UpsertPages(self, request: pb.UpsertPagesRequest, context: grpc.ServicerContext) -> pb.WriteAck:

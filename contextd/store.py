@@ -53,6 +53,7 @@ from contextd.keys import (
 )
 from contextd.paths import private_file, private_folder
 from contextd.records import (
+    HoldRow,
     LeaseRow,
     Meta,
     PageCounts,
@@ -99,8 +100,9 @@ SNAPSHOTS = Table("snapshots", SnapshotKey, SnapshotRow)  # recurrent-state snap
 RECORDS = Table("records", SessionKey, RecordRow)  # turn, fingerprint, hashes, ledger, counters
 SEGMENTS = Table("segments", SegmentKey, SegmentRow)  # the transcript, one segment a row
 PREFIXES = Index("prefixes", PrefixKey)  # stored full pages by the chain hash of the tokens up to their end
+HOLDS = Table("holds", SessionKey, HoldRow)  # with an object store: this contextd's hold on a session (handover)
 TABLES: tuple[Index[Any], ...] = (META, SESSIONS, MANIFEST, PAGE_STATES, PINS, LEASES, SNAPSHOTS, RECORDS,
-                                  SEGMENTS, PREFIXES)
+                                  SEGMENTS, PREFIXES, HOLDS)
 # named databases of earlier schemas, opened only where they exist for the migration that drops them
 # (blocks: schema 3's unit and cluster summaries, written for a plan-writing controller since removed)
 RETIRED = ("blocks",)

@@ -9,8 +9,10 @@ module at each point where a payload changes hands:
 - **read**: `GetPages` and `QuerySnapshots` bring back whatever they name that the folder lacks
   (evicted, or never here: a session adopted from another machine), checksum checked, before the
   caller reads the files;
-- **delete**: a dropped, replaced or deleted payload goes from both tiers (best effort in the object
-  store: a failure there leaves an orphan object and is logged, it does not undo the commit);
+- **delete**: a dropped or replaced payload's folder copy goes at once (`uncache`), its object at
+  the session's next publish (contextd.handover: the exported state may name it until then); a
+  deleted session's payloads go from both tiers (best effort in the object store: a failure there
+  leaves an orphan object and is logged, it does not undo the commit);
 - **branch**: a child's payloads are server-side copies in the object store and hard links in the
   folder (only for the files the folder holds).
 
@@ -145,14 +147,17 @@ class ObjectTier:
 
     def delete(self, locators: Sequence[str]) -> int:
         """Remove payloads from both tiers; return the folder's bytes freed."""
-        freed = 0
+        freed = self.uncache(locators)
+        for locator in locators:
+            self._delete_object(locator)
+        return freed
+
+    def uncache(self, locators: Sequence[str]) -> int:
+        """Remove payloads' folder copies only (their objects stay); return the bytes freed."""
         with self._lock:
             for locator in locators:
                 self._cached.pop(locator, None)
-        for locator in locators:
-            freed += self.blobs.delete(locator)
-            self._delete_object(locator)
-        return freed
+        return sum(self.blobs.delete(locator) for locator in locators)
 
     def _delete_object(self, locator: str) -> None:
         """Delete an object; when the store does not answer, it stays behind as an orphan (logged)."""

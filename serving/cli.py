@@ -63,7 +63,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = EngineConfig(budget_tokens=args.budget, max_new_tokens=args.max_new_tokens,
                           tail_tokens=args.tail_tokens, lease_turns=args.lease_turns,
                           compress_pages=args.compress == "zstd", placement=args.placement, refresh=args.refresh,
-                          resident_sessions=args.resident_sessions, batch_decode=args.batch_decode)
+                          resident_sessions=args.resident_sessions, batch_decode=args.batch_decode,
+                          session_lease_s=args.session_lease)
     client, daemon = _connect_or_start_contextd(root, socket_path)
     try:
         backend = load_backend(args.backend, args.model, device=args.device, dtype=args.dtype,
@@ -147,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="resident sessions that decode at once share one forward per token (torch, models "
                        "without recurrent or kv-shared layers); a row's logits then equal its own decode's to "
                        "float rounding, not bit for bit: --no-batch-decode decodes each session alone")
+    serve.add_argument("--session-lease", type=float, default=30.0, metavar="S",
+                       help="with contextd on an object store that several servers share: how long a turn holds "
+                       "its session before another server may take it over (renewed every S/3 s while the turn "
+                       "runs; docs/deployment.md)")
     serve.add_argument("--selector", default="hybrid", choices=list(SELECTORS),
                        help="who advises which pages come back (default: hybrid: rare token ids and byte "
                        "n-grams, coverage, neighbours; attention: the model's own keys; see docs/controller.md)")

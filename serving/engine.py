@@ -98,10 +98,13 @@ class EngineConfig:
     lexical_index: LexicalConfig = DEFAULT_LEXICAL
     resident_sessions: int = 1     # sessions whose caches stay in memory (each a budget's worth of K/V)
     batch_decode: bool = True      # resident sessions decoding at once share one forward (Engine.decode_batch)
+    session_lease_s: float = 30.0  # with an object store: how long a turn holds its session unrenewed
 
     def __post_init__(self) -> None:
         if self.prefill_chunk <= 0 or self.max_new_tokens <= 0:
             raise ValueError("prefill_chunk and max_new_tokens must be positive")
+        if self.session_lease_s <= 0:
+            raise ValueError(f"session_lease_s must be positive, got {self.session_lease_s}")
         if self.resident_sessions < 1:
             raise ValueError(f"resident_sessions must be >= 1, got {self.resident_sessions}")
         if self.placement not in PLACEMENTS:
@@ -219,6 +222,7 @@ class Engine:
         self.paused_ms: dict[str, float] = {}          # per turn in progress: time other turns ran meanwhile
         self.watched: dict[str, list[str]] = {}        # session -> candidate answers to score at its next turn
         self.readings: dict[str, ViewReading] = {}     # session -> what its last watched turn's answer read
+        self.held_at: dict[str, float] = {}            # per turn in progress: when its lease was last renewed
         self.stop_ids = chat_format.stop_ids
 
     @property
@@ -327,6 +331,7 @@ class Engine:
                 except StopIteration:
                     return
                 answer, failure = None, None
+                self._renew(session_id)
                 paused = time.perf_counter()
                 try:
                     answer = yield event
@@ -337,6 +342,7 @@ class Engine:
             steps.close()
             self.turning.discard(session_id)
             self.paused_ms.pop(session_id, None)
+            self.held_at.pop(session_id, None)
 
     def decode_batch(self, steps: dict[str, DecodeStep]) -> list[int]:
         """Run the waiting decode steps of several turns in progress (session -> its step, as its
@@ -353,17 +359,44 @@ class Engine:
                 self.tally.count(self.sessions[session_id], batched_decode_tokens=1)
         return tokens
 
+    def _hold(self, session_id: str, renew: bool = False) -> bool:
+        """Hold the session for this turn (contextd.handover). With an object store that several
+        servers share, the session may have been served elsewhere since this server last did:
+        contextd then adopted the state that server exported, and what this server keeps of the
+        session in memory is stale; the session comes back from contextd as after a restart.
+        Returns whether it was adopted."""
+        hold = self.contextd.hold_session(session_id, self.backend.model_name, self.config.session_lease_s, renew)
+        self.held_at[session_id] = time.monotonic()
+        if hold.adopted:
+            log.info("session %s adopted from %s (token %d)", session_id, hold.previous_node or "a deletion",
+                     hold.token)
+            self.forget(session_id)
+        return hold.adopted
+
+    def _renew(self, session_id: str) -> None:
+        """Between two steps of a turn: renew its lease once a third of it has passed, so a long
+        prefill or answer keeps its session. A session taken over meanwhile fails the turn
+        (SessionHeld): it is never taken back from inside a turn."""
+        held = self.held_at.get(session_id)
+        if held is not None and time.monotonic() - held >= self.config.session_lease_s / 3:
+            self._hold(session_id, renew=True)
+
     def _turn(self, request: ChatRequest) -> Generator[TurnEvent, int | None, None]:
         started = time.perf_counter()
         fingerprint = self.format.fingerprint(request.tools, request.thinking)
         known = self.sessions.get(request.session_id)
         # A malformed request fails before any work.
         self.format.check(request.messages, known.render_memo if known is not None else None)
+        adopted = self._hold(request.session_id)
+        if adopted:
+            known = None
         activating = time.perf_counter()
         parent = self._branch(request, fingerprint) if known is None else ""
         self._take_cache(request.session_id)
         before = self.backend.counters
         session = self._activate(request.session_id, fingerprint)
+        if adopted:
+            self.tally.count(session, adoptions=1)
         refreshed_before = session.counters.refresh_forward_tokens
         session.phase_ms = {"receive": request.received_ms, "activate": (time.perf_counter() - activating) * 1e3}
         preparing = time.perf_counter()

@@ -47,7 +47,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from backends import DecodeStep
-from contextd.errors import ContextdError, DaemonUnavailable, StoreFull, TierUnavailable
+from contextd.errors import ContextdError, DaemonUnavailable, SessionHeld, StoreFull, TierUnavailable
 from serving import views
 from serving.engine import ChatRequest, Engine, Prepared, TurnEvent, TurnResult
 from serving.request_body import BodyParser
@@ -210,6 +210,7 @@ ERROR_STATUS: tuple[tuple[type[Exception], HTTPStatus, str], ...] = (
     (StoreFull, HTTPStatus.INSUFFICIENT_STORAGE, "store_full"),
     (DaemonUnavailable, HTTPStatus.SERVICE_UNAVAILABLE, "contextd_down"),
     (TierUnavailable, HTTPStatus.SERVICE_UNAVAILABLE, "object_store_unavailable"),
+    (SessionHeld, HTTPStatus.CONFLICT, "session_held_elsewhere"),
     (ContextdError, HTTPStatus.INTERNAL_SERVER_ERROR, "contextd_error"),
     (OSError, HTTPStatus.SERVICE_UNAVAILABLE, "storage_unavailable"),
 )

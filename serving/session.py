@@ -59,6 +59,7 @@ class SessionCounters:
     branches: int = 0           # 1 for a session that started as a branch of a stored one
     branch_kept_tokens: int = 0  # tokens of the parent's history it kept, never prefilled
     batched_decode_tokens: int = 0  # decoded tokens whose forward also decoded other sessions' (Engine.decode_batch)
+    adoptions: int = 0          # turns that took the session over from another server (contextd.handover)
 
     def add(self, **deltas: int) -> None:
         for name, n in deltas.items():

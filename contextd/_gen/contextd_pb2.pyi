@@ -149,6 +149,28 @@ class FindPrefixResponse(_message.Message):
     pages: int
     def __init__(self, session_id: _Optional[str] = ..., pages: _Optional[int] = ...) -> None: ...
 
+class HoldSessionRequest(_message.Message):
+    __slots__ = ("session_id", "model_id", "lease_s", "renew")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    RENEW_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    model_id: str
+    lease_s: float
+    renew: bool
+    def __init__(self, session_id: _Optional[str] = ..., model_id: _Optional[str] = ..., lease_s: _Optional[float] = ..., renew: _Optional[bool] = ...) -> None: ...
+
+class HoldSessionResponse(_message.Message):
+    __slots__ = ("token", "adopted", "previous_node")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_NODE_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    adopted: bool
+    previous_node: str
+    def __init__(self, token: _Optional[int] = ..., adopted: _Optional[bool] = ..., previous_node: _Optional[str] = ...) -> None: ...
+
 class BranchSessionRequest(_message.Message):
     __slots__ = ("session_id", "parent_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -471,7 +493,7 @@ class StatusRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., include_closed: _Optional[bool] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("commit_seq", "last_commit_ms", "store_bytes", "free_bytes", "reserve_bytes", "quota_bytes", "sync_mode", "root", "pid", "uptime_s", "sessions", "schema_version", "session_quota_bytes", "max_idle_s", "object_store", "cached_bytes", "cache_limit_bytes", "objects_uploaded", "objects_fetched", "bytes_uploaded", "bytes_fetched")
+    __slots__ = ("commit_seq", "last_commit_ms", "store_bytes", "free_bytes", "reserve_bytes", "quota_bytes", "sync_mode", "root", "pid", "uptime_s", "sessions", "schema_version", "session_quota_bytes", "max_idle_s", "object_store", "cached_bytes", "cache_limit_bytes", "objects_uploaded", "objects_fetched", "bytes_uploaded", "bytes_fetched", "node")
     COMMIT_SEQ_FIELD_NUMBER: _ClassVar[int]
     LAST_COMMIT_MS_FIELD_NUMBER: _ClassVar[int]
     STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -493,6 +515,7 @@ class StatusReply(_message.Message):
     OBJECTS_FETCHED_FIELD_NUMBER: _ClassVar[int]
     BYTES_UPLOADED_FIELD_NUMBER: _ClassVar[int]
     BYTES_FETCHED_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     commit_seq: int
     last_commit_ms: float
     store_bytes: int
@@ -514,7 +537,8 @@ class StatusReply(_message.Message):
     objects_fetched: int
     bytes_uploaded: int
     bytes_fetched: int
-    def __init__(self, commit_seq: _Optional[int] = ..., last_commit_ms: _Optional[float] = ..., store_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., sync_mode: _Optional[str] = ..., root: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., schema_version: _Optional[int] = ..., session_quota_bytes: _Optional[int] = ..., max_idle_s: _Optional[float] = ..., object_store: _Optional[str] = ..., cached_bytes: _Optional[int] = ..., cache_limit_bytes: _Optional[int] = ..., objects_uploaded: _Optional[int] = ..., objects_fetched: _Optional[int] = ..., bytes_uploaded: _Optional[int] = ..., bytes_fetched: _Optional[int] = ...) -> None: ...
+    node: str
+    def __init__(self, commit_seq: _Optional[int] = ..., last_commit_ms: _Optional[float] = ..., store_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., sync_mode: _Optional[str] = ..., root: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., schema_version: _Optional[int] = ..., session_quota_bytes: _Optional[int] = ..., max_idle_s: _Optional[float] = ..., object_store: _Optional[str] = ..., cached_bytes: _Optional[int] = ..., cache_limit_bytes: _Optional[int] = ..., objects_uploaded: _Optional[int] = ..., objects_fetched: _Optional[int] = ..., bytes_uploaded: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., node: _Optional[str] = ...) -> None: ...
 
 class SessionStatus(_message.Message):
     __slots__ = ("session_id", "model_id", "budget_tokens", "attention_tokens", "turn", "pages", "snapshots", "closed", "counters")

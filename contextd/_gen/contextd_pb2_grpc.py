@@ -69,6 +69,11 @@ class ContextdStub:
                 request_serializer=contextd_dot___gen_dot_contextd__pb2.BranchSessionRequest.SerializeToString,
                 response_deserializer=contextd_dot___gen_dot_contextd__pb2.BranchSessionResponse.FromString,
                 _registered_method=True)
+        self.HoldSession = channel.unary_unary(
+                '/kv_elision.contextd.v1.Contextd/HoldSession',
+                request_serializer=contextd_dot___gen_dot_contextd__pb2.HoldSessionRequest.SerializeToString,
+                response_deserializer=contextd_dot___gen_dot_contextd__pb2.HoldSessionResponse.FromString,
+                _registered_method=True)
         self.UpsertPages = channel.unary_unary(
                 '/kv_elision.contextd.v1.Contextd/UpsertPages',
                 request_serializer=contextd_dot___gen_dot_contextd__pb2.UpsertPagesRequest.SerializeToString,
@@ -213,6 +218,20 @@ class ContextdServicer:
 
     def BranchSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HoldSession(self, request, context):
+        """Holding a session for a turn (docs/deployment.md). With an object store shared by several
+        servers, a server holds a session while it serves a turn of it: HoldSession renews this
+        daemon's lease, or takes the session over from the server that held it once that lease ran
+        out, replacing this root's rows of the session by the state that server exported at its last
+        committed turn (adopted: the serving process drops what it keeps in memory). Each WriteRecord
+        then exports the session and ends the lease. PERMISSION_DENIED while another server's lease
+        runs, and for a WriteRecord of a server whose session was taken over (fenced: refused).
+        Without an object store: token 0, never adopted.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -382,6 +401,11 @@ def add_ContextdServicer_to_server(servicer, server):
                     servicer.BranchSession,
                     request_deserializer=contextd_dot___gen_dot_contextd__pb2.BranchSessionRequest.FromString,
                     response_serializer=contextd_dot___gen_dot_contextd__pb2.BranchSessionResponse.SerializeToString,
+            ),
+            'HoldSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.HoldSession,
+                    request_deserializer=contextd_dot___gen_dot_contextd__pb2.HoldSessionRequest.FromString,
+                    response_serializer=contextd_dot___gen_dot_contextd__pb2.HoldSessionResponse.SerializeToString,
             ),
             'UpsertPages': grpc.unary_unary_rpc_method_handler(
                     servicer.UpsertPages,
@@ -668,6 +692,33 @@ class Contextd:
             '/kv_elision.contextd.v1.Contextd/BranchSession',
             contextd_dot___gen_dot_contextd__pb2.BranchSessionRequest.SerializeToString,
             contextd_dot___gen_dot_contextd__pb2.BranchSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HoldSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kv_elision.contextd.v1.Contextd/HoldSession',
+            contextd_dot___gen_dot_contextd__pb2.HoldSessionRequest.SerializeToString,
+            contextd_dot___gen_dot_contextd__pb2.HoldSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

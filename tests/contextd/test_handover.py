@@ -1,0 +1,176 @@
+"""Sessions moving between contextd daemons (standing in for servers on other machines) that share
+one real S3 store (Ceph RGW, tests/objectstore.py): each committed turn exports the session, a
+second daemon on another root adopts it by id with the exact rows and payloads, a lease keeps two
+daemons from holding one session at once, and a stale holder's write is refused (fencing)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from contextd.client import Client, pb
+from contextd.errors import ContextdError, FailedPrecondition, SessionHeld
+from contextd.objects import ObjectStore
+from contextd.wire import PinKind
+from harness.rgw import Rgw
+from serving.launcher import ContextdProcess
+from tests.objectstore import bucket
+
+from .conftest import store_payload
+from .test_object_tier import data, page, tiered
+
+
+@pytest.fixture
+def s3(rgw: Rgw, monkeypatch: pytest.MonkeyPatch) -> ObjectStore:
+    return bucket(rgw, monkeypatch)
+
+
+def server(daemon_factory: Any, s3: ObjectStore) -> Client:
+    proc: ContextdProcess = daemon_factory("--reserve-bytes", "0", "--object-store", s3.config.url,
+                                           "--object-endpoint", s3.config.endpoint)
+    assert proc.client is not None
+    return proc.client
+
+
+def turn(client: Client, n: int, keep: int, *texts: str) -> None:
+    client.write_record("s", pb.SessionRecord(turn=n, attention_tokens=128 * n, fingerprint="f",
+                                              counters={"turns": n}), keep_segments=keep,
+                        append=[pb.TranscriptSegment(text=t, token_ids=[n, len(t)]) for t in texts])
+
+
+def first_turn(client: Client) -> list[bytes]:
+    """Session "s" on `client`'s daemon: three stored pages (one pinned) and a completed turn."""
+    payloads = [data(n) for n in range(3)]
+    for n, payload in enumerate(payloads):
+        store_payload(client, "s", page(n), payload)
+    client.set_pins("s", add=[("p0", PinKind.SYSTEM)])
+    turn(client, 1, 0, "system", "user 1", "answer 1")
+    return payloads
+
+
+def rows(client: Client) -> tuple[Any, ...]:
+    session = client.get_session("s")
+    record = client.read_record("s")
+    pages = sorted((p.page_id, p.state, p.locator, p.checksum) for p in client.get_pages("s", ["p0", "p1", "p2", "p3"]))
+    return (session.turn, session.pages, record.record.turn, [s.text for s in record.segments], pages,
+            [(p.page_id, p.kind) for p in client.query_pins("s")])
+
+
+def object_keys(s3: ObjectStore) -> set[str]:
+    listed = s3.client.list_objects_v2(Bucket=s3.config.bucket)
+    return {item["Key"] for item in listed.get("Contents", [])}
+
+
+def test_a_second_daemon_adopts_a_session_with_its_rows_and_payloads(daemon_factory: Any, s3: ObjectStore) -> None:
+    _, a = tiered(daemon_factory, s3)
+    payloads = first_turn(a)
+    b = server(daemon_factory, s3)
+    hold = b.hold_session("s", "m", 30)
+    assert hold.adopted and hold.token == 2 and hold.previous_node == a.status().node != b.status().node
+    assert rows(b) == rows(a)
+    for got, payload in zip(b.get_pages("s", ["p0", "p1", "p2"]), payloads, strict=True):
+        assert b.payloads().path(got.locator).read_bytes() == payload   # downloaded into b's folder
+    assert b.verify().pages_ok == 3
+    # b's next turn is exported in its turn, and a third daemon adopting sees it
+    store_payload(b, "s", page(3), data(3))
+    turn(b, 2, 3, "user 2", "answer 2")
+    c = server(daemon_factory, s3)
+    assert c.hold_session("s", "m", 30).adopted
+    assert rows(c) == rows(b) and c.read_record("s").record.turn == 2
+    with pytest.raises(FailedPrecondition, match="model"):
+        server(daemon_factory, s3).hold_session("s", "another-model", 30)
+
+
+def race(clients: list[Client], session_id: str) -> list[str]:
+    """Each client asks to hold `session_id` at the same moment: "held" or "refused" for each."""
+    outcomes: list[str] = []
+    gate = threading.Barrier(len(clients))
+
+    def hold(client: Client) -> None:
+        gate.wait()
+        try:
+            client.hold_session(session_id, "m", 30)
+            outcomes.append("held")
+        except SessionHeld:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=hold, args=(client,)) for client in clients]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
+def test_a_running_lease_keeps_the_session_and_two_daemons_racing_get_one_each_time(
+        daemon_factory: Any, s3: ObjectStore) -> None:
+    _, a = tiered(daemon_factory, s3)
+    first_turn(a)
+    assert not a.hold_session("s", "m", 30).adopted       # a's own lease, renewed
+    b = server(daemon_factory, s3)
+    with pytest.raises(SessionHeld, match="serving a turn on"):
+        b.hold_session("s", "m", 30)
+    turn(a, 2, 3, "user 2", "answer 2")                     # the commit ends a's lease
+    assert b.hold_session("s", "m", 30).adopted
+    # a brand-new session, and one both adopt: of two daemons racing, one holds it and one is refused
+    for session_id in ("fresh", "s"):
+        racers = [server(daemon_factory, s3) for _ in range(2)]
+        if session_id == "s":
+            turn(b, 3, 5, "user 3")                          # b lets go
+        outcomes = race(racers, session_id)
+        assert sorted(outcomes) == ["held", "refused"], (session_id, outcomes)
+
+
+def test_a_stale_holders_write_is_refused_and_its_pages_go_when_it_adopts_again(
+        daemon_factory: Any, s3: ObjectStore) -> None:
+    _, a = tiered(daemon_factory, s3)
+    first_turn(a)
+    a.hold_session("s", "m", 0.5)                           # a's next turn, which stalls past its lease
+    time.sleep(0.8)
+    b = server(daemon_factory, s3)
+    assert b.hold_session("s", "m", 30).adopted
+    with pytest.raises(SessionHeld, match="taken over"):
+        a.hold_session("s", "m", 30, renew=True)             # a renewal never takes the session back
+    late = store_payload(a, "s", page(3), data(9))           # the stale holder goes on writing
+    with pytest.raises(SessionHeld, match="refused"):
+        turn(a, 2, 3, "user 2 on a", "answer 2 on a")
+    assert s3.exists(late.locator, late.byte_size)           # uploaded, but named by no state
+    store_payload(b, "s", page(3), data(3))
+    turn(b, 2, 3, "user 2 on b", "answer 2 on b")            # b's turn is the one the session keeps
+    assert a.hold_session("s", "m", 30).adopted              # a takes it back: b's state replaces a's rows
+    assert rows(a) == rows(b)
+    assert a.read_record("s").segments[-1].text == "answer 2 on b"
+    assert not s3.exists(late.locator, late.byte_size)       # the refused turn's page is gone from both tiers
+    assert not a.payloads().path(late.locator).exists()
+
+
+def test_object_deletes_wait_for_the_publish_and_a_non_holder_deletes_only_its_copy(
+        daemon_factory: Any, s3: ObjectStore) -> None:
+    _, a = tiered(daemon_factory, s3)
+    first_turn(a)
+    old = a.get_pages("s", ["p1"])[0]
+    store_payload(a, "s", page(1), data(7))   # p1 replaced: the exported state still names the old payload
+    assert s3.exists(old.locator, old.byte_size) and not a.payloads().path(old.locator).exists()
+    turn(a, 2, 3, "user 2")
+    assert not s3.exists(old.locator, old.byte_size)         # gone once no state names it
+    b = server(daemon_factory, s3)
+    b.hold_session("s", "m", 30)
+    turn(b, 3, 4, "user 3")
+    before = object_keys(s3)
+    a.delete_session("s")                                    # a no longer holds it: only a's copy goes
+    assert object_keys(s3) == before
+    assert b.verify().pages_ok == 3
+    b.delete_session("s")                                    # the holder deletes it everywhere
+    assert not any("/s/" in key for key in object_keys(s3)), object_keys(s3)
+
+
+def test_bad_holds_are_refused_clearly(daemon_factory: Any, s3: ObjectStore) -> None:
+    _, a = tiered(daemon_factory, s3)
+    for lease in (-1.0, 1e9):
+        with pytest.raises(ContextdError, match="lease"):
+            a.hold_session("s", "m", lease)
+    with pytest.raises(ContextdError, match="session_id"):
+        a.hold_session("../x", "m", 30)
