@@ -97,19 +97,20 @@ def median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3
 
 
-def build_session(engine: Engine, tokens: int) -> Session:
-    """A session of about `tokens` tokens of real text, read in user messages of ~1,500 tokens."""
+def build_session(engine: Engine, tokens: int, session_id: str = "bench") -> tuple[Session, list[dict[str, Any]]]:
+    """A session of about `tokens` tokens of real text, read in user messages of ~1,500 tokens,
+    and the messages a client would send for it."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful coding agent."}]
     piece = SAMPLE_TEXT
     while True:
         messages.append({"role": "user", "content": piece})
         final = None
-        for event in engine.chat(ChatRequest("bench", list(messages), max_tokens=1)):
+        for event in engine.chat(ChatRequest(session_id, list(messages), max_tokens=1)):
             final = event.final or final
         assert final is not None
         messages.append({"role": "assistant", "content": final.content})
-        if engine.sessions["bench"].transcript.tokens >= tokens:
-            return engine.sessions["bench"]
+        if engine.sessions[session_id].transcript.tokens >= tokens:
+            return engine.sessions[session_id], messages
 
 
 class Restorer:
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(backend, ChatFormat(backend.tokenizer), Client(daemon.socket), EngineConfig(
             budget_tokens=args.budget, max_new_tokens=1))
         t_build = time.perf_counter()
-        session = build_session(engine, args.tokens)
+        session, _ = build_session(engine, args.tokens)
         build_s = time.perf_counter() - t_build
         restorer = Restorer(engine, session, daemon.root / "store")
         if len(restorer.cold) < max(K_PAGES):

@@ -46,10 +46,15 @@ def _free_port() -> int:
 
 
 class Rgw:
-    """One cluster under `root`; `endpoint` and `environment` (the S3 credentials) once started."""
+    """One cluster under `root`; `endpoint` and `environment` (the S3 credentials) once started.
+    `objectstore` is the OSD's: memstore (objects in its RAM, at most 4 GiB; the tests') or
+    bluestore (a sparse 10 GiB file under `root`; crash-safe, on disk, as a real store)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, objectstore: str = "memstore") -> None:
+        if objectstore not in ("memstore", "bluestore"):
+            raise ValueError(f"objectstore must be memstore or bluestore, not {objectstore!r}")
         self.root = root
+        self.objectstore = objectstore
         self.port = _free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
 
@@ -60,7 +65,7 @@ class Rgw:
 
     def _run(self, script: str, *args: str, timeout: float = 180) -> str:
         done = subprocess.run([str(SCRIPTS / script), str(self.root), *args], capture_output=True, text=True,
-                              timeout=timeout)
+                              timeout=timeout, env={**os.environ, "RGW_OBJECTSTORE": self.objectstore})
         if done.returncode != 0:
             raise RuntimeError(f"{script} failed ({done.returncode}):\n{done.stderr[-3000:]}")
         return done.stdout
