@@ -117,7 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 connect_timeout_s=min(3.0, args.object_deadline),
                                 read_timeout_s=min(20.0, args.object_deadline)) if args.object_store else None
     config = DaemonConfig(root=root, sync=SyncMode.parse(args.sync), reserve=reserve, retention=retention,
-                          objects=objects, cache_bytes=args.cache_bytes)
+                          objects=objects, cache_bytes=args.cache_bytes, object_gc_grace_s=args.object_gc_grace)
     return serve(config, Path(args.socket) if args.socket else default_socket(root))
 
 
@@ -144,7 +144,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     print(_as_json(reply) if args.json else
           f"{'would remove' if args.dry_run else 'removed'} {reply.orphan_files_removed} orphan and "
           f"{reply.temp_files_removed} temporary files ({_size(reply.bytes_freed)}); "
-          f"{reply.leases_expired} expired leases; {reply.idle_sessions_deleted} idle sessions")
+          f"{reply.leases_expired} expired leases; {reply.idle_sessions_deleted} idle sessions"
+          + (f"; {reply.orphan_objects_removed} orphan objects ({_size(reply.object_bytes_freed)})"
+             if reply.orphan_objects_removed else ""))
     return 0
 
 
@@ -195,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-bytes", type=_parse_size, default=0,
                        help="with --object-store: the most the store folder keeps, least recently used out "
                        "(0: no bound)")
+    serve.add_argument("--object-gc-grace", type=float, default=3600.0, metavar="S",
+                       help="with --object-store: gc leaves objects younger than this, which may be uploads whose "
+                       "commit has not landed yet (default 3600)")
     serve.set_defaults(run=cmd_serve)
 
     status = with_socket(sub.add_parser("status", help="sessions, pages, store and commit figures"))

@@ -153,12 +153,15 @@ class DaemonConfig:
     objects: ObjectStoreConfig | None = None   # the durable tier; None: the folder is
     cache_bytes: int = 0                       # with `objects`: the folder's bound (0: none)
     max_lease_s: float = 3600.0                # the longest turn lease HoldSession grants
+    object_gc_grace_s: float = 3600.0          # `gc` leaves objects younger than this (uploads not yet committed)
 
     def __post_init__(self) -> None:
         if self.map_size < 1 << 20:
             raise InvalidArgument("map size must be at least 1 MiB")
         if self.cache_bytes < 0:
             raise InvalidArgument("the cache size must not be negative")
+        if self.object_gc_grace_s < 0 or self.max_lease_s <= 0:
+            raise InvalidArgument("the object gc grace must not be negative, the longest lease must be positive")
 
 
 class Daemon:
@@ -1064,9 +1067,50 @@ class Daemon:
                             txn.delete(LEASES, lease_key)
             return expired
 
+        objects, object_bytes = self._gc_objects(dry_run)
         return GcResult(orphan_files_removed=removed[False], temp_files_removed=removed[True],
                         leases_expired=self.store.write(op)[0], bytes_freed=bytes_freed,
-                        idle_sessions_deleted=len(idle))
+                        idle_sessions_deleted=len(idle), orphan_objects_removed=objects,
+                        object_bytes_freed=object_bytes)
+
+    def _gc_objects(self, dry_run: bool) -> tuple[int, int]:
+        """Objects older than the grace that nothing names: not this root's rows, not a delete
+        deferred to the next publish, not the holder's state (which may name payloads the rows
+        stopped naming before a restart forgot the deferred delete). Sessions another server
+        holds are skipped: their names are in a state this daemon may not have read yet. The
+        grace covers uploads not yet committed (a payload goes up before the row naming it)."""
+        if self.tier is None or self.handover is None:
+            return 0, 0
+        objects = self.tier.objects
+        cutoff = time.time() - self.config.object_gc_grace_s
+        old: dict[str, list[tuple[str, int]]] = {}
+        for under in ("payloads/", "sessions/"):
+            for key, size, modified in objects.list_objects(under):
+                if modified < cutoff:
+                    session_id = key[len(objects.config.prefix + under):].split("/", 1)[0]
+                    old.setdefault(session_id, []).append((key, size))
+        removed = freed = 0
+        for session_id, found in old.items():
+            holder = self.handover.holder(session_id)
+            if holder is not None and holder.node != self.handover.node:
+                continue
+            with self.store.read() as txn:
+                scope = session_scope(session_id)
+                named = {p.locator for _, p in txn.scan(MANIFEST, scope) if p.locator}
+                named |= {s.locator for _, s in txn.scan(SNAPSHOTS, scope) if s.locator}
+            with self._unpublished_lock:
+                named |= self._unpublished.get(session_id, set())
+            keep = {objects.key(locator) for locator in named}
+            if holder is not None:
+                keep |= self.handover.named(holder, session_id)
+            for key, size in found:
+                if key in keep:
+                    continue
+                if not dry_run:
+                    objects.delete_object(key)
+                removed += 1
+                freed += size
+        return removed, freed
 
     def verify(self, session_id: str) -> VerifyResult:
         """Re-read and re-checksum every stored payload; mark failures corrupt."""

@@ -198,6 +198,20 @@ class Handover:
             segments.extend(msgpack.unpackb(got[0], raw=False, strict_map_key=False))
         return state, segments
 
+    def named(self, holder: Holder, session_id: str) -> set[str]:
+        """Every object key `holder` names, directly or through its state: the holder itself, the
+        state, its transcript chunks and the payloads of its pages and snapshots (what `gc` keeps)."""
+        keys = {self._holder_key(session_id)}
+        if not holder.state:
+            return keys
+        found = self.objects.read_object(holder.state)
+        if found is None:
+            return keys
+        state = msgpack.unpackb(found[0], raw=False, strict_map_key=False)
+        keys |= {holder.state, *state["chunks"]}
+        return keys | {self.objects.key(row["locator"]) for row in (*state["pages"], *state["snapshots"])
+                       if row.get("locator")}
+
     def remove(self, session_id: str, held: Holder, chunks: Sequence[str]) -> bool:
         """A deleted session's holder, state and chunks, when this server still holds it (True);
         a session another server took is left to it."""

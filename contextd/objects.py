@@ -24,12 +24,13 @@ contextd.blobs; the daemon calls this module, never the reverse.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -306,6 +307,20 @@ class ObjectStore:
                 raise
             self._quote_etags = True   # the ETag was the one asked for: this store wants quotes
             return put(True)
+
+    def list_objects(self, under: str) -> Iterator[tuple[str, int, float]]:
+        """(key, size, last-modified unix time) of every object whose key starts with the prefix and `under`."""
+        token = ""
+        while True:
+            ask: dict[str, Any] = {"Bucket": self.config.bucket, "Prefix": self.config.prefix + under}
+            if token:
+                ask["ContinuationToken"] = token
+            page: dict[str, Any] = self._run(f"list {under}", functools.partial(self.client.list_objects_v2, **ask))
+            for item in page.get("Contents", ()):
+                yield str(item["Key"]), int(item["Size"]), float(item["LastModified"].timestamp())
+            if not page.get("IsTruncated"):
+                return
+            token = str(page["NextContinuationToken"])
 
     def delete_object(self, key: str) -> None:
         self._run(f"delete {key}", lambda: self.client.delete_object(Bucket=self.config.bucket, Key=key))

@@ -303,6 +303,8 @@ class GcResult:
     leases_expired: int = 0
     bytes_freed: int = 0
     idle_sessions_deleted: int = 0
+    orphan_objects_removed: int = 0
+    object_bytes_freed: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -576,18 +576,22 @@ class GcRequest(_message.Message):
     def __init__(self, dry_run: _Optional[bool] = ...) -> None: ...
 
 class GcReply(_message.Message):
-    __slots__ = ("orphan_files_removed", "temp_files_removed", "leases_expired", "bytes_freed", "idle_sessions_deleted")
+    __slots__ = ("orphan_files_removed", "temp_files_removed", "leases_expired", "bytes_freed", "idle_sessions_deleted", "orphan_objects_removed", "object_bytes_freed")
     ORPHAN_FILES_REMOVED_FIELD_NUMBER: _ClassVar[int]
     TEMP_FILES_REMOVED_FIELD_NUMBER: _ClassVar[int]
     LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
     IDLE_SESSIONS_DELETED_FIELD_NUMBER: _ClassVar[int]
+    ORPHAN_OBJECTS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
     orphan_files_removed: int
     temp_files_removed: int
     leases_expired: int
     bytes_freed: int
     idle_sessions_deleted: int
-    def __init__(self, orphan_files_removed: _Optional[int] = ..., temp_files_removed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., bytes_freed: _Optional[int] = ..., idle_sessions_deleted: _Optional[int] = ...) -> None: ...
+    orphan_objects_removed: int
+    object_bytes_freed: int
+    def __init__(self, orphan_files_removed: _Optional[int] = ..., temp_files_removed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., bytes_freed: _Optional[int] = ..., idle_sessions_deleted: _Optional[int] = ..., orphan_objects_removed: _Optional[int] = ..., object_bytes_freed: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id",)

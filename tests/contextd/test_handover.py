@@ -174,3 +174,29 @@ def test_bad_holds_are_refused_clearly(daemon_factory: Any, s3: ObjectStore) -> 
             a.hold_session("s", "m", lease)
     with pytest.raises(ContextdError, match="session_id"):
         a.hold_session("../x", "m", 30)
+
+
+def test_gc_removes_the_objects_nothing_names_and_keeps_what_an_exported_state_still_does(
+        daemon_factory: Any, s3: ObjectStore) -> None:
+    proc, a = tiered(daemon_factory, s3, "--object-gc-grace", "0")
+    first_turn(a)
+    old = a.get_pages("s", ["p1"])[0]
+    store_payload(a, "s", page(1), data(7))   # the exported state names the old p1 until the next publish
+    proc.stop()
+    a = proc.start()                          # and the restart forgets that delete
+    b = server(daemon_factory, s3)
+    b.open_session("t", model_id="m")
+    turn_t = pb.SessionRecord(turn=1, fingerprint="f")
+    b.write_record("t", turn_t, keep_segments=0, append=[])          # b holds session t
+    junk = {name: s3.key(f"{name}/junk.0123456789abcdef.kv") for name in ("s", "gone", "t")}
+    for key in junk.values():                 # a refused turn's upload, a deleted session's, b's own
+        s3.client.put_object(Bucket=s3.config.bucket, Key=key, Body=b"x" * 100)
+    assert a.gc(dry_run=True).orphan_objects_removed == 2 and object_keys(s3) >= set(junk.values())
+    reply = a.gc()
+    assert reply.orphan_objects_removed == 2 and reply.object_bytes_freed == 200
+    left = object_keys(s3)
+    assert junk["t"] in left and junk["s"] not in left and junk["gone"] not in left
+    assert s3.key(old.locator) in left        # still named by the state another server would adopt
+    turn(a, 2, 3, "user 2")                   # a new state: nothing names the old p1 any more
+    assert a.gc().orphan_objects_removed == 1 and s3.key(old.locator) not in object_keys(s3)
+    assert b.hold_session("s", "m", 30).adopted and b.verify().pages_ok == 3

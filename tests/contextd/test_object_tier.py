@@ -4,8 +4,8 @@
 contextd runs with `--object-store s3://BUCKET`: a payload is in the object store before the
 manifest row that names it commits, the store folder is a bounded cache whose losses come back on
 the next read, a payload whose bytes changed in the object store is refused (its page marked
-corrupt), and an object store that is down or stalls fails a commit with a clear error, committing
-nothing, until it answers again."""
+corrupt), and an object store that is down, stalls or dies in the middle of a transfer fails a
+commit (or a read) with a clear error, committing (or marking) nothing, until it answers again."""
 
 from __future__ import annotations
 
@@ -130,10 +130,12 @@ def test_an_object_store_that_is_down_fails_the_commit_typed_and_it_goes_through
 
 class StallingProxy:
     """A TCP proxy to the object store that can stop forwarding bytes while keeping every
-    connection open (a stalled network path, not a refused one)."""
+    connection open (a stalled network path, not a refused one), and that forwards at most
+    `bytes_per_s` (0: no limit), so a transfer lasts long enough to kill the store in its middle."""
 
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, target_port: int, bytes_per_s: int = 0) -> None:
         self.target = target_port
+        self.bytes_per_s = bytes_per_s
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = int(self.server.getsockname()[1])
         self.stalled = threading.Event()
@@ -146,7 +148,11 @@ class StallingProxy:
                 client, _ = self.server.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.target))
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:       # the store is down: so is this path
+                client.close()
+                continue
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
@@ -156,6 +162,8 @@ class StallingProxy:
                 while self.stalled.is_set() and not self.closed.is_set():
                     time.sleep(0.05)
                 sink.sendall(chunk)
+                if self.bytes_per_s:
+                    time.sleep(len(chunk) / self.bytes_per_s)
         except OSError:
             pass
         finally:
@@ -181,6 +189,45 @@ def test_a_stalled_object_store_fails_the_commit_after_its_deadline(daemon_facto
         assert [p.page_id for p in client.query_pages("s")] == ["p1"]
         proxy.stalled.clear()
         store_payload(client, "s", page(2), data(2))
+        assert client.verify().pages_ok == 2
+    finally:
+        proxy.close()
+
+
+def test_an_object_store_killed_mid_read_and_mid_write_loses_nothing_and_both_go_through_once_back(
+        daemon_factory: Any, own_rgw: Rgw, monkeypatch: pytest.MonkeyPatch) -> None:
+    s3 = bucket(own_rgw, monkeypatch)
+    proxy = StallingProxy(own_rgw.port, bytes_per_s=8 << 20)   # an 11 MiB payload takes ~1.4 s each way
+    try:
+        proc, client = tiered(daemon_factory, s3, "--object-deadline", "3", endpoint=f"http://127.0.0.1:{proxy.port}")
+        first, second = data(1, BIG), data(2, BIG)
+        stored = store_payload(client, "s", page(1), first)
+        client.payloads().path(stored.locator).unlink()          # the next read downloads it
+
+        def killed_midway(call: Any) -> None:
+            killer = threading.Timer(0.5, own_rgw.kill_gateway)
+            killer.start()
+            try:
+                with pytest.raises(TierUnavailable, match="object store"):
+                    call()
+            finally:
+                killer.join()
+
+        killed_midway(lambda: client.get_pages("s", ["p1"]))
+        assert [(p.page_id, p.state) for p in client.query_pages("s")] == [("p1", PageState.COLD.value)]
+        assert folder_files(proc) == [], folder_files(proc)      # no half-downloaded file left
+        own_rgw.restart_gateway()
+        blob = client.payloads().write("s", "p2", second)
+        record = pb.Page()
+        record.CopyFrom(page(2))
+        record.locator, record.byte_size, record.checksum = blob.locator, blob.byte_size, blob.checksum
+        killed_midway(lambda: client.upsert_pages("s", [record]))   # a multipart upload cut in its middle
+        assert [p.page_id for p in client.query_pages("s")] == ["p1"]   # nothing committed
+        own_rgw.restart_gateway()
+        assert not s3.exists(record.locator, record.byte_size)    # no half object
+        client.upsert_pages("s", [record])                        # the same write goes through
+        got = client.get_pages("s", ["p1", "p2"])
+        assert [client.payloads().path(r.locator).read_bytes() for r in got] == [first, second]
         assert client.verify().pages_ok == 2
     finally:
         proxy.close()
