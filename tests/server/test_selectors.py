@@ -45,11 +45,11 @@ def exact(stats: dict[str, Any]) -> None:
 
 def test_the_default_selector_brings_the_fact_back_and_the_page_listing_shows_it(server_factory: Any) -> None:
     server: ServerProcess = server_factory("smollm2-135m", 1536)
-    messages = grow(server, "h", files=5)
+    messages = grow(server, "h", files=4)
     before = server.get("/v1/kv/pages?session=h&text=1").body
     where = {f.answer: [p["index"] for p in before["pages"] if f.answer in p["text"]]
-             for file in evidence_files(5, tokens_per_file=600, facts_per_file=1) for f in file.facts}
-    fact = next(f for file in evidence_files(5, tokens_per_file=600, facts_per_file=1) for f in file.facts
+             for file in evidence_files(4, tokens_per_file=600, facts_per_file=1) for f in file.facts}
+    fact = next(f for file in evidence_files(4, tokens_per_file=600, facts_per_file=1) for f in file.facts
                 if where[f.answer] and all(before["pages"][i]["state"] == "cold" for i in where[f.answer]))
     holding = where[fact.answer]
     reply = server.chat([*messages, {"role": "user", "content": fact.question}], session="h", tools=TOOLS,
@@ -117,8 +117,8 @@ def test_rerank_is_refused_at_start_for_a_model_that_cannot_score_pages_apart(tm
 
 def test_attention_selector_restores_pages_for_a_question_about_a_cold_fact(server_factory: Any) -> None:
     server: ServerProcess = server_factory("smollm2-135m", 1536, "--selector", "attention")
-    messages = grow(server, "a", files=5)
-    fact = evidence_files(5, tokens_per_file=600, facts_per_file=1)[0].facts[0]
+    messages = grow(server, "a", files=4)
+    fact = evidence_files(4, tokens_per_file=600, facts_per_file=1)[0].facts[0]
     before = server.stats("a")
     assert before["pages"]["cold"] > 0 and before["key_index_pages"] > 0
     reply = server.chat([*messages, {"role": "user", "content": fact.question}], session="a", tools=TOOLS,
