@@ -142,11 +142,13 @@ class Client:
                           pb.BranchSessionResponse)
 
     def hold_session(self, session_id: str, model_id: str = "", lease_s: float = 30.0,
-                     renew: bool = False) -> pb.HoldSessionResponse:
+                     renew: bool = False, release: bool = False) -> pb.HoldSessionResponse:
         """Hold `session_id` for a turn of `lease_s` seconds; `adopted` when it changed hands to this
-        daemon. With `renew`, only this daemon's own lease is renewed (SessionHeld otherwise)."""
+        daemon. With `renew`, only this daemon's own lease is renewed (SessionHeld otherwise); with
+        `release`, it ends now."""
         return self._call("HoldSession", pb.HoldSessionRequest(session_id=session_id, model_id=model_id,
-                                                               lease_s=lease_s, renew=renew), pb.HoldSessionResponse)
+                                                               lease_s=lease_s, renew=renew, release=release),
+                          pb.HoldSessionResponse)
 
     # pages
 

@@ -321,12 +321,15 @@ class Daemon:
 
     # ----------------------------------------------------------------- holding and moving sessions
 
-    def hold_session(self, session_id: str, model_id: str = "", lease_s: float = 30.0, renew: bool = False) -> Hold:
+    def hold_session(self, session_id: str, model_id: str = "", lease_s: float = 30.0, renew: bool = False,
+                     release: bool = False) -> Hold:
         """Hold `session_id` for a turn of `lease_s` seconds (contextd.handover): with an object store,
         renew this contextd's lease, or take the session over from the server that held it (its
         lease run out) and replace this root's rows of it by the state that server exported: the
         session is adopted. SessionHeld while another server's lease runs, and with `renew` (a turn
-        in progress keeps its lease) whenever this contextd no longer holds it. Without an object store
+        in progress keeps its lease) whenever this contextd no longer holds it. `release` ends this
+        contextd's lease now (a turn that failed), so another server need not wait for it to run
+        out. Without an object store
         every session is this contextd's: token 0, nothing to do."""
         check_id(session_id, "session_id")
         _check_text(model_id, "model_id", 512)
@@ -336,7 +339,8 @@ class Daemon:
             return Hold(0, False, "")
         with self.store.read() as txn:
             held = txn.get(HOLDS, SessionKey(session_id))
-        claim = self.handover.claim(session_id, held.token if held is not None else 0, model_id, lease_s, renew)
+        claim = self.handover.claim(session_id, held.token if held is not None else 0, model_id,
+                                    0.0 if release else lease_s, renew or release)
         if claim.adopted:
             self._adopt(session_id, claim.holder)
         else:

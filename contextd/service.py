@@ -175,7 +175,7 @@ class ContextdService(pb_grpc.ContextdServicer):
     def HoldSession(self, request: pb.HoldSessionRequest, context: grpc.ServicerContext) -> pb.HoldSessionResponse:
         def run() -> pb.HoldSessionResponse:
             hold = self.daemon.hold_session(request.session_id, request.model_id, request.lease_s or 30.0,
-                                            renew=request.renew)
+                                            renew=request.renew, release=request.release)
             return pb.HoldSessionResponse(token=hold.token, adopted=hold.adopted, previous_node=hold.previous_node)
         return self._call(context, run)
 

@@ -43,7 +43,7 @@ from backends import Backend, Counters, DecodeStep
 from backends.slots import pick_token
 from contextd import crashpoints
 from contextd.client import Client, pb
-from contextd.errors import FailedPrecondition, NotFound, StoreFull
+from contextd.errors import ContextdError, FailedPrecondition, NotFound, StoreFull
 from contextd.wire import PinKind
 from controller.keyindex import KeyIndex, KeyIndexConfig
 from controller.lexical import DEFAULT_LEXICAL, LexicalConfig, LexicalIndex
@@ -324,11 +324,13 @@ class Engine:
         steps = self._turn(request)
         answer: int | None = None
         failure: Exception | None = None
+        completed = False
         try:
             while True:
                 try:
                     event = steps.throw(failure) if failure is not None else steps.send(answer)
                 except StopIteration:
+                    completed = True
                     return
                 answer, failure = None, None
                 self._renew(session_id)
@@ -342,7 +344,8 @@ class Engine:
             steps.close()
             self.turning.discard(session_id)
             self.paused_ms.pop(session_id, None)
-            self.held_at.pop(session_id, None)
+            if self.held_at.pop(session_id, None) is not None and not completed:
+                self._release(session_id)
 
     def decode_batch(self, steps: dict[str, DecodeStep]) -> list[int]:
         """Run the waiting decode steps of several turns in progress (session -> its step, as its
@@ -380,6 +383,15 @@ class Engine:
         held = self.held_at.get(session_id)
         if held is not None and time.monotonic() - held >= self.config.session_lease_s / 3:
             self._hold(session_id, renew=True)
+
+    def _release(self, session_id: str) -> None:
+        """A turn that failed ends its lease at once (a completed one ended it with its record), so
+        another server's request for the session does not wait for the lease to run out. Best
+        effort: a session already lost, or a contextd not answering, has nothing to release."""
+        try:
+            self.contextd.hold_session(session_id, self.backend.model_name, self.config.session_lease_s, release=True)
+        except ContextdError as exc:
+            log.info("session %s: its failed turn's lease was not released (%s)", session_id, exc)
 
     def _turn(self, request: ChatRequest) -> Generator[TurnEvent, int | None, None]:
         started = time.perf_counter()

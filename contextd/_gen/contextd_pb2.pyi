@@ -150,16 +150,18 @@ class FindPrefixResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., pages: _Optional[int] = ...) -> None: ...
 
 class HoldSessionRequest(_message.Message):
-    __slots__ = ("session_id", "model_id", "lease_s", "renew")
+    __slots__ = ("session_id", "model_id", "lease_s", "renew", "release")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     RENEW_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model_id: str
     lease_s: float
     renew: bool
-    def __init__(self, session_id: _Optional[str] = ..., model_id: _Optional[str] = ..., lease_s: _Optional[float] = ..., renew: _Optional[bool] = ...) -> None: ...
+    release: bool
+    def __init__(self, session_id: _Optional[str] = ..., model_id: _Optional[str] = ..., lease_s: _Optional[float] = ..., renew: _Optional[bool] = ..., release: _Optional[bool] = ...) -> None: ...
 
 class HoldSessionResponse(_message.Message):
     __slots__ = ("token", "adopted", "previous_node")

@@ -113,13 +113,15 @@ def test_a_running_lease_keeps_the_session_and_two_daemons_racing_get_one_each_t
     b = server(daemon_factory, s3)
     with pytest.raises(SessionHeld, match="serving a turn on"):
         b.hold_session("s", "m", 30)
-    turn(a, 2, 3, "user 2", "answer 2")                     # the commit ends a's lease
+    a.hold_session("s", "m", 30, release=True)             # a turn that failed ends its lease at once
     assert b.hold_session("s", "m", 30).adopted
+    with pytest.raises(SessionHeld, match="taken over"):
+        a.hold_session("s", "m", 30, release=True)         # only the holder can release
     # a brand-new session, and one both adopt: of two daemons racing, one holds it and one is refused
     for session_id in ("fresh", "s"):
         racers = [server(daemon_factory, s3) for _ in range(2)]
         if session_id == "s":
-            turn(b, 3, 5, "user 3")                          # b lets go
+            turn(b, 2, 3, "user 2", "answer 2")              # the commit ends b's lease
         outcomes = race(racers, session_id)
         assert sorted(outcomes) == ["held", "refused"], (session_id, outcomes)
 
