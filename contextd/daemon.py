@@ -36,14 +36,14 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 from contextd.blobs import TEMP_PREFIX, BlobStore, Reserve
 from contextd.errors import DataCorrupt, FailedPrecondition, InvalidArgument, NotFound, SessionHeld, StoreFull
-from contextd.handover import Handover, Holder
+from contextd.handover import Handover, Holder, payloads_named
 from contextd.ids import check_id
 from contextd.keys import (
     EVERYTHING,
@@ -184,8 +184,7 @@ class Daemon:
             self.tier = ObjectTier(ObjectStore(config.objects), self.blobs, config.cache_bytes)
             self.handover = Handover(self.tier.objects, node_id(config.root))
             with self.store.read() as txn:
-                committed = [(p.locator, p.byte_size) for _, p in txn.scan(MANIFEST, EVERYTHING) if p.locator]
-                committed += [(s.locator, s.byte_size) for _, s in txn.scan(SNAPSHOTS, EVERYTHING) if s.locator]
+                committed = list(_payloads(txn, EVERYTHING))
             try:
                 self.tier.start(committed)
             except BaseException:
@@ -329,8 +328,7 @@ class Daemon:
         session is adopted. SessionHeld while another server's lease runs, and with `renew` (a turn
         in progress keeps its lease) whenever this contextd no longer holds it. `release` ends this
         contextd's lease now (a turn that failed), so another server need not wait for it to run
-        out. Without an object store
-        every session is this contextd's: token 0, nothing to do."""
+        out. Without an object store every session is this contextd's: token 0, nothing to do."""
         check_id(session_id, "session_id")
         _check_text(model_id, "model_id", 512)
         if not 0 < lease_s <= self.config.max_lease_s:
@@ -366,8 +364,7 @@ class Daemon:
             txn.put(HOLDS, SessionKey(session_id), _hold_row(holder, chunks))
 
         self.store.write(op)
-        named = {p["locator"] for p in state.get("pages", ()) if p.get("locator")} | \
-            {s["locator"] for s in state.get("snapshots", ()) if s.get("locator")}
+        named = payloads_named(state) if loaded is not None else set()
         with self._unpublished_lock:
             stale = (set(named_before) | self._unpublished.pop(session_id, set())) - named
         self.tier.delete(sorted(stale))
@@ -404,16 +401,16 @@ class Daemon:
             record = txn.get(RECORDS, SessionKey(session_id))
             assert record is not None
             scope = session_scope(session_id)
-            pages = [p.stored() for _, p in txn.scan(MANIFEST, scope)]
-            snapshots = [s.stored() for _, s in txn.scan(SNAPSHOTS, scope)]
-            state = {"session": session.stored(), "record": record.stored(), "pages": pages, "snapshots": snapshots,
+            state = {"session": session.stored(), "record": record.stored(),
+                     "pages": [p.stored() for _, p in txn.scan(MANIFEST, scope)],
+                     "snapshots": [s.stored() for _, s in txn.scan(SNAPSHOTS, scope)],
                      "pins": [[k.page_id, pin.stored()] for k, pin in txn.scan(PINS, scope)],
                      "leases": [[k.page_id, lease.stored()] for k, lease in txn.scan(LEASES, scope)]}
             segments = [s.stored() for _, s in txn.scan(SEGMENTS, scope)]
         exported = self.handover.publish(session_id, _holder(held), held.chunks, state, segments)
         self.store.write(lambda txn: txn.put(HOLDS, SessionKey(session_id), _hold_row(exported.holder,
                                                                                        exported.chunks)))
-        named = {row["locator"] for row in (*pages, *snapshots) if row["locator"]}
+        named = payloads_named(state)
         with self._unpublished_lock:
             gone = self._unpublished.pop(session_id, set())
         self.tier.delete(sorted(gone - named))
@@ -1035,9 +1032,7 @@ class Daemon:
 
     def _referenced_locators(self) -> set[str]:
         with self.store.read() as txn:
-            refs = {p.locator for _, p in txn.scan(MANIFEST, EVERYTHING) if p.locator}
-            refs |= {s.locator for _, s in txn.scan(SNAPSHOTS, EVERYTHING) if s.locator}
-        return refs
+            return {locator for locator, _ in _payloads(txn, EVERYTHING)}
 
     def gc(self, dry_run: bool) -> GcResult:
         """Remove payload files no manifest entry points at, stale temporary files, expired leases."""
@@ -1099,9 +1094,7 @@ class Daemon:
             if holder is not None and holder.node != self.handover.node:
                 continue
             with self.store.read() as txn:
-                scope = session_scope(session_id)
-                named = {p.locator for _, p in txn.scan(MANIFEST, scope) if p.locator}
-                named |= {s.locator for _, s in txn.scan(SNAPSHOTS, scope) if s.locator}
+                named = {locator for locator, _ in _payloads(txn, session_scope(session_id))}
             with self._unpublished_lock:
                 named |= self._unpublished.get(session_id, set())
             keep = {objects.key(locator) for locator in named}
@@ -1154,6 +1147,16 @@ def _recorded_resident(txn: Txn, session_id: str) -> set[int]:
     """Indexes of the pages in attention at the end of the session's last completed turn."""
     record = txn.get(RECORDS, SessionKey(session_id))
     return set(record.resident_pages) if record is not None else set()
+
+
+def _payloads(txn: Txn, scope: bytes) -> Iterator[tuple[str, int]]:
+    """(locator, size) of every payload the manifest rows and snapshots under `scope` name."""
+    for _, page in txn.scan(MANIFEST, scope):
+        if page.locator:
+            yield page.locator, page.byte_size
+    for _, snapshot in txn.scan(SNAPSHOTS, scope):
+        if snapshot.locator:
+            yield snapshot.locator, snapshot.byte_size
 
 
 def _holder(row: HoldRow) -> Holder:

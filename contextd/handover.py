@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -49,11 +49,16 @@ import xxhash
 from contextd.errors import ContextdError, DataCorrupt, FailedPrecondition, SessionHeld
 from contextd.objects import ConditionFailed, ObjectStore
 
-__all__ = ["CHUNK_SEGMENTS", "Claim", "Exported", "Handover", "Holder"]
+__all__ = ["CHUNK_SEGMENTS", "Claim", "Exported", "Handover", "Holder", "payloads_named"]
 
 CHUNK_SEGMENTS = 64     # transcript segments per chunk object: a Pi turn adds 2 to 10
 CLAIM_ATTEMPTS = 8      # conditional writes lost in a row before a claim gives up (each loss is another server's win)
 STATE_FORMAT = 1
+
+
+def payloads_named(state: Mapping[str, Any]) -> set[str]:
+    """The payload locators an exported state's pages and snapshots name."""
+    return {row["locator"] for row in (*state["pages"], *state["snapshots"]) if row.get("locator")}
 
 
 @dataclass(frozen=True)
@@ -208,9 +213,8 @@ class Handover:
         if found is None:
             return keys
         state = msgpack.unpackb(found[0], raw=False, strict_map_key=False)
-        keys |= {holder.state, *state["chunks"]}
-        return keys | {self.objects.key(row["locator"]) for row in (*state["pages"], *state["snapshots"])
-                       if row.get("locator")}
+        payloads = {self.objects.key(locator) for locator in payloads_named(state)}
+        return keys | {holder.state, *state["chunks"]} | payloads
 
     def remove(self, session_id: str, held: Holder, chunks: Sequence[str]) -> bool:
         """A deleted session's holder, state and chunks, when this server still holds it (True);
