@@ -117,8 +117,8 @@ def test_rerank_is_refused_at_start_for_a_model_that_cannot_score_pages_apart(tm
 
 def test_attention_selector_restores_pages_for_a_question_about_a_cold_fact(server_factory: Any) -> None:
     server: ServerProcess = server_factory("smollm2-135m", 1536, "--selector", "attention")
-    messages = grow(server, "a", files=4)
-    fact = evidence_files(4, tokens_per_file=600, facts_per_file=1)[0].facts[0]
+    messages = grow(server, "a", files=3)
+    fact = evidence_files(3, tokens_per_file=600, facts_per_file=1)[0].facts[0]
     before = server.stats("a")
     assert before["pages"]["cold"] > 0 and before["key_index_pages"] > 0
     reply = server.chat([*messages, {"role": "user", "content": fact.question}], session="a", tools=TOOLS,
