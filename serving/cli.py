@@ -21,23 +21,27 @@ from contextd.errors import DaemonUnavailable
 from contextd.paths import default_root, default_socket
 from controller.selectors import SELECTORS, Selector, make_selector
 from serving.engine import PLACEMENTS, Engine, EngineConfig
-from serving.launcher import ContextdProcess, start_tied_contextd
+from serving.launcher import ContextdProcess, spawn_tied_contextd
 
 log = logging.getLogger("kv_elision")
 
 
-def _connect_or_start_contextd(root: Path, socket_path: Path) -> tuple[Client, ContextdProcess | None]:
-    """The contextd answering on `socket_path`, else a new one under ROOT/contextd that dies with us."""
-    client = Client(socket_path)
-    try:
-        client.wait_ready(timeout=0.5)
-        log.info("using the contextd already serving %s", socket_path)
-        return client, None
-    except DaemonUnavailable:
-        client.close()
-    daemon = start_tied_contextd(root / "contextd", socket_path)
+def _connect_or_spawn_contextd(root: Path, socket_path: Path) -> tuple[Client, ContextdProcess | None]:
+    """The contextd answering on `socket_path`, else a new one under ROOT/contextd that dies with us,
+    spawned: the caller loads its model while it starts, then calls `wait_started` (a server's
+    start went from ~11 to ~10 s on SmolLM2, most of the rest importing torch and transformers).
+    Without a socket file nobody can be answering, and nobody is asked."""
+    if socket_path.exists():
+        client = Client(socket_path)
+        try:
+            client.wait_ready(timeout=0.5)
+            log.info("using the contextd already serving %s", socket_path)
+            return client, None
+        except DaemonUnavailable:
+            client.close()
+    daemon = spawn_tied_contextd(root / "contextd", socket_path)
     assert daemon.proc is not None and daemon.client is not None
-    log.info("started contextd (pid %d) on %s", daemon.proc.pid, socket_path)
+    log.info("starting contextd (pid %d) on %s", daemon.proc.pid, socket_path)
     return daemon.client, daemon
 
 
@@ -65,10 +69,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           compress_pages=args.compress == "zstd", placement=args.placement, refresh=args.refresh,
                           resident_sessions=args.resident_sessions, batch_decode=args.batch_decode,
                           session_lease_s=args.session_lease)
-    client, daemon = _connect_or_start_contextd(root, socket_path)
+    client, daemon = _connect_or_spawn_contextd(root, socket_path)
     try:
         backend = load_backend(args.backend, args.model, device=args.device, dtype=args.dtype,
                                capacity=args.budget + 256)
+        if daemon is not None:
+            daemon.wait_started()
         if args.selector == "rerank" and backend.is_hybrid:
             print(f"kv-elision: --selector rerank scores each candidate over its stored K/V in one forward, which "
                   f"needs every layer to be full attention; {args.model} has sliding-window or recurrent layers "

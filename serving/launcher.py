@@ -101,6 +101,12 @@ class ContextdProcess:
                 str(self.socket), *self.extra]
 
     def start(self, timeout: float = 30.0) -> Client:
+        self.spawn()
+        return self.wait_started(timeout)
+
+    def spawn(self) -> None:
+        """Start the process without waiting for it to answer (`wait_started` does): a server loads
+        its model meanwhile, since contextd's start (~1 s) needs none of it."""
         if self.client is not None:
             self.client.close()
         output: Any = subprocess.PIPE if self.log is None else open(self.log, "ab")  # noqa: SIM115
@@ -111,6 +117,11 @@ class ContextdProcess:
             if self.log is not None:
                 output.close()
         self.client = Client(self.socket, timeout=60.0)
+
+    def wait_started(self, timeout: float = 30.0) -> Client:
+        """The client once the spawned process answers; RuntimeError with its output if it exits
+        or stays silent for `timeout` seconds (it is killed then)."""
+        assert self.proc is not None and self.client is not None, "spawn() first"
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -275,10 +286,10 @@ class ServerProcess:
             self.contextd.stop()
 
 
-def start_tied_contextd(root: Path, socket_path: Path) -> ContextdProcess:
-    """A contextd for a server that found none answering: it logs beside its data and dies with
-    the server."""
+def spawn_tied_contextd(root: Path, socket_path: Path) -> ContextdProcess:
+    """A contextd for a server that found none answering, spawned (`wait_started` before use): it
+    logs beside its data and dies with the server."""
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     daemon = ContextdProcess(root, socket_path, log=root / "contextd.log", tied_to_parent=True)
-    daemon.start()
+    daemon.spawn()
     return daemon

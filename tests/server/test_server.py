@@ -323,3 +323,48 @@ def test_a_watched_answer_is_scored_over_the_cache_it_is_read_from(server_factor
     assert reading["view_ids"] == reading["transcript_ids"], "a short session holds everything in view"
     assert answer.body["kv"]["model_forward_tokens"] == plain.body["kv"]["model_forward_tokens"]
     assert server.get(route + "?session=plain").status == 404
+
+
+def test_a_server_started_alone_starts_its_own_contextd_which_ends_with_it(tmp_path: Any) -> None:
+    """`kv-elision serve` with nobody answering on its socket spawns a contextd under ROOT/contextd
+    and loads its model while that one starts; the daemon answers once the server does, keeps the
+    turn's pages, and stops when the server stops."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from contextd.client import Client
+    from contextd.paths import SOCKET_NAME
+    from serving.launcher import REPO, free_port, stop_process, wait_healthy
+
+    root, port = tmp_path / "root", free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("KV_ELISION_SOCKET", "XDG_RUNTIME_DIR")}
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", "--model", "tiny-llama", "--budget",
+                                 "1024", "--tail-tokens", "256", "--root", str(root), "--port", str(port)],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    server = ServerProcess(root=root, model="tiny-llama", port=port, proc=proc)
+    try:
+        wait_healthy(proc, lambda: server.get("/health").status == 200, 300, "kv-elision serve",
+                     lambda: log.read_text(errors="replace"))
+        reply = server.chat([SYSTEM, {"role": "user", "content": "Say hi."}], session="alone", max_tokens=2)
+        assert reply.status == 200, reply.body
+        socket = root / "contextd" / "run" / SOCKET_NAME
+        with Client(socket) as client:
+            status = client.wait_ready(timeout=5)
+        assert status.root == str(root / "contextd") and status.pid not in (0, proc.pid)
+        assert [s.session_id for s in status.sessions] == ["alone"]
+        daemon_pid = status.pid
+    finally:
+        stop_process(proc)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(daemon_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"contextd (pid {daemon_pid}) outlived its server")
