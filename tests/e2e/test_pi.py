@@ -548,21 +548,22 @@ def test_pi_manual_compact_is_explained_and_cancelled_unless_the_user_gives_inst
     assert counters["reprefilled_tokens"] == 0 and counters["rebuilds"] == 0 and counters["turns"] == 3, counters
 
 
-# Short prompts around one that asks for a long answer: three turns before the first answer that
-# may reach the cap, two after it (six, not the ten of earlier runs: each prompt costs seconds of
-# CPU, and what is checked, that no later turn re-prefills or rebuilds, needs turns on both sides).
-SIX = [
+TEN = [
     "Name a fruit. One word.",
     "Name a colour. One word.",
     "Name an animal. One word.",
+    "Name a country. One word.",
     "Count from one to forty in words, separated by commas.",
     "Name a metal. One word.",
+    "Name a tree. One word.",
+    "Name a sport. One word.",
+    "Name a river. One word.",
     "Name a city. One word.",
 ]
 
 
 @pytest.mark.parametrize("case", ["cut", "free", "cut-pi-expects-more"])
-def test_pi_six_prompts_never_reprefill_and_never_tell_of_a_rebuild(
+def test_pi_ten_prompts_never_reprefill_and_never_tell_of_a_rebuild(
         case: str, server: ServerProcess, free_server: ServerProcess, pis: PiFactory) -> None:
     """cut: answers stop at the server's 24-token cap, which the extension advertises as the
     model's maxTokens, so Pi keeps every cut answer. free: answers end by themselves (one that
@@ -577,7 +578,7 @@ def test_pi_six_prompts_never_reprefill_and_never_tell_of_a_rebuild(
                    if case == "cut-pi-expects-more" else None)
     pi = pis.start(target, *pis.folder({}, agent_files), EXTENSION_ARGS)
     session_id = pi.state()["sessionId"]
-    replies = [assert_answered(pi.prompt_events(message)) for message in SIX]
+    replies = [assert_answered(pi.prompt_events(message)) for message in TEN]
 
     stops = [r["stopReason"] for r in replies]
     assert ("stop" if case == "free" else "length") in stops, stops
@@ -589,7 +590,7 @@ def test_pi_six_prompts_never_reprefill_and_never_tell_of_a_rebuild(
     assert all("x-kv-rebuilt" not in p["headers"] for p in pi.probe()), pi.probe()
     counters = target.stats(session_id)["counters"]
     assert counters["reprefilled_tokens"] == 0 and counters["rebuilds"] == 0, counters
-    assert counters["turns"] == len(SIX)
+    assert counters["turns"] == len(TEN)
     assert_server_counters_consistent(counters)
 
 
