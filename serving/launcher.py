@@ -231,7 +231,12 @@ class ServerProcess:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
-        wait_healthy(self.proc, lambda: self.get("/health").status == 200, timeout, "kv-elision serve", self.log_tail)
+        try:
+            wait_healthy(self.proc, lambda: self.get("/health").status == 200, timeout, "kv-elision serve",
+                         self.log_tail)
+        except BaseException:
+            self.stop()  # a server that never came up leaves no contextd behind
+            raise
         return self
 
     def request(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,

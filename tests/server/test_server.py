@@ -368,3 +368,13 @@ def test_a_server_started_alone_starts_its_own_contextd_which_ends_with_it(tmp_p
         time.sleep(0.1)
     else:
         raise AssertionError(f"contextd (pid {daemon_pid}) outlived its server")
+
+
+def test_a_server_that_cannot_start_leaves_no_contextd_behind(tmp_path: Any) -> None:
+    """The launcher starts contextd first; when `kv-elision serve` then refuses its options, the
+    launcher's error names the reason and its contextd is stopped too."""
+    server = ServerProcess(root=tmp_path / "root", model="tiny-llama", budget=256, extra=["--tail-tokens", "256"])
+    with pytest.raises(RuntimeError, match="under 4 pages"):
+        server.start(timeout=120)
+    assert server.contextd is not None and server.contextd.proc is not None
+    assert server.contextd.proc.poll() is not None, "contextd outlived a server that never started"
