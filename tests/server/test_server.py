@@ -327,8 +327,8 @@ def test_a_watched_answer_is_scored_over_the_cache_it_is_read_from(server_factor
 
 def test_a_server_started_alone_starts_its_own_contextd_which_ends_with_it(tmp_path: Any) -> None:
     """`kv-elision serve` with nobody answering on its socket spawns a contextd under ROOT/contextd
-    and loads its model while that one starts; the daemon answers once the server does, keeps the
-    turn's pages, and stops when the server stops."""
+    and loads its model while that one starts; the daemon answers once the server does, holds the
+    turn's session, and stops when the server stops."""
     import os
     import subprocess
     import sys
