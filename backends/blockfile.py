@@ -44,10 +44,10 @@ __all__ = [
     "FORMAT_VERSION",
     "IO_CHUNK_BYTES",
     "ContainerError",
+    "ReadOrder",
     "SectionReader",
     "checksum",
     "pack",
-    "read_ahead",
     "read_rows",
     "read_verified",
     "unpack",
@@ -251,24 +251,6 @@ def _open_sized(path: str | os.PathLike[str], size: int) -> Any:
     return f
 
 
-def read_ahead(paths: list[str | os.PathLike[str]]) -> None:
-    """Ask the kernel to start reading these whole files now (posix_fadvise WILLNEED), so the disk
-    works on all of them while the caller consumes the first; a no-op where the call is missing
-    (macOS) and for a file that cannot be opened (its reader reports that)."""
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is None:
-        return
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            advise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
-
-
 def read_verified(path: str | os.PathLike[str], expected_checksum: str, size: int) -> memoryview:
     """The whole file, hashed while reading; ContainerError unless size and checksum match."""
     with _open_sized(path, size) as f:
@@ -315,108 +297,171 @@ def read_rows(path: str | os.PathLike[str], magic: bytes, section: str, start: i
     return local.rows(memoryview(data), start, stop)
 
 
+class ReadOrder:
+    """Files read by several SectionReaders in the order a caller will use them: each reads its
+    header at once, but the rest only while fewer than `depth` files opened before it are still
+    reading. All files read at once would each get a share of the disk and the first one, which
+    the caller waits for, would arrive last."""
+
+    def __init__(self, depth: int) -> None:
+        if depth < 1:
+            raise ValueError("depth must be at least 1")
+        self.depth = depth
+        self._cond = threading.Condition()
+        self._issued = 0
+        self._done: set[int] = set()
+
+    def ticket(self) -> int:
+        """A reader's place in the order (the order of the calls)."""
+        with self._cond:
+            self._issued += 1
+            return self._issued - 1
+
+    def wait_turn(self, ticket: int, stopped: threading.Event) -> bool:
+        """Block until `ticket` may read; False when `stopped` was set first."""
+        with self._cond:
+            while sum(1 for t in range(ticket) if t not in self._done) >= self.depth:
+                if stopped.is_set():
+                    return False
+                self._cond.wait()
+            return not stopped.is_set()
+
+    def done(self, ticket: int) -> None:
+        """`ticket`'s reader stopped reading (all read, failed or closed)."""
+        with self._cond:
+            self._done.add(ticket)
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Have every waiting reader look at its stop flag again."""
+        with self._cond:
+            self._cond.notify_all()
+
+
 class SectionReader:
     """Reads a container file on a background thread so a caller can use the sections that have
     arrived while the rest is still coming from disk (restore = max(read, insert), not the sum).
 
         with SectionReader(path, MAGIC, checksum, size) as rd:
-            rd.wait("positions")          # rd.arrays[...] are views into the buffer being filled
+            rd.wait("positions")          # rd.array(...) are views into the buffer being filled
             rd.wait("keys", rows=4)       # the first 4 rows (layers) of keys have arrived
             rd.finish()                   # all read and the checksum verified: only now commit
 
-    The header is read and checked in the constructor. Nothing read may be committed before
-    `finish()` returns: until then the checksum is unverified.
+    The constructor only opens the file and checks its size; the header is read and checked on
+    the thread too, so a caller opening several files has their first reads in flight at once
+    (`header` and `sections` wait for it, and raise its error). With `order`, the bulk of the file
+    waits its turn (see ReadOrder). Nothing read may be committed before `finish()` returns: until
+    then the checksum is unverified.
     """
 
-    def __init__(self, path: str | os.PathLike[str], magic: bytes, expected_checksum: str, size: int) -> None:
-        self._file = _open_sized(path, size)  # closed by close(), also on a failed header
+    def __init__(self, path: str | os.PathLike[str], magic: bytes, expected_checksum: str, size: int,
+                 order: ReadOrder | None = None) -> None:
+        self._file = _open_sized(path, size)
+        self._magic = magic
         self._expected = expected_checksum
-        try:
-            self._size = size
-            self._mv = np.empty(size, dtype=np.uint8).data
-            self._got = 0
-            self._hasher = xxhash.xxh3_128()
-            self._fill(min(size, IO_CHUNK_BYTES))
-            if self._got >= _PREFIX.size:
-                self._fill(min(size, _align(_PREFIX.size + _PREFIX.unpack_from(self._mv, 0)[3])))
-            self.header, self._start = _parse_header(magic, self._mv[:self._got])
-            payload_len = int(self.header.get("payload_len", -1))
-            if payload_len < 0 or self._start + payload_len != size:
-                raise ContainerError(f"payload length mismatch: header says {payload_len}, "
-                                     f"{size - self._start} bytes follow the header")
-            self.sections = _section_table(self.header)
-        except BaseException:
-            self._file.close()
-            raise
-        self._take_cached()
+        self._size = size
+        # Uninitialised: every byte is overwritten before it is used.
+        self._mv = np.empty(size, dtype=np.uint8).data
+        self._got = 0
+        self._hasher = xxhash.xxh3_128()
         self._cond = threading.Condition()
         self._wanted = size
+        self._head: tuple[dict[str, Any], int, dict[str, Section]] | None = None
         self._error: BaseException | None = None
-        self._stop = False
-        self._thread: threading.Thread | None = None
-        if self._got < size:
-            self._file.seek(self._got)
-            self._thread = threading.Thread(target=self._run, name="kv-section-reader", daemon=True)
-            self._thread.start()
-
-    def _fill(self, upto: int) -> None:
-        while self._got < upto:
-            n = self._file.readinto(self._mv[self._got:min(upto, self._got + IO_CHUNK_BYTES)])
-            if not n:
-                raise ContainerError("file is shorter than its header says")
-            self._hasher.update(self._mv[self._got:self._got + n])
-            self._got += n
-
-    def _take_cached(self) -> None:
-        """Copy whatever the page cache already holds without waiting for the disk (RWF_NOWAIT).
-        A recently written page is usually all there, and then a reader thread would only add
-        hand-offs; where the flag is missing, everything goes through the thread."""
-        nowait = getattr(os, "RWF_NOWAIT", None)
-        if nowait is None:
-            return
-        fd = self._file.fileno()
-        while self._got < self._size:
-            try:
-                n = os.preadv(fd, [self._mv[self._got:self._got + _CACHED_CHUNK_BYTES]], self._got, nowait)
-            except OSError:
-                return
-            if n <= 0:
-                return
-            self._hasher.update(self._mv[self._got:self._got + n])
-            self._got += n
+        self._stopped = threading.Event()
+        self._order = order
+        self._ticket = order.ticket() if order is not None else 0
+        self._nowait: int | None = getattr(os, "RWF_NOWAIT", None)
+        self._thread = threading.Thread(target=self._run, name="kv-section-reader", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
         try:
-            got = self._got
-            while got < self._size and not self._stop:
-                n = self._file.readinto(self._mv[got:got + IO_CHUNK_BYTES])
-                if not n:
-                    raise ContainerError("file shrank while reading")
-                self._hasher.update(self._mv[got:got + n])
-                got += n
-                # Publish progress, but wake the consumer only once what it waits for is here.
+            try:
+                self._read(min(self._size, IO_CHUNK_BYTES))
+                if self._got >= _PREFIX.size:
+                    self._read(min(self._size, _align(_PREFIX.size + _PREFIX.unpack_from(self._mv, 0)[3])))
+                header, start = _parse_header(self._magic, self._mv[:self._got])
+                payload_len = int(header.get("payload_len", -1))
+                if payload_len < 0 or start + payload_len != self._size:
+                    raise ContainerError(f"payload length mismatch: header says {payload_len}, "
+                                         f"{self._size - start} bytes follow the header")
+                sections = _section_table(header)
                 with self._cond:
-                    self._got = got
-                    if got >= self._wanted or got == self._size:
-                        self._cond.notify_all()
+                    self._head = (header, start, sections)
+                    self._cond.notify_all()
+                if self._order is None or self._order.wait_turn(self._ticket, self._stopped):
+                    self._read(self._size)
+            finally:
+                if self._order is not None:
+                    self._order.done(self._ticket)
         except BaseException as e:
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
 
+    def _read(self, upto: int) -> None:
+        """Read and hash up to byte `upto`, publishing progress. What the page cache holds is
+        copied in big requests without waiting for the disk (RWF_NOWAIT); the rest is read in
+        IO_CHUNK_BYTES requests, which kernel readahead stays ahead of."""
+        fd = self._file.fileno()
+        got = self._got
+        while got < upto and not self._stopped.is_set():
+            n = 0
+            if self._nowait is not None:
+                try:
+                    n = os.preadv(fd, [self._mv[got:min(upto, got + _CACHED_CHUNK_BYTES)]], got, self._nowait)
+                except BlockingIOError:
+                    n = 0
+                except OSError:
+                    self._nowait = None   # the file system does not take the flag
+            if n <= 0:
+                n = os.preadv(fd, [self._mv[got:min(upto, got + IO_CHUNK_BYTES)]], got)
+                if not n:
+                    raise ContainerError("file is shorter than its header says" if self._head is None
+                                         else "file shrank while reading")
+            self._hasher.update(self._mv[got:got + n])
+            got += n
+            # Publish progress, but wake the consumer only once what it waits for is here.
+            with self._cond:
+                self._got = got
+                if got >= self._wanted or got == self._size:
+                    self._cond.notify_all()
+
+    def _wait_head(self) -> tuple[dict[str, Any], int, dict[str, Section]]:
+        with self._cond:
+            while self._head is None and self._error is None:
+                self._cond.wait()
+            if self._head is None:
+                assert self._error is not None
+                raise self._error
+            return self._head
+
+    @property
+    def header(self) -> dict[str, Any]:
+        """The container's header, once read and checked."""
+        return self._wait_head()[0]
+
+    @property
+    def sections(self) -> dict[str, Section]:
+        return self._wait_head()[2]
+
     def rows(self, section: str, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) of `section` (call `wait(section, stop)` first): views into the
         buffer being filled, or decoded rows when the section is compressed."""
-        return self.sections[section].rows(self._mv[self._start:], start, stop)
+        _, first, sections = self._wait_head()
+        return sections[section].rows(self._mv[first:], start, stop)
 
     def array(self, section: str) -> np.ndarray:
         """The whole of `section` (call `wait(section)` first)."""
-        return self.sections[section].view(self._mv[self._start:])
+        _, first, sections = self._wait_head()
+        return sections[section].view(self._mv[first:])
 
     def wait(self, section: str, rows: int | None = None) -> None:
         """Block until `section` (or its first `rows` entries along axis 0) has been read."""
-        found = self.sections[section]
-        end = self._start + (found.offset + found.nbytes if rows is None else found.rows_end(rows))
+        _, first, sections = self._wait_head()
+        found = sections[section]
+        end = first + (found.offset + found.nbytes if rows is None else found.rows_end(rows))
         with self._cond:
             self._wanted = end
             while self._got < end and self._error is None:
@@ -426,17 +471,19 @@ class SectionReader:
 
     def finish(self) -> None:
         """Wait for the whole file and verify its checksum."""
-        if self._thread is not None:
-            self._thread.join()
+        self._thread.join()
         if self._error is not None:
             raise self._error
+        if self._got != self._size:
+            raise ContainerError("the file was closed before it was read")
         if self._hasher.hexdigest() != self._expected:
             raise ContainerError("checksum mismatch (corrupted payload)")
 
     def close(self) -> None:
-        self._stop = True
-        if self._thread is not None:
-            self._thread.join()
+        self._stopped.set()
+        if self._order is not None:
+            self._order.wake()
+        self._thread.join()
         self._file.close()
 
     def __enter__(self) -> SectionReader:

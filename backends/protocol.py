@@ -266,46 +266,57 @@ class Block:
 
 class BlockStream:
     """A stored block file read on a background thread (backends.blockfile.SectionReader), so a
-    runtime inserts the layers that have arrived while the rest still comes from disk. The view
-    is checked on open; `finish()` verifies the checksum and returns the block. Nothing read may
-    be committed before `finish()` returns."""
+    runtime inserts the layers that have arrived while the rest still comes from disk. Opening
+    only opens the file: the header arrives on the thread, and the first call that needs it
+    checks it (a block of another view raises there). `finish()` verifies the checksum and
+    returns the block. Nothing read may be committed before `finish()` returns."""
 
     def __init__(self, path: str | os.PathLike[str], checksum: str, size: int, *,
-                 expect: LayerView | None = None) -> None:
+                 expect: LayerView | None = None, order: blockfile.ReadOrder | None = None) -> None:
         try:
-            self._reader = blockfile.SectionReader(path, Block.MAGIC, checksum, size)
+            self._reader = blockfile.SectionReader(path, Block.MAGIC, checksum, size, order)
         except blockfile.ContainerError as e:
             raise CorruptPayloadError(str(e)) from None
         except FileNotFoundError:
             raise BlockFormatError(f"{os.fspath(path)} is missing") from None
-        try:
-            header = self._reader.header
+        self._expect = expect
+        self._view: LayerView | None = None
+        self._decoded: dict[str, list[np.ndarray]] = {"keys": [], "values": []}
+
+    def check(self) -> LayerView:
+        """The block's layer view, once its header has arrived; raises unless the file is a kv
+        block of the expected view (checked once)."""
+        if self._view is None:
+            try:
+                header = self._reader.header
+            except blockfile.ContainerError as e:
+                raise CorruptPayloadError(str(e)) from None
             if header.get("kind") != "kv-block":
                 raise BlockFormatError(f"not a kv block (kind={header.get('kind')!r})")
-            self.view = LayerView.from_dict(header.get("view", {}))
-            if expect is not None:
-                expect.require_same(self.view)
+            view = LayerView.from_dict(header.get("view", {}))
+            if self._expect is not None:
+                self._expect.require_same(view)
             missing = {"keys", "values", "positions", "token_ids"} - self._reader.sections.keys()
             if missing:
                 raise BlockFormatError(f"block is missing sections {sorted(missing)}")
-        except BaseException:
-            self._reader.close()
-            raise
-        self._meta = header
-        self._decoded: dict[str, list[np.ndarray]] = {"keys": [], "values": []}
+            self._view = view
+        return self._view
 
     @property
     def n_tokens(self) -> int:
+        self.check()
         return int(self._reader.sections["positions"].shape[0])
 
     def small(self, section: str) -> np.ndarray:
         """`positions` or `token_ids`, once they have arrived (they come first in the file)."""
+        self.check()
         self._wait(section, None)
         return self._reader.array(section)
 
     def rows(self, section: str, start: int, stop: int) -> np.ndarray:
         """Rows (layers) [start, stop) of `keys` or `values`, once they have arrived; taken in
         order, they are kept for the block `finish()` returns."""
+        self.check()
         self._wait(section, stop)
         try:
             rows = self._reader.rows(section, start, stop)
@@ -322,6 +333,7 @@ class BlockStream:
 
     def finish(self) -> Block:
         """Wait for the whole file, verify its checksum and return the block."""
+        self.check()
         try:
             self._reader.finish()
         except blockfile.ContainerError as e:
@@ -331,7 +343,7 @@ class BlockStream:
             section = self._reader.sections[name]
             whole = section.frames is not None and sum(p.shape[0] for p in parts) == section.shape[0]
             arrays[name] = np.concatenate(parts) if whole else self._reader.array(name)
-        return Block._from_parts(self._meta, arrays, None)
+        return Block._from_parts(self._reader.header, arrays, None)
 
     def close(self) -> None:
         self._reader.close()

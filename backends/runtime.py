@@ -80,6 +80,8 @@ B = TypeVar("B", bound="SlotBackend")
 # The read buffers one `insert_block_files` batch holds at once: 32 SmolLM2 float32 pages (5.9 MB
 # each) go in one batch; a long plan for a big model goes in several, each still read in parallel.
 INSERT_BATCH_BYTES = 256 << 20
+# Files of one insert read their bulk at once, in the order they go in (blockfile.ReadOrder).
+READ_DEPTH = 2
 
 
 def _batches(files: Sequence[StoredBlock]) -> Iterator[list[int]]:
@@ -621,25 +623,25 @@ class SlotBackend(abc.ABC):
     def _insert_files(self, files: Sequence[StoredBlock], chunk: list[int], shift: int,
                       results: list[Block | BlockFormatError | None]) -> int:
         """One batch of `insert_block_files` (its `at`s moved on by the `shift` tokens inserted
-        before it); returns the tokens inserted. Every file is opened at once, so their reader
-        threads keep the disk busy while the first ones are copied in; nothing becomes visible
-        before every block that goes in has verified."""
+        before it); returns the tokens inserted. Every file is opened at once, so their headers
+        and token ids are read in parallel; their bulk is read READ_DEPTH files at a time, in the
+        order they go in, ahead of the copies. Nothing becomes visible before every block that
+        goes in has verified."""
         streams: dict[int, BlockStream] = {}
+        order = blockfile.ReadOrder(READ_DEPTH)
         try:
-            for n, i in enumerate(chunk):
-                if n == 1:
-                    # After the first file's reader has started on it, and not for it: WILLNEED
-                    # queues a whole file's reads before it returns, which made one cold SmolLM2
-                    # page cost 12.4-18.8 ms, 10.9-11.0 without.
-                    blockfile.read_ahead([files[j].path for j in chunk[1:]])
-                f = files[i]
+            for i in chunk:
                 try:
-                    streams[i] = BlockStream(f.path, f.checksum, f.size, expect=self._rt.view)
-                    f.check_tokens(streams[i].small("token_ids"))
+                    streams[i] = BlockStream(files[i].path, files[i].checksum, files[i].size,
+                                             expect=self._rt.view, order=order)
                 except BlockFormatError as e:
                     results[i] = e
-                    if i in streams:
-                        streams.pop(i).close()
+            for i in list(streams):
+                try:
+                    files[i].check_tokens(streams[i].small("token_ids"))
+                except BlockFormatError as e:
+                    results[i] = e
+                    streams.pop(i).close()
             return self._place_blocks({i: _Incoming(files[i].at, _wanted_positions(rd.small("positions"),
                                                                                   files[i].position),
                                                     files[i].position is not None, rd)

@@ -75,11 +75,13 @@ from .protocol import (
 )
 from .runtime import SlotBackend
 from .slot_store import SlotStore
-from .slots import as_run, folder_identity, model_identity
+from .slots import as_run, folder_identity, model_identity, runs_of
 
 __all__ = ["TorchBackend", "ATTENTION_IMPLEMENTATION", "classify", "load", "unpacked_gguf"]
 
 ATTENTION_IMPLEMENTATION = "kv_elision_slots"
+# Slots in up to this many runs are written run by run with slice copies; more, with index copies.
+MOST_RUNS = 4
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -379,23 +381,42 @@ class _SlotStore(SlotStore):
     def index(self, slots: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self.rt.device)
 
-    def put(self, buf: torch.Tensor, slots: np.ndarray, src: torch.Tensor,
-            idx: torch.Tensor | None = None) -> None:
-        """buf[:, :, slots] = src for a [layers, heads, capacity, d] view; a run of consecutive slots
-        (the usual case: a restored page lands in the slots its eviction freed) is a plain copy.
-        `idx`: the slots as a device tensor, when the caller has it already."""
-        run = as_run(slots)
-        if run is not None:
-            buf[:, :, run[0]:run[1]].copy_(src)
-        else:
-            buf.index_copy_(2, self.index(slots) if idx is None else idx, src)
+    def put(self, buf: torch.Tensor, slots: np.ndarray, src: torch.Tensor) -> None:
+        """buf[:, :, slots] = src for a [layers, heads, capacity, d] view; slots in a few runs (the
+        usual case: a restored page lands in slots evictions freed) are slice copies."""
+        pieces = runs_of(slots, MOST_RUNS)
+        if pieces is None:
+            buf.index_copy_(2, self.index(slots), src)
+            return
+        for first, end, at in pieces:
+            buf[:, :, first:end].copy_(src[:, :, at:at + end - first])
 
     def take(self, buf: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
         """buf[:, :, slots] as a new tensor [layers, heads, n, d]."""
-        run = as_run(slots)
-        if run is not None:
-            return buf[:, :, run[0]:run[1]].clone()
-        return buf.index_select(2, self.index(slots))
+        pieces = runs_of(slots, MOST_RUNS)
+        if pieces is None:
+            return buf.index_select(2, self.index(slots))
+        if len(pieces) == 1:
+            return buf[:, :, pieces[0][0]:pieces[0][1]].clone()
+        return torch.cat([buf[:, :, first:end] for first, end, _ in pieces], dim=2)
+
+    def _rotate(self, a0: int, a1: int, slots: np.ndarray, positions: np.ndarray,
+                canon: torch.Tensor | None = None) -> None:
+        """k_rot[a0:a1, slots, :r] = rope(canonical keys, positions), run by run straight into
+        place or by an index copy. `canon` [a1 - a0, heads, n, r]: the keys, when they are not
+        (yet) the ones held in k_canon at `slots`."""
+        cos, sin = self._cos_sin(positions)
+        r = self.rt.rotary_dim
+        pieces = runs_of(slots, MOST_RUNS)
+        if pieces is None:
+            idx = self.index(slots)
+            src = canon if canon is not None else self.k_canon[a0:a1, 0].index_select(2, idx)
+            self.k_rot[a0:a1, 0, :, :, :r].index_copy_(2, idx, rope.apply_torch(src, cos, sin))
+            return
+        for first, end, at in pieces:
+            stop = at + end - first
+            src = canon[:, :, at:stop] if canon is not None else self.k_canon[a0:a1, 0, :, first:end]
+            rope.apply_torch(src, cos[at:stop], sin[at:stop], out=self.k_rot[a0:a1, 0, :, first:end, :r])
 
     # -- called from inside the model's forward ------------------------------------------------
     def write_layer(self, a: int, k_rot: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -416,20 +437,9 @@ class _SlotStore(SlotStore):
         """k_rot[slots] = rope(k_canon[slots], positions), for every paged layer."""
         if slots.shape[0] == 0:
             return
-        rt = self.rt
-        r = rt.rotary_dim
-        if r:
-            cos, sin = self._cos_sin(positions)
-            run = as_run(slots)
-            idx = self.index(slots) if run is None else None
+        if self.rt.rotary_dim:
             for a0, a1 in self.layer_groups(int(slots.shape[0])):
-                if run is not None:
-                    src = self.k_canon[a0:a1, 0, :, run[0]:run[1]]
-                    rope.apply_torch(src, cos, sin, out=self.k_rot[a0:a1, 0, :, run[0]:run[1], :r])
-                else:
-                    assert idx is not None
-                    src = self.k_canon[a0:a1, 0].index_select(2, idx)
-                    self.k_rot[a0:a1, 0, :, :, :r].index_copy_(2, idx, rope.apply_torch(src, cos, sin))
+                self._rotate(a0, a1, slots, positions)
         self.pos[slots] = positions
 
     def gather(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -455,12 +465,7 @@ class _SlotStore(SlotStore):
             self.put(self.k_rot[a0:a1, 0, :, :, r:], slots, k[..., r:])
         if positions is None or not r:
             return
-        cos, sin = self._cos_sin(positions)
-        run = as_run(slots)
-        if run is not None:
-            rope.apply_torch(k[..., :r], cos, sin, out=self.k_rot[a0:a1, 0, :, run[0]:run[1], :r])
-        else:
-            self.k_rot[a0:a1, 0, :, :, :r].index_copy_(2, self.index(slots), rope.apply_torch(k[..., :r], cos, sin))
+        self._rotate(a0, a1, slots, positions, k[..., :r])
 
     def write_values(self, slots: np.ndarray, a0: int, a1: int, values: np.ndarray) -> None:
         self.put(self.v[a0:a1, 0], slots, _tensor_from_np(values, self.rt.dtype, self.rt.device))

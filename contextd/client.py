@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 
@@ -25,7 +25,7 @@ from contextd.errors import BY_CODE, ContextdError, DaemonUnavailable, InvalidAr
 from contextd.paths import default_socket, target
 from contextd.wire import MAX_MESSAGE_BYTES, PageState, PinKind, grpc_options
 
-__all__ = ["Client", "Payloads", "pb"]
+__all__ = ["Client", "Payloads", "Pending", "pb"]
 
 R = TypeVar("R")
 
@@ -40,6 +40,24 @@ def _raise_typed(exc: grpc.RpcError, socket_path: Path) -> None:
             f"contextd is not answering on {socket_path} ({detail}); start it with `contextd serve`"
         ) from None
     raise BY_CODE.get(code, ContextdError)(detail) from None
+
+
+class Pending(Generic[R]):
+    """A call under way; `result()` waits for its reply or raises its contextd error."""
+
+    def __init__(self, future: grpc.Future, reply: type[R], socket_path: Path) -> None:
+        self._future = future
+        self._reply = reply
+        self._socket_path = socket_path
+
+    def result(self) -> R:
+        try:
+            result = self._future.result()
+        except grpc.RpcError as exc:
+            _raise_typed(exc, self._socket_path)
+            raise AssertionError("unreachable") from None
+        assert isinstance(result, self._reply)
+        return result
 
 
 # How soon a channel tries the socket again after contextd went away. gRPC's default backoff (1 s,
@@ -68,9 +86,7 @@ class Client:
         self.close()
 
     def _call(self, method: str, request: Any, reply: type[R], timeout: float | None = None) -> R:
-        size = request.ByteSize()
-        if size > MAX_MESSAGE_BYTES:
-            raise InvalidArgument(f"{method} request of {size} bytes is over the transport's {MAX_MESSAGE_BYTES}")
+        self._check_size(method, request)
         try:
             result = getattr(self._stub, method)(request, timeout=timeout or self.timeout)
         except grpc.RpcError as exc:
@@ -78,6 +94,18 @@ class Client:
             raise AssertionError("unreachable") from None
         assert isinstance(result, reply)
         return result
+
+    def _start(self, method: str, request: Any, reply: type[R]) -> Pending[R]:
+        """Send a call and return at once: gRPC's own threads carry it, so the caller's work
+        beside it does not share the interpreter lock with a Python thread making the call."""
+        self._check_size(method, request)
+        return Pending(getattr(self._stub, method).future(request, timeout=self.timeout), reply, self.socket_path)
+
+    @staticmethod
+    def _check_size(method: str, request: Any) -> None:
+        size = request.ByteSize()
+        if size > MAX_MESSAGE_BYTES:
+            raise InvalidArgument(f"{method} request of {size} bytes is over the transport's {MAX_MESSAGE_BYTES}")
 
     def wait_ready(self, timeout: float = 30.0) -> pb.StatusReply:
         """Block until the daemon answers Status, or raise DaemonUnavailable."""
@@ -160,8 +188,13 @@ class Client:
     def set_page_states(self, session_id: str, changes: Iterable[pb.PageStateChange],
                         leases: Iterable[pb.Lease] = ()) -> pb.WriteAck:
         """Page state changes and, in the same commit, leases put on pages."""
-        return self._call("SetPageStates", pb.SetPageStatesRequest(session_id=session_id, changes=list(changes),
-                                                                   leases=list(leases)), pb.WriteAck)
+        return self.start_set_page_states(session_id, changes, leases).result()
+
+    def start_set_page_states(self, session_id: str, changes: Iterable[pb.PageStateChange],
+                              leases: Iterable[pb.Lease] = ()) -> Pending[pb.WriteAck]:
+        """`set_page_states`, sent without waiting for the reply."""
+        return self._start("SetPageStates", pb.SetPageStatesRequest(session_id=session_id, changes=list(changes),
+                                                                    leases=list(leases)), pb.WriteAck)
 
     def delete_pages(self, session_id: str, page_ids: Iterable[str]) -> pb.WriteAck:
         return self._call("DeletePages", pb.DeletePagesRequest(session_id=session_id, page_ids=list(page_ids)),

@@ -227,3 +227,37 @@ def test_smollm2_4bit_mlx_folder_pages_exactly(models: Models, harness: Harness,
     assert max_delta(be.rotated_keys(), harness.model_rotate(be, keys, np.arange(len(ids)))) <= KEY_TOL
     next_logits_and_greedy(ref, be, 4)
     assert_accounting(be)
+
+
+@pytest.mark.parametrize("runs", [1, 3, 7])
+def test_keys_written_into_slots_in_runs_are_the_models_rotation(models: Models, harness: Harness, runs: int) -> None:
+    """A page put back lands in whatever slots are free: one run, a few runs (slice copies run by
+    run) or many (index copies). In each case the slots hold the canonical keys and values as
+    given and the keys rotated as the model rotates them, also after they move again. Checked
+    on the slot store both runtimes implement, above everything the session holds."""
+    be = models.prefilled("smollm2-135m").fork()
+    store = be._store  # type: ignore[attr-defined]
+    view = be.layer_view
+    n = 21
+    base = store.capacity
+    store.grow(base + 4 * n)
+    # `runs` runs of consecutive slots with a free slot between two runs.
+    cuts = np.linspace(0, n, runs + 1).astype(int)
+    pairs = zip(cuts[:-1], cuts[1:], strict=True)
+    slots = np.concatenate([base + a + i + np.arange(b - a) for i, (a, b) in enumerate(pairs)])
+    assert int(np.count_nonzero(np.diff(slots) != 1)) == runs - 1
+    rng = np.random.default_rng(runs)
+    layers, heads = len(view.attention_layers), view.num_kv_heads
+    keys = rng.standard_normal((layers, heads, n, view.head_dim)).astype(np.float32)
+    values = rng.standard_normal((layers, heads, n, view.value_head_dim)).astype(np.float32)
+    positions = np.sort(rng.choice(5000, n, replace=False)).astype(np.int64)
+    for a0, a1 in store.layer_groups(n):
+        store.write_keys(slots, a0, a1, keys[a0:a1], positions)
+        store.write_values(slots, a0, a1, values[a0:a1])
+    canon, held_values = store.gather(slots)
+    np.testing.assert_array_equal(canon, keys)
+    np.testing.assert_array_equal(held_values, values)
+    assert max_delta(store.rotated(slots), harness.model_rotate(be, keys, positions)) <= KEY_TOL
+    moved = positions + 1000
+    store.reanchor(slots, moved)
+    assert max_delta(store.rotated(slots), harness.model_rotate(be, keys, moved)) <= KEY_TOL

@@ -67,3 +67,67 @@ def test_a_compressed_block_round_trips_exactly_whole_by_layer_and_streamed(tmp_
     path.write_bytes(bytes(broken))
     with pytest.raises(BlockFormatError):
         Block.read(path, checksum(data), len(data))
+
+
+def test_a_read_order_lets_a_file_read_its_bulk_only_when_fewer_than_depth_before_it_still_read() -> None:
+    import threading
+
+    from backends.blockfile import ReadOrder
+
+    order = ReadOrder(1)
+    first, second = order.ticket(), order.ticket()
+    stopped = threading.Event()
+    turns: list[bool] = []
+    waiter = threading.Thread(target=lambda: turns.append(order.wait_turn(second, stopped)))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and not turns  # the first file has not finished reading
+    order.done(first)
+    waiter.join(5)
+    assert turns == [True]
+    third, fourth = order.ticket(), order.ticket()
+    order.done(third)  # out of order: the fourth still waits for the second
+    late = threading.Thread(target=lambda: turns.append(order.wait_turn(fourth, stopped)))
+    late.start()
+    late.join(0.3)
+    assert late.is_alive()
+    stopped.set()
+    order.wake()
+    late.join(5)
+    assert turns == [True, False]  # a closed reader stops waiting and reads nothing
+
+
+def test_streams_opened_together_read_in_turn_and_a_bad_header_surfaces_at_first_use(tmp_path: Path) -> None:
+    from backends import BlockMismatchError, BlockStream
+    from backends.blockfile import ReadOrder
+    from backends.protocol import CorruptPayloadError
+
+    blk = block()
+    data = b"".join(blk.pieces())
+    paths = []
+    for n in range(3):
+        paths.append(tmp_path / f"page{n}.kv")
+        paths[-1].write_bytes(data)
+    order = ReadOrder(1)
+    streams = [BlockStream(p, checksum(data), len(data), expect=VIEW, order=order) for p in paths]
+    try:
+        # Every header and the token ids arrive before any file is used; the first file closed
+        # unread lets the others read on.
+        for stream in reversed(streams):
+            np.testing.assert_array_equal(stream.small("token_ids"), blk.token_ids)
+        streams[0].close()
+        for stream in streams[1:]:
+            np.testing.assert_array_equal(stream.rows("keys", 0, 3), blk.keys)
+            np.testing.assert_array_equal(stream.finish().values, blk.values)
+    finally:
+        for stream in streams:
+            stream.close()
+    garbage = tmp_path / "garbage.kv"
+    garbage.write_bytes(bytes(len(data)))
+    with BlockStream(garbage, checksum(data), len(data), expect=VIEW) as stream, \
+            pytest.raises(CorruptPayloadError, match="magic"):
+        stream.small("token_ids")
+    other = LayerView(**{**VIEW.to_dict(), "attention_layers": (0, 1, 2), "model_id": "other"})
+    with BlockStream(paths[1], checksum(data), len(data), expect=other) as stream, \
+            pytest.raises(BlockMismatchError, match="model_id"):
+        stream.rows("keys", 0, 1)

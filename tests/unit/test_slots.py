@@ -50,3 +50,13 @@ def test_free_slots_come_as_a_run_when_one_fits_below_the_high_water_mark() -> N
     assert pick_free_slots(free, 4, high_water=8).tolist() == [2, 5, 6, 7]
     assert pick_free_slots(free, 5, high_water=29).tolist() == [2, 5, 6, 7, 8]  # no run of 5
     assert pick_free_slots(free, 1, high_water=0).tolist() == [2]
+
+
+def test_slots_split_into_runs_up_to_a_limit() -> None:
+    from backends.slots import runs_of
+
+    assert runs_of(np.array([4, 5, 6]), 4) == [(4, 7, 0)]
+    assert runs_of(np.array([2, 3, 9, 10, 11, 20]), 4) == [(2, 4, 0), (9, 12, 2), (20, 21, 5)]
+    assert runs_of(np.array([2, 3, 9, 10, 11, 20]), 2) is None
+    assert runs_of(np.array([5, 4]), 4) == [(5, 6, 0), (4, 5, 1)]  # decreasing slots are runs of one
+    assert runs_of(np.zeros(0, dtype=np.int64), 1) == []
