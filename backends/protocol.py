@@ -272,9 +272,9 @@ class BlockStream:
     returns the block. Nothing read may be committed before `finish()` returns."""
 
     def __init__(self, path: str | os.PathLike[str], checksum: str, size: int, *,
-                 expect: LayerView | None = None, order: blockfile.ReadOrder | None = None) -> None:
+                 expect: LayerView | None = None, queue: blockfile.ReadQueue | None = None) -> None:
         try:
-            self._reader = blockfile.SectionReader(path, Block.MAGIC, checksum, size, order)
+            self._reader = blockfile.SectionReader(path, Block.MAGIC, checksum, size, queue)
         except blockfile.ContainerError as e:
             raise CorruptPayloadError(str(e)) from None
         except FileNotFoundError:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from backends import Block, BlockFormatError, LayerView
-from backends.blockfile import checksum
+from backends.blockfile import ContainerError, checksum
 
 VIEW = LayerView(model_id="m", family="llama", attention_layers=(0, 1, 2), num_kv_heads=2, head_dim=8,
                  value_head_dim=8, rotary_dim=8, rope_layout="neox", dtype="float32")
@@ -69,37 +69,49 @@ def test_a_compressed_block_round_trips_exactly_whole_by_layer_and_streamed(tmp_
         Block.read(path, checksum(data), len(data))
 
 
-def test_a_read_order_lets_a_file_read_its_bulk_only_when_fewer_than_depth_before_it_still_read() -> None:
-    import threading
+def test_a_read_queue_reads_every_header_first_then_each_file_whole_in_the_order_opened(tmp_path: Path) -> None:
+    from backends.blockfile import ReadQueue, SectionReader
 
-    from backends.blockfile import ReadOrder
+    data = b"".join(block().pieces())
+    events: list[tuple[str, str]] = []
 
-    order = ReadOrder(1)
-    first, second = order.ticket(), order.ticket()
-    stopped = threading.Event()
-    turns: list[bool] = []
-    waiter = threading.Thread(target=lambda: turns.append(order.wait_turn(second, stopped)))
-    waiter.start()
-    waiter.join(0.3)
-    assert waiter.is_alive() and not turns  # the first file has not finished reading
-    order.done(first)
-    waiter.join(5)
-    assert turns == [True]
-    third, fourth = order.ticket(), order.ticket()
-    order.done(third)  # out of order: the fourth still waits for the second
-    late = threading.Thread(target=lambda: turns.append(order.wait_turn(fourth, stopped)))
-    late.start()
-    late.join(0.3)
-    assert late.is_alive()
-    stopped.set()
-    order.wake()
-    late.join(5)
-    assert turns == [True, False]  # a closed reader stops waiting and reads nothing
+    class Logged(SectionReader):
+        name = ""
+
+        def _read_head(self) -> bool:
+            events.append(("head", self.name))
+            return super()._read_head()
+
+        def _read_bulk(self) -> None:
+            events.append(("bulk", self.name))
+            super()._read_bulk()
+
+    def opened(name: str, queue: ReadQueue) -> Logged:
+        path = tmp_path / f"{name}.kv"
+        path.write_bytes(data)
+        reader = Logged(path, Block.MAGIC, checksum(data), len(data), queue)
+        reader.name = name
+        return reader
+
+    queue = ReadQueue(1)
+    with queue._cond:  # the worker waits until every file is queued
+        readers = [opened(name, queue) for name in "abc"]
+        late = opened("closed", queue)
+        late.close()  # taken off the queue before a worker reached it: nothing is read
+    try:
+        for reader in readers:
+            reader.finish()
+    finally:
+        for reader in readers:
+            reader.close()
+    assert events == [("head", n) for n in "abc"] + [("bulk", n) for n in "abc"]
+    with pytest.raises(ContainerError, match="closed before it was read"):
+        late.finish()
 
 
 def test_streams_opened_together_read_in_turn_and_a_bad_header_surfaces_at_first_use(tmp_path: Path) -> None:
     from backends import BlockMismatchError, BlockStream
-    from backends.blockfile import ReadOrder
+    from backends.blockfile import ReadQueue
     from backends.protocol import CorruptPayloadError
 
     blk = block()
@@ -108,8 +120,8 @@ def test_streams_opened_together_read_in_turn_and_a_bad_header_surfaces_at_first
     for n in range(3):
         paths.append(tmp_path / f"page{n}.kv")
         paths[-1].write_bytes(data)
-    order = ReadOrder(1)
-    streams = [BlockStream(p, checksum(data), len(data), expect=VIEW, order=order) for p in paths]
+    queue = ReadQueue(1)
+    streams = [BlockStream(p, checksum(data), len(data), expect=VIEW, queue=queue) for p in paths]
     try:
         # Every header and the token ids arrive before any file is used; the first file closed
         # unread lets the others read on.
