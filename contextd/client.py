@@ -202,8 +202,13 @@ class Client:
 
     def get_pages(self, session_id: str, page_ids: Iterable[str]) -> list[pb.Page]:
         """The named pages that exist, in the order asked."""
-        return list(self._call("GetPages", pb.GetPagesRequest(session_id=session_id, page_ids=list(page_ids)),
-                               pb.QueryPagesResponse).pages)
+        return list(self.start_get_pages(session_id, page_ids).result().pages)
+
+    def start_get_pages(self, session_id: str, page_ids: Iterable[str]) -> Pending[pb.QueryPagesResponse]:
+        """`get_pages`, sent without waiting for the reply (its `.pages`): with an object store,
+        contextd brings the payloads into the folder meanwhile."""
+        return self._start("GetPages", pb.GetPagesRequest(session_id=session_id, page_ids=list(page_ids)),
+                           pb.QueryPagesResponse)
 
     def query_pages(
         self, session_id: str, states: Iterable[PageState] = (), page_size: int = 4096

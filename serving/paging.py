@@ -46,10 +46,14 @@ from contextd import crashpoints
 from contextd.client import Client, Pending, pb
 from contextd.errors import DataCorrupt
 from contextd.wire import PageState
-from controller.pager import PAGE_TOKENS, Decision, Pager
+from controller.pager import PAGE_TOKENS, Decision, Page, Pager
 from serving.session import Session, SessionCounters
 
 log = logging.getLogger("kv_elision.paging")
+
+# A recovery or an adoption asks for its resident pages' records this many at a time (see
+# fill_resident): a round of contextd's object-store downloads (four at a time) and a bit more.
+FILL_PAGES = 8
 
 
 class SnapshotSlot(StrEnum):
@@ -451,12 +455,31 @@ class PageMover:
 
     def fill_resident(self, session: Session) -> int:
         """Fill an empty backend with the session's resident pages (streamed copies) and its
-        recurrent state; return how many pages came back."""
+        recurrent state; return how many pages came back. The pages' records are asked for
+        FILL_PAGES at a time, the next ones while these go in: with an object store, contextd
+        downloads the next pages while these are read into the cache."""
         pager = session.pager
         resident = [pager.pages[i] for i in pager.resident]
-        records = {r.page_id: r for r in self.contextd.get_pages(session.session_id, [p.page_id for p in resident])}
+        chunks = [resident[n:n + FILL_PAGES] for n in range(0, len(resident), FILL_PAGES)]
+        pending = self.contextd.start_get_pages(session.session_id, [p.page_id for p in chunks[0]]) if chunks else None
+        for n, chunk in enumerate(chunks):
+            assert pending is not None
+            records = {r.page_id: r for r in pending.result().pages}
+            if n + 1 < len(chunks):
+                pending = self.contextd.start_get_pages(session.session_id, [p.page_id for p in chunks[n + 1]])
+            self._fill_pages(session, chunk, records)
+        if self.backend.is_hybrid and session.transcript.tokens:  # an empty session has no recurrent state
+            snap = session.snapshots.get(session.transcript.tokens)
+            if snap is None:
+                raise DataCorrupt(f"session {session.session_id}: no recurrent snapshot at "
+                                  f"{session.transcript.tokens} tokens")
+            self.backend.restore_recurrent(snap)
+        return len(resident)
+
+    def _fill_pages(self, session: Session, pages: list[Page], records: dict[str, pb.Page]) -> None:
+        """Append resident pages to the backend, each at the position it held (`fill_resident`)."""
         files = []
-        for page in resident:
+        for page in pages:
             record = records.get(page.page_id)
             if record is None or not record.locator or PageState(record.state) in (
                     PageState.DROPPED, PageState.CORRUPT):
@@ -465,22 +488,15 @@ class PageMover:
                                             session.persisted.resident_positions.get(page.index)))
         results = self.backend.insert_block_files(files)
         failed = [self._report_corrupt(session, page.page_id, result)
-                  for page, result in zip(resident, results, strict=True) if isinstance(result, BlockFormatError)]
+                  for page, result in zip(pages, results, strict=True) if isinstance(result, BlockFormatError)]
         if failed:
             raise DataCorrupt(failed[0])
-        for page, block in zip(resident, results, strict=True):
+        for page, block in zip(pages, results, strict=True):
             assert isinstance(block, Block)
             crashpoints.reached("serving.recover.resident_page")
             index = session.key_index
             if index is not None and page.tokens == PAGE_TOKENS and page.index not in index.pages:
                 index.add(page.index, block.keys)
-        if self.backend.is_hybrid and session.transcript.tokens:  # an empty session has no recurrent state
-            snap = session.snapshots.get(session.transcript.tokens)
-            if snap is None:
-                raise DataCorrupt(f"session {session.session_id}: no recurrent snapshot at "
-                                  f"{session.transcript.tokens} tokens")
-            self.backend.restore_recurrent(snap)
-        return len(resident)
 
 
 def rewind(scratch: Backend, held: int, snap: RecurrentSnapshot | None = None) -> None:
