@@ -29,21 +29,23 @@ PI_DEFAULT_KEEP = 20_000        # Pi's compaction.keepRecentTokens default
 
 HYBRID = "kv-elision / hybrid"
 ATTENTION = "kv-elision / attention"
+RERANK = "kv-elision / rerank"
 RECENCY = "kv-elision / recency"
 TIMELINE = "kv-elision / hybrid, placement timeline"
 QUESTION = "kv-elision / hybrid, placement question"
 REFRESH = "kv-elision / hybrid, refresh"
 # Each kv-elision arm: the server's flags on top of the shared ones. HYBRID is the server as shipped.
 KV_ARMS: dict[str, tuple[str, ...]] = {
-    HYBRID: (), ATTENTION: ("--selector", "attention"), RECENCY: ("--selector", "recency"),
+    HYBRID: (), ATTENTION: ("--selector", "attention"), RERANK: ("--selector", "rerank"),
+    RECENCY: ("--selector", "recency"),
     TIMELINE: ("--placement", "timeline"), QUESTION: ("--placement", "question"), REFRESH: ("--refresh",)}
 COMPACTION = "llama.cpp + Pi compaction"
 COMPACTION_ROOM = "llama.cpp + Pi compaction, room to summarise"
 COMPACTION_ARMS = (COMPACTION, COMPACTION_ROOM)
 FULL = "llama.cpp, full context"
 TRUNCATION = "llama.cpp + truncation"
-ARMS = (HYBRID, ATTENTION, RECENCY, TIMELINE, QUESTION, REFRESH, COMPACTION, COMPACTION_ROOM, FULL, TRUNCATION)
-ARM_KEYS = {"hybrid": HYBRID, "attention": ATTENTION, "recency": RECENCY, "timeline": TIMELINE,
+ARMS = (HYBRID, ATTENTION, RERANK, RECENCY, TIMELINE, QUESTION, REFRESH, COMPACTION, COMPACTION_ROOM, FULL, TRUNCATION)
+ARM_KEYS = {"hybrid": HYBRID, "attention": ATTENTION, "rerank": RERANK, "recency": RECENCY, "timeline": TIMELINE,
             "question": QUESTION, "refresh": REFRESH, "compaction": COMPACTION, "compaction-room": COMPACTION_ROOM,
             "full": FULL, "truncation": TRUNCATION}
 DEFAULT_ARMS = "hybrid,compaction,full,truncation"
