@@ -344,7 +344,10 @@ class ReadQueue:
                 reader._read_bulk()
             elif reader._read_head():
                 with self._cond:
-                    self._bulk.append(reader)
+                    if reader._stopped.is_set():  # closed while its header was read: not queued again
+                        reader._ended.set()
+                    else:
+                        self._bulk.append(reader)
 
 
 class SectionReader:
