@@ -268,20 +268,27 @@ class BlockStream:
     """A stored block file read on a background thread (backends.blockfile.SectionReader), so a
     runtime inserts the layers that have arrived while the rest still comes from disk. Opening
     only opens the file: the header arrives on the thread, and the first call that needs it
-    checks it (a block of another view raises there). `finish()` verifies the checksum and
-    returns the block. Nothing read may be committed before `finish()` returns."""
+    checks it (a block of another view raises there). `finish()` verifies the checksum. Nothing
+    read may be committed before `finish()` returns.
+
+    Opened `landing`, `land` says where the keys and values go: straight into a runtime's slots
+    (what was read before is copied over), or into the reader's buffer (`land(None, None)`),
+    from where `rows` gives them."""
+
+    _LANDING = frozenset({"keys", "values"})
 
     def __init__(self, path: str | os.PathLike[str], checksum: str, size: int, *,
-                 expect: LayerView | None = None, queue: blockfile.ReadQueue | None = None) -> None:
+                 expect: LayerView | None = None, queue: blockfile.ReadQueue | None = None,
+                 landing: bool = False) -> None:
         try:
-            self._reader = blockfile.SectionReader(path, Block.MAGIC, checksum, size, queue)
+            self._reader = blockfile.SectionReader(path, Block.MAGIC, checksum, size, queue,
+                                                   self._LANDING if landing else frozenset())
         except blockfile.ContainerError as e:
             raise CorruptPayloadError(str(e)) from None
         except FileNotFoundError:
             raise BlockFormatError(f"{os.fspath(path)} is missing") from None
         self._expect = expect
         self._view: LayerView | None = None
-        self._decoded: dict[str, list[np.ndarray]] = {"keys": [], "values": []}
 
     def check(self) -> LayerView:
         """The block's layer view, once its header has arrived; raises unless the file is a kv
@@ -313,17 +320,33 @@ class BlockStream:
         self._wait(section, None)
         return self._reader.array(section)
 
-    def rows(self, section: str, start: int, stop: int) -> np.ndarray:
-        """Rows (layers) [start, stop) of `keys` or `values`, once they have arrived; taken in
-        order, they are kept for the block `finish()` returns."""
+    def land(self, keys: list[memoryview] | None, values: list[memoryview] | None) -> bool:
+        """For a stream opened `landing`: read the keys and values straight into these byte
+        buffers (each list, joined, is where that section goes, in the block's layout), or, with
+        None or when the file stores them compressed, into the reader's buffer. Returns whether
+        they land in the buffers given."""
         self.check()
-        self._wait(section, stop)
+        sections = self._reader.sections
+        plain = all(sections[name].frames is None for name in self._LANDING)
+        if keys is None or values is None or not plain:
+            self._reader.land({})
+            return False
+        self._reader.land({"keys": keys, "values": values})
+        return True
+
+    def rows(self, section: str, start: int, stop: int) -> np.ndarray:
+        """Rows (layers) [start, stop) of `keys` or `values` (not landed elsewhere), once they
+        have arrived."""
+        self.arrived(section, stop)
         try:
-            rows = self._reader.rows(section, start, stop)
+            return self._reader.rows(section, start, stop)
         except blockfile.ContainerError as e:
             raise CorruptPayloadError(str(e)) from None
-        self._decoded[section].append(rows)
-        return rows
+
+    def arrived(self, section: str, rows: int) -> None:
+        """Wait until the first `rows` rows (layers) of `keys` or `values` have been read."""
+        self.check()
+        self._wait(section, rows)
 
     def _wait(self, section: str, rows: int | None) -> None:
         try:
@@ -331,19 +354,13 @@ class BlockStream:
         except blockfile.ContainerError as e:
             raise CorruptPayloadError(str(e)) from None
 
-    def finish(self) -> Block:
-        """Wait for the whole file, verify its checksum and return the block."""
+    def finish(self) -> None:
+        """Wait for the whole file and verify its checksum."""
         self.check()
         try:
             self._reader.finish()
         except blockfile.ContainerError as e:
             raise CorruptPayloadError(str(e)) from None
-        arrays = {name: self._reader.array(name) for name in ("positions", "token_ids")}
-        for name, parts in self._decoded.items():
-            section = self._reader.sections[name]
-            whole = section.frames is not None and sum(p.shape[0] for p in parts) == section.shape[0]
-            arrays[name] = np.concatenate(parts) if whole else self._reader.array(name)
-        return Block._from_parts(self._reader.header, arrays, None)
 
     def close(self) -> None:
         self._reader.close()
@@ -610,21 +627,22 @@ class Backend(Protocol):
         ...
 
     def insert_block_file(self, path: str | os.PathLike[str], at: int, *, checksum: str, size: int,
-                          token_ids: np.ndarray | None = None, position: int | None = None) -> Block:
+                          token_ids: np.ndarray | None = None, position: int | None = None) -> None:
         """`insert_block(Block.read(path, checksum, size), at)` with the disk read overlapped: layers
-        are copied and re-anchored as they arrive. With `token_ids`, a block holding other tokens is
-        refused (CorruptPayloadError, as is a file failing its size or checksum) before anything is
-        copied. Nothing becomes visible unless the whole file verifies.
-        Returns the verified block (its arrays view the read buffer)."""
+        are re-anchored as they arrive (read straight into the slots where the runtime allows).
+        With `token_ids`, a block holding other tokens is refused (CorruptPayloadError, as is a
+        file failing its size or checksum) before anything is copied. Nothing becomes visible
+        unless the whole file verifies."""
         ...
 
-    def insert_block_files(self, files: Sequence[StoredBlock]) -> list[Block | BlockFormatError]:
+    def insert_block_files(self, files: Sequence[StoredBlock]) -> list[BlockFormatError | None]:
         """Insert several stored blocks in one page operation (`at` in ascending order, each counted
         in the held order before the call; blocks at the same place go in list order), with every
         file read ahead and in parallel and every held key re-anchored at most once. A block that
         fails its checks is left out and its error returned in its place (the others are placed
         as if it had never been asked for); a block of another model raises BlockMismatchError
-        before anything is copied. Returns, per file, the verified block or the error."""
+        before anything is copied. Returns, per file, None (it went in) or its error. What went in
+        is in the slots only: a caller wanting a block's keys reads them (Block.read_layer_keys)."""
         ...
 
     def score_after_blocks(self, blocks: Sequence[Block], token_ids: Sequence[int]) -> tuple[np.ndarray, int]:

@@ -53,7 +53,7 @@ from .protocol import (
     Tokenizer,
     UnsupportedModelError,
 )
-from .slot_store import SlotStore
+from .slot_store import Landing, SlotStore
 from .slots import BatchPlan, checked_token_ids, pick_token, plan_inserts
 
 __all__ = ["SlotBackend", "keep_torch_out"]
@@ -104,22 +104,43 @@ class _Rows(Protocol):
     """Where a block's layers come from while it is placed: a stored file being read
     (`BlockStream`) or a block already in memory (`_HeldBlock`)."""
 
+    def land(self, keys: list[memoryview] | None, values: list[memoryview] | None) -> bool: ...
+
     def rows(self, section: str, start: int, stop: int) -> np.ndarray: ...
 
-    def finish(self) -> Block: ...
+    def arrived(self, section: str, rows: int) -> None: ...
+
+    def small(self, section: str) -> np.ndarray: ...
+
+    def finish(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class _HeldBlock:
-    """A block in memory, read the way a stored file is."""
+    """A block in memory, read the way a stored file is. It never lands: its arrays are copied
+    into the slots once either way."""
 
     def __init__(self, block: Block) -> None:
         self.block = block
 
+    def land(self, keys: list[memoryview] | None, values: list[memoryview] | None) -> bool:
+        return False
+
     def rows(self, section: str, start: int, stop: int) -> np.ndarray:
         return self.block.keys[start:stop] if section == "keys" else self.block.values[start:stop]
 
-    def finish(self) -> Block:
-        return self.block
+    def arrived(self, section: str, rows: int) -> None:
+        pass
+
+    def small(self, section: str) -> np.ndarray:
+        return self.block.positions if section == "positions" else self.block.token_ids
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -599,31 +620,29 @@ class SlotBackend(abc.ABC):
     def insert_block(self, blk: Block, at: int, *, position: int | None = None) -> None:
         self._rt.view.require_same(blk.view)
         self._check_insert_at(at)
-        results: list[Block | BlockFormatError | None] = [None]
+        results: list[BlockFormatError | None] = [None]
         with self._page_op():
             self._place_blocks({0: _Incoming(at, _wanted_positions(blk.positions, position), position is not None,
                                              _HeldBlock(blk))}, 0, results)
 
     def insert_block_file(self, path: str | os.PathLike[str], at: int, *, checksum: str, size: int,
-                          token_ids: np.ndarray | None = None, position: int | None = None) -> Block:
-        result = self.insert_block_files([StoredBlock(path, at, checksum, size, token_ids, position)])[0]
-        if isinstance(result, BlockFormatError):
-            raise result
-        return result
+                          token_ids: np.ndarray | None = None, position: int | None = None) -> None:
+        error = self.insert_block_files([StoredBlock(path, at, checksum, size, token_ids, position)])[0]
+        if error is not None:
+            raise error
 
-    def insert_block_files(self, files: Sequence[StoredBlock]) -> list[Block | BlockFormatError]:
+    def insert_block_files(self, files: Sequence[StoredBlock]) -> list[BlockFormatError | None]:
         for f in files:
             self._check_insert_at(f.at)
-        results: list[Block | BlockFormatError | None] = [None] * len(files)
+        results: list[BlockFormatError | None] = [None] * len(files)
         inserted = 0
         with self._page_op():
             for chunk in _batches(files):
                 inserted += self._insert_files(files, chunk, inserted, results)
-        assert all(r is not None for r in results)
-        return [r for r in results if r is not None]
+        return results
 
     def _insert_files(self, files: Sequence[StoredBlock], chunk: list[int], shift: int,
-                      results: list[Block | BlockFormatError | None]) -> int:
+                      results: list[BlockFormatError | None]) -> int:
         """One batch of `insert_block_files` (its `at`s moved on by the `shift` tokens inserted
         before it); returns the tokens inserted. Every file is opened at once, so their headers
         and token ids are read first; their bulk is read READ_THREADS files at a time, in the
@@ -635,7 +654,7 @@ class SlotBackend(abc.ABC):
             for i in chunk:
                 try:
                     streams[i] = BlockStream(files[i].path, files[i].checksum, files[i].size,
-                                             expect=self._rt.view, queue=queue)
+                                             expect=self._rt.view, queue=queue, landing=True)
                 except BlockFormatError as e:
                     results[i] = e
             for i in list(streams):
@@ -653,14 +672,16 @@ class SlotBackend(abc.ABC):
                 rd.close()
 
     def _place_blocks(self, incoming: dict[int, _Incoming], shift: int,
-                      results: list[Block | BlockFormatError | None]) -> int:
-        """Copy blocks into free slots at the positions the batch plan gives them, layer group by
-        layer group, keys first, then values (a streamed file is consumed in its on-disk order);
-        verify each, then commit the ones that verified and re-anchor each held key at most once.
-        Until the commit the slots stay free, so a failure leaves no trace beyond zeroed free slots.
-        An exact block must take its wanted positions as they are (a recovery puts each page back
-        where it was, so attention sees the same relative distances as before). Returns the tokens
-        inserted; `results[i]` gets the block, or its error."""
+                      results: list[BlockFormatError | None]) -> int:
+        """Put blocks into free slots at the positions the batch plan gives them, layer group by
+        layer group, keys first, then values (a streamed file is consumed in its on-disk order):
+        landed there by the file's reader where the store allows (`SlotStore.landing`; then only
+        the keys' rotation is left), else copied; verify each, then commit the ones that verified
+        and re-anchor each held key at most once. Until the commit the slots stay free, so a
+        failure leaves no trace beyond zeroed free slots. An exact block must take its wanted
+        positions as they are (a recovery puts each page back where it was, so attention sees the
+        same relative distances as before). Returns the tokens inserted; `results[i]` gets the
+        error of a block that failed."""
         st = self._store
 
         def split(values: np.ndarray, ids: list[int]) -> dict[int, np.ndarray]:
@@ -680,23 +701,36 @@ class SlotBackend(abc.ABC):
         plan, placed = plan_for(live)
         slots = st.allocate(int(sum(incoming[i].wanted.shape[0] for i in live)))
         where = split(slots, live)
-        blocks: dict[int, Block] = {}
+        token_ids: dict[int, np.ndarray] = {}
         try:
+            landings: dict[int, Landing] = {}
+            for i in live:  # all told first: each reader then reads its bulk straight into the slots
+                landing = st.landing(where[i])
+                if incoming[i].source.land(landing.keys if landing else None, landing.values if landing else None):
+                    assert landing is not None
+                    landings[i] = landing
             for i in live:
                 rd = incoming[i].source
                 try:
                     groups = list(st.layer_groups(int(where[i].shape[0])))
-                    for a0, a1 in groups:
-                        st.write_keys(where[i], a0, a1, rd.rows("keys", a0, a1), placed[i])
-                    for a0, a1 in groups:
-                        st.write_values(where[i], a0, a1, rd.rows("values", a0, a1))
-                    blocks[i] = rd.finish()
+                    if i in landings:
+                        for a0, a1 in groups:
+                            rd.arrived("keys", a1)
+                            landings[i].rotate(a0, a1, placed[i])
+                    else:
+                        for a0, a1 in groups:
+                            st.write_keys(where[i], a0, a1, rd.rows("keys", a0, a1), placed[i])
+                        for a0, a1 in groups:
+                            st.write_values(where[i], a0, a1, rd.rows("values", a0, a1))
+                    rd.finish()
+                    token_ids[i] = rd.small("token_ids")
                 except BlockFormatError as e:
+                    rd.close()  # its reader writes into the slots no more
                     st.clear(where[i])
                     results[i] = e
-            if not blocks:
+            if not token_ids:
                 return 0
-            kept = sorted(blocks)
+            kept = sorted(token_ids)
             if kept != live:
                 # Placed as if the failed blocks had never been asked for: the survivors' keys are
                 # rotated again where their positions moved.
@@ -706,6 +740,8 @@ class SlotBackend(abc.ABC):
                         st.reanchor(where[i], moved_to[i])
                 placed = moved_to
         except BaseException:
+            for i in live:
+                incoming[i].source.close()
             st.clear(slots)
             raise
         new_slots = np.concatenate([where[i] for i in kept])
@@ -717,11 +753,9 @@ class SlotBackend(abc.ABC):
         if moved.any():
             st.reanchor(order[moved], plan.positions[moved])
         st.occupied[new_slots] = True
-        st.tokens[new_slots] = np.concatenate([blocks[i].token_ids for i in kept])
+        st.tokens[new_slots] = np.concatenate([token_ids[i] for i in kept])
         st.pos[new_slots] = np.concatenate([placed[i] for i in kept])
         st.order = order
-        for i in kept:
-            results[i] = blocks[i]
         n = int(new_slots.shape[0])
         self._counters.restored_tokens += n
         self._counters.reanchored_keys += n + int(moved.sum())

@@ -74,7 +74,7 @@ from .protocol import (
     UnsupportedModelError,
 )
 from .runtime import SlotBackend
-from .slot_store import SlotStore
+from .slot_store import Landing, SlotStore
 from .slots import as_run, folder_identity, model_identity, runs_of
 
 __all__ = ["TorchBackend", "ATTENTION_IMPLEMENTATION", "classify", "load", "unpacked_gguf"]
@@ -328,6 +328,14 @@ def _rotate_into(canon: torch.Tensor, out: torch.Tensor, inv_freq: torch.Tensor,
     rope.apply_torch(canon, cos, sin, out=out)
 
 
+def _byte_runs(buf: torch.Tensor, pieces: list[tuple[int, int, int]]) -> list[memoryview]:
+    """buf[a, 0, h, first:end] as bytes for every layer a, head h and run (first, end, _) of
+    `pieces`, in that order: where a block's [layers, heads, tokens, dim] section lands."""
+    host = buf.view(torch.uint8).numpy()
+    return [host[a, 0, h, first:end].data for a in range(host.shape[0]) for h in range(host.shape[2])
+            for first, end, _ in pieces]
+
+
 class _SlotStore(SlotStore):
     """Slot buffers of one session, stacked over the paged layers, and the window caches (see the
     module docstring)."""
@@ -469,6 +477,21 @@ class _SlotStore(SlotStore):
 
     def write_values(self, slots: np.ndarray, a0: int, a1: int, values: np.ndarray) -> None:
         self.put(self.v[a0:a1, 0], slots, _tensor_from_np(values, self.rt.dtype, self.rt.device))
+
+    def landing(self, slots: np.ndarray) -> Landing | None:
+        """The slots' memory when the buffers are on the CPU, `slots` lie in a few runs, and a key's
+        dims all go to one buffer (all rotary: k_canon; none: k_rot); else None."""
+        rt = self.rt
+        r = rt.rotary_dim
+        pieces = runs_of(slots, MOST_RUNS)
+        if rt.device.type != "cpu" or pieces is None or r not in (0, rt.head_dim):
+            return None
+
+        def rotate(a0: int, a1: int, positions: np.ndarray) -> None:
+            if r:
+                self._rotate(a0, a1, slots, positions)
+
+        return Landing(_byte_runs(self.k_canon if r else self.k_rot, pieces), _byte_runs(self.v, pieces), rotate)
 
     def clear(self, slots: np.ndarray) -> None:
         for buf in (self.k_rot, self.k_canon, self.v):

@@ -23,7 +23,9 @@ in the canonical store. Then, interleaved so both see the same machine state:
   save_block, the canonical store's durable write (writev of the block's buffers, checksum while
   writing, fsync, rename, fsync of the folder) and the page's manifest record.
 - dd, same file size and 64 KiB requests, in the store's folder: `dd conv=fsync` for the write,
-  `iflag=nocache` then a read for the read, timed by dd itself.
+  `iflag=nocache` then a read for the read, timed by dd itself; and a read of the file then in
+  the page cache in 1 MiB requests, the rate the kernel copies a warm page out at, which a warm
+  restore is set against (`restore_warm_over_dd_cached_read`: 1.0 = as fast as that copy alone).
 
 Also reported: the share of the machine's CPU other processes used during the run
 (`other_processes_cpu_share`): on a shared machine, a run above a few percent measured
@@ -201,10 +203,14 @@ def main(argv: list[str] | None = None) -> int:
         dd_path = block_path.parent / "dd.bin"
         dd_write: list[float] = []
         dd_read: list[float] = []
+        dd_cached_read: list[float] = []
         for _ in range(args.repeats):
             w = dd_seconds([f"if={block_path}", f"of={dd_path}", f"bs={IO_CHUNK_BYTES // 1024}K", "conv=fsync"])
             dd_seconds([f"if={dd_path}", "iflag=nocache", "count=0"])
             r = dd_seconds([f"if={dd_path}", "of=/dev/null", f"bs={IO_CHUNK_BYTES // 1024}K"])
+            c = dd_seconds([f"if={dd_path}", "of=/dev/null", "bs=1M"])   # now in the page cache
+            if c is not None:
+                dd_cached_read.append(c)
             if w is not None:
                 dd_write.append(w)
             if r is not None:
@@ -259,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         "store_write_mbps": mbps(write_s),
         "dd_write_mbps": mbps(dd_write),
         "dd_read_mbps": mbps(dd_read),
+        "dd_cached_read_mbps": mbps(dd_cached_read),
+        "restore_warm_over_dd_cached_read": None if not dd_cached_read else round(
+            statistics.median(dd_cached_read) * 1e3 / median_ms(restore_warm), 3),
         "block_bytes": block_bytes,
         "historical_forward_during_restore": backend_counters.historical_forward_during_restore,
         "accounting_exact": counters.model_forward_tokens == counters.new_prefill_tokens + counters.decoded_tokens,
@@ -292,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         ("store write (save+writev+checksum+fsync+rename)", f"{result['store_write_mbps']} MB/s"),
         ("dd write (bs=64K conv=fsync)", f"{result['dd_write_mbps']} MB/s"),
         ("dd read (bs=64K, after iflag=nocache)", f"{result['dd_read_mbps']} MB/s"),
+        ("dd read (bs=1M, file in page cache)", f"{result['dd_cached_read_mbps']} MB/s"),
         ("restore of 32 cold pages, payload rate", f"{result['restore_32_mbps']} MB/s"),
         ("restore 1 page in page cache, payload rate", f"{result['restore_warm_mbps']} MB/s"),
         ("historical forward tokens during restore", str(result["historical_forward_during_restore"])),

@@ -175,7 +175,7 @@ class PageMover:
             _settle(commit)
         restored = []
         for (index, record), result in zip(asked, results, strict=True):
-            if isinstance(result, BlockFormatError):
+            if result is not None:
                 log.warning("session %s: %s; it stays out", session.session_id,
                             self._report_corrupt(session, record.page_id, result))
                 pager.pages[index].stored = False
@@ -488,15 +488,15 @@ class PageMover:
                                             session.persisted.resident_positions.get(page.index)))
         results = self.backend.insert_block_files(files)
         failed = [self._report_corrupt(session, page.page_id, result)
-                  for page, result in zip(pages, results, strict=True) if isinstance(result, BlockFormatError)]
+                  for page, result in zip(pages, results, strict=True) if result is not None]
         if failed:
             raise DataCorrupt(failed[0])
-        for page, block in zip(pages, results, strict=True):
-            assert isinstance(block, Block)
+        for page, stored in zip(pages, files, strict=True):
             crashpoints.reached("serving.recover.resident_page")
             index = session.key_index
             if index is not None and page.tokens == PAGE_TOKENS and page.index not in index.pages:
-                index.add(page.index, block.keys)
+                # The file just verified going in; its index layer is read again, alone.
+                index.add_layer(page.index, Block.read_layer_keys(stored.path, index.layer))
 
 
 def rewind(scratch: Backend, held: int, snap: RecurrentSnapshot | None = None) -> None:

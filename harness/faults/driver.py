@@ -14,7 +14,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from backends import BlockFormatError
 from contextd.wire import PageState
 from harness.faults.scenarios import SCENARIOS, messages_for
 from harness.faults.zygote import Reporter
@@ -83,7 +82,7 @@ class Driver:
         def insert(files: Any) -> Any:
             results = original(files)
             for stored, result in zip(files, results, strict=True):
-                if isinstance(result, BlockFormatError):
+                if result is not None:
                     continue
                 page_id = Path(stored.path).name.split(".")[0]
                 self.inserted.append(page_id)

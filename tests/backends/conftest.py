@@ -143,6 +143,10 @@ class TorchHarness:
             return np.asarray(keys, dtype=np.float32)
         layers = shape.roles.paged if layer_type == "full_attention" else shape.roles.window
         apply = sys.modules[type(shape.attention[layers[0]]).__module__].apply_rotary_pos_emb
+        if "cos" not in inspect.signature(apply).parameters:
+            # transformers >= 5.25 wraps it in a hub-kernel module taking (*args, **kwargs); the
+            # function itself is what that module falls back to.
+            apply = inspect.getclosurevars(type(apply).forward).nonlocals["func"]
         device = next(model.parameters()).device
         k = torch.from_numpy(np.ascontiguousarray(keys, dtype=np.float32)).to(device)
         pos = torch.from_numpy(positions.astype(np.int64))[None, :].to(device)

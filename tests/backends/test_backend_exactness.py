@@ -230,10 +230,12 @@ def test_smollm2_4bit_mlx_folder_pages_exactly(models: Models, harness: Harness,
 
 
 @pytest.mark.parametrize("runs", [1, 3, 7])
-def test_keys_written_into_slots_in_runs_are_the_models_rotation(models: Models, harness: Harness, runs: int) -> None:
+def test_keys_written_into_slots_in_runs_are_the_models_rotation(models: Models, harness: Harness, runs: int,
+                                                                 backend_name: str, device: str) -> None:
     """A page put back lands in whatever slots are free: one run, a few runs (slice copies run by
     run) or many (index copies). In each case the slots hold the canonical keys and values as
-    given and the keys rotated as the model rotates them, also after they move again. Checked
+    given and the keys rotated as the model rotates them, also after they move again, and so do
+    the slots a block was landed in (torch on the CPU, a few runs: `SlotStore.landing`). Checked
     on the slot store both runtimes implement, above everything the session holds."""
     be = models.prefilled("smollm2-135m").fork()
     store = be._store  # type: ignore[attr-defined]
@@ -261,3 +263,24 @@ def test_keys_written_into_slots_in_runs_are_the_models_rotation(models: Models,
     moved = positions + 1000
     store.reanchor(slots, moved)
     assert max_delta(store.rotated(slots), harness.model_rotate(be, keys, moved)) <= KEY_TOL
+
+    # The same block landed: its bytes copied where the store's landing says (what a block
+    # file's reader does), then rotated layer group by layer group, holds what writing it did.
+    store.clear(slots)
+    landing = store.landing(slots)
+    assert (landing is not None) == (backend_name == "torch" and device == "cpu" and runs < 4)
+    if landing is None:
+        return
+    for where, section in ((landing.keys, keys), (landing.values, values)):
+        data = memoryview(np.ascontiguousarray(section).tobytes())
+        at = 0
+        for buf in where:
+            buf.cast("B")[:] = data[at:at + buf.nbytes]
+            at += buf.nbytes
+        assert at == len(data)
+    for a0, a1 in store.layer_groups(n):
+        landing.rotate(a0, a1, positions)
+    canon, held_values = store.gather(slots)
+    np.testing.assert_array_equal(canon, keys)
+    np.testing.assert_array_equal(held_values, values)
+    assert max_delta(store.rotated(slots), harness.model_rotate(be, keys, positions)) <= KEY_TOL

@@ -59,9 +59,7 @@ def test_a_compressed_block_round_trips_exactly_whole_by_layer_and_streamed(tmp_
         np.testing.assert_array_equal(stream.rows("keys", 0, 2), blk.keys[0:2])
         np.testing.assert_array_equal(stream.rows("keys", 2, 3), blk.keys[2:3])
         np.testing.assert_array_equal(stream.rows("values", 0, 3), blk.values)
-        whole = stream.finish()
-    np.testing.assert_array_equal(whole.keys, blk.keys)
-    np.testing.assert_array_equal(whole.values, blk.values)
+        stream.finish()
     broken = bytearray(data)
     broken[len(broken) // 2] ^= 0xFF
     path.write_bytes(bytes(broken))
@@ -130,7 +128,8 @@ def test_streams_opened_together_read_in_turn_and_a_bad_header_surfaces_at_first
         streams[0].close()
         for stream in streams[1:]:
             np.testing.assert_array_equal(stream.rows("keys", 0, 3), blk.keys)
-            np.testing.assert_array_equal(stream.finish().values, blk.values)
+            stream.finish()
+            np.testing.assert_array_equal(stream.rows("values", 0, 3), blk.values)
     finally:
         for stream in streams:
             stream.close()
@@ -143,3 +142,87 @@ def test_streams_opened_together_read_in_turn_and_a_bad_header_surfaces_at_first
     with BlockStream(paths[1], checksum(data), len(data), expect=other) as stream, \
             pytest.raises(BlockMismatchError, match="model_id"):
         stream.rows("keys", 0, 1)
+
+
+def big_block() -> Block:
+    """A block larger than the reader's first request, so the keys and values are read after
+    the header, where they can land (the small one arrives whole with its header)."""
+    rng = np.random.default_rng(1)
+    shape = (3, 2, 128, 96)
+    view = LayerView(model_id="m", family="llama", attention_layers=(0, 1, 2), num_kv_heads=2, head_dim=96,
+                     value_head_dim=96, rotary_dim=96, rope_layout="neox", dtype="float32")
+    return Block(view=view, keys=rng.standard_normal(shape).astype("<f4"),
+                 values=rng.standard_normal(shape).astype("<f4"),
+                 positions=np.arange(128, dtype=np.int64), token_ids=np.arange(128, dtype=np.int32))
+
+
+def test_landed_keys_and_values_arrive_in_the_callers_buffers_checked_by_the_files_checksum(tmp_path: Path) -> None:
+    from backends import BlockStream
+    from backends.blockfile import IO_CHUNK_BYTES, ReadQueue
+    from backends.protocol import CorruptPayloadError
+
+    blk = big_block()
+    data = b"".join(blk.pieces())
+    assert blk.keys.nbytes > IO_CHUNK_BYTES
+    paths = []
+    for n in range(3):
+        paths.append(tmp_path / f"page{n}.kv")
+        paths[-1].write_bytes(data)
+    queue = ReadQueue(1)
+    streams = [BlockStream(p, checksum(data), len(data), queue=queue, landing=True) for p in paths]
+    try:
+        # Every header first, the last file's before the first's; the first file is read whole
+        # into the reader's buffer before it lands (land copies it over), the others land as read.
+        for stream in reversed(streams):
+            np.testing.assert_array_equal(stream.small("token_ids"), blk.token_ids)
+        streams[0].arrived("values", 3)
+        with pytest.raises(RuntimeError, match="caller's buffers"):
+            streams[0].rows("keys", 0, 1)
+        keys = [np.full_like(blk.keys, np.nan) for _ in streams]
+        values = [np.full_like(blk.values, np.nan) for _ in streams]
+        # One buffer a layer for the keys, the values whole: the section is split where it lands.
+        assert streams[0].land([k.data for k in keys[0]], [values[0].data])
+        assert streams[1].land([keys[1].data], [v.data for v in values[1]])
+        assert not streams[2].land(None, None)
+        for stream in streams:
+            stream.finish()
+        for k, v in zip(keys[:2], values[:2], strict=True):
+            np.testing.assert_array_equal(k, blk.keys)
+            np.testing.assert_array_equal(v, blk.values)
+        with pytest.raises(RuntimeError, match="caller's buffers"):
+            streams[0].rows("keys", 0, 1)
+        np.testing.assert_array_equal(streams[2].rows("keys", 0, 3), blk.keys)
+    finally:
+        for stream in streams:
+            stream.close()
+
+    flipped = bytearray(data)
+    flipped[-len(blk.values.tobytes()) // 2] ^= 1   # inside the values, which land elsewhere
+    paths[0].write_bytes(bytes(flipped))
+    with BlockStream(paths[0], checksum(data), len(data), queue=queue, landing=True) as stream:
+        assert stream.land([np.empty_like(blk.keys).data], [np.empty_like(blk.values).data])
+        with pytest.raises(CorruptPayloadError, match="checksum"):
+            stream.finish()
+    with BlockStream(paths[1], checksum(data), len(data), queue=queue, landing=True) as stream:
+        with pytest.raises(ValueError, match="cannot land"):
+            stream.land([np.empty(8, np.uint8).data], [np.empty_like(blk.values).data])
+
+
+def test_a_reader_opened_for_landing_and_closed_before_land_ends(tmp_path: Path) -> None:
+    from backends import BlockStream
+    from backends.blockfile import ReadQueue
+
+    blk = big_block()
+    data = b"".join(blk.pieces())
+    path = tmp_path / "page.kv"
+    path.write_bytes(data)
+    for queue in (ReadQueue(1), None):
+        stream = BlockStream(path, checksum(data), len(data), queue=queue, landing=True)
+        np.testing.assert_array_equal(stream.small("positions"), blk.positions)
+        stream.close()   # before land: the reader stops where it is, and nothing waits for land
+    # Without a queue, on a thread of its own.
+    with BlockStream(path, checksum(data), len(data), landing=True) as stream:
+        keys = np.empty_like(blk.keys)
+        assert stream.land([keys.data], [np.empty_like(blk.values).data])
+        stream.finish()
+        np.testing.assert_array_equal(keys, blk.keys)
