@@ -1076,7 +1076,8 @@ class Daemon:
         """Objects older than the grace that nothing names: not this root's rows, not a delete
         deferred to the next publish, not the holder's state (which may name payloads the rows
         stopped naming before a restart forgot the deferred delete). Sessions another server
-        holds are skipped: their names are in a state this daemon may not have read yet. The
+        holds are skipped: their names are in a state this daemon may not have read yet; so are
+        sessions whose exported state cannot be read whole (a chunk missing or changed). The
         grace covers uploads not yet committed (a payload goes up before the row naming it)."""
         if self.tier is None or self.handover is None:
             return 0, 0
@@ -1099,7 +1100,10 @@ class Daemon:
                 named |= self._unpublished.get(session_id, set())
             keep = {objects.key(locator) for locator in named}
             if holder is not None:
-                keep |= self.handover.named(holder, session_id)
+                try:
+                    keep |= self.handover.named(holder, session_id)
+                except DataCorrupt:
+                    continue   # its state cannot say what it names: all of its objects are kept
             for key, size in found:
                 if key in keep:
                     continue

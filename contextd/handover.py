@@ -22,8 +22,11 @@ exactly one won, every time. A loser re-reads and decides again. So:
   one wrote, since no holder names it. That is the fencing: the token's holder is the only
   writer whose state anyone reads.
 
-Transcript segments go up in chunks of CHUNK_SEGMENTS, named by their checksum, so a turn
-uploads only the chunks it changed (the last one, mostly), not the whole transcript. Payloads
+Transcript segments go up in chunks of CHUNK_SEGMENTS, and manifest rows in chunks of the pages
+whose index // CHUNK_PAGES is the same, each named by its checksum, so a turn uploads only the
+chunks it changed, not the whole transcript and manifest: the last transcript chunk, and the page
+chunks holding the pages it appended, evicted or restored. A whole manifest is ~300 bytes a page
+(2.4 MB at a million SmolLM2 tokens), which went up at every turn before. Payloads
 are not this module's: the daemon deletes a payload object only after a publish stops naming
 it, so an adopter finds every payload its state names.
 
@@ -52,8 +55,9 @@ from contextd.objects import ConditionFailed, ObjectStore
 __all__ = ["CHUNK_SEGMENTS", "Claim", "Exported", "Handover", "Holder", "payloads_named"]
 
 CHUNK_SEGMENTS = 64     # transcript segments per chunk object: a Pi turn adds 2 to 10
+CHUNK_PAGES = 64        # consecutive page indexes per manifest chunk object (~19 KB of rows)
 CLAIM_ATTEMPTS = 8      # conditional writes lost in a row before a claim gives up (each loss is another server's win)
-STATE_FORMAT = 1
+STATE_FORMAT = 2        # 1: the manifest's rows inline in the state object (still read)
 
 
 def payloads_named(state: Mapping[str, Any]) -> set[str]:
@@ -158,16 +162,19 @@ class Handover:
         """Put up a committed turn's state and make the holder name it, ending the lease. `held`
         is the holder as this server last wrote it, `chunks_before` the chunks its state names.
         SessionHeld when another server took the session since: nothing this call wrote is named."""
-        chunks: list[str] = []
-        for start in range(0, len(segments), CHUNK_SEGMENTS):
-            data = msgpack.packb(list(segments[start:start + CHUNK_SEGMENTS]), use_bin_type=True)
-            chunk = self.objects.session_key(session_id, f"segments/{xxhash.xxh3_128_hexdigest(data)}")
-            if chunk not in chunks_before:
-                self.objects.write_object(chunk, data)
-            chunks.append(chunk)
+        before = set(chunks_before)
+        groups: dict[int, list[Any]] = {}
+        for row in state["pages"]:
+            groups.setdefault(int(row.get("index", 0)) // CHUNK_PAGES, []).append(row)
+        segment_chunks = self._put_chunks(session_id, "segments", before, [
+            list(segments[start:start + CHUNK_SEGMENTS]) for start in range(0, len(segments), CHUNK_SEGMENTS)])
+        page_chunks = self._put_chunks(session_id, "pages", before, [groups[g] for g in sorted(groups)])
+        chunks = [*segment_chunks, *page_chunks]
         state_key = self.objects.session_key(session_id, f"state/{held.token:012d}-{uuid.uuid4().hex[:12]}")
+        exported = {k: v for k, v in state.items() if k != "pages"}
         self.objects.write_object(state_key, msgpack.packb(
-            {"format": STATE_FORMAT, **state, "chunks": chunks}, use_bin_type=True))
+            {"format": STATE_FORMAT, **exported, "chunks": segment_chunks, "page_chunks": page_chunks},
+            use_bin_type=True))
         published = replace(held, state=state_key, busy_until=0.0)
         try:
             etag = self.objects.write_object(self._holder_key(session_id), published.pack(), match=held.etag)
@@ -181,9 +188,30 @@ class Handover:
         self._discard([held.state] * bool(held.state) + [c for c in chunks_before if c not in chunks])
         return Exported(replace(published, etag=etag), tuple(chunks))
 
-    def load(self, holder: Holder) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
-        """The state `holder` names and its transcript segments (None before its first turn);
-        DataCorrupt when an object is missing or not what its name says."""
+    def _put_chunks(self, session_id: str, kind: str, present: set[str], chunks: Sequence[list[Any]]) -> list[str]:
+        """Put up each chunk (a list of rows) that is not `present` already, under a key named by
+        its checksum; the keys, in order."""
+        keys: list[str] = []
+        for rows in chunks:
+            data = msgpack.packb(rows, use_bin_type=True)
+            key = self.objects.session_key(session_id, f"{kind}/{xxhash.xxh3_128_hexdigest(data)}")
+            if key not in present:
+                self.objects.write_object(key, data)
+            keys.append(key)
+        return keys
+
+    def _read_chunks(self, keys: Sequence[str], what: str) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        for key in keys:
+            got = self.objects.read_object(key)
+            if got is None or xxhash.xxh3_128_hexdigest(got[0]) != key.rsplit("/", 1)[-1]:
+                raise DataCorrupt(f"the {what} chunk {key} is missing or changed in the object store")
+            rows.extend(msgpack.unpackb(got[0], raw=False, strict_map_key=False))
+        return rows
+
+    def _read_state(self, holder: Holder) -> dict[str, Any] | None:
+        """The state object `holder` names with its manifest rows in `pages` (read from its page
+        chunks) and every chunk it names in `chunks`; None before the first turn."""
         if not holder.state:
             return None
         found = self.objects.read_object(holder.state)
@@ -193,26 +221,32 @@ class Handover:
             state = msgpack.unpackb(found[0], raw=False, strict_map_key=False)
         except (ValueError, msgpack.UnpackException) as exc:
             raise DataCorrupt(f"the session state {holder.state} is unreadable: {exc}") from None
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise DataCorrupt(f"the session state {holder.state} is not of format {STATE_FORMAT}")
-        segments: list[dict[str, Any]] = []
-        for chunk in state["chunks"]:
-            got = self.objects.read_object(chunk)
-            if got is None or xxhash.xxh3_128_hexdigest(got[0]) != chunk.rsplit("/", 1)[-1]:
-                raise DataCorrupt(f"the transcript chunk {chunk} is missing or changed in the object store")
-            segments.extend(msgpack.unpackb(got[0], raw=False, strict_map_key=False))
-        return state, segments
+        if not isinstance(state, dict) or state.get("format") not in (1, STATE_FORMAT):
+            raise DataCorrupt(f"the session state {holder.state} is not of format 1 or {STATE_FORMAT}")
+        if state["format"] == STATE_FORMAT:
+            state["pages"] = self._read_chunks(state["page_chunks"], "manifest")
+            state["chunks"] = [*state["chunks"], *state.pop("page_chunks")]
+        return state
+
+    def load(self, holder: Holder) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        """The state `holder` names, with its manifest rows in `pages` and in `chunks` every chunk
+        object it names, and its transcript segments (None before its first turn); DataCorrupt
+        when an object is missing or not what its name says."""
+        state = self._read_state(holder)
+        if state is None:
+            return None
+        transcript = [key for key in state["chunks"] if key.rsplit("/", 2)[-2] == "segments"]
+        return state, self._read_chunks(transcript, "transcript")
 
     def named(self, holder: Holder, session_id: str) -> set[str]:
         """Every object key `holder` names, directly or through its state: the holder itself, the
-        state, its transcript chunks and the payloads of its pages and snapshots (what `gc` keeps)."""
+        state, its transcript and manifest chunks and the payloads of its pages and snapshots
+        (what `gc` keeps). DataCorrupt when the state cannot be read whole: then nothing can
+        tell which of the session's objects it names."""
         keys = {self._holder_key(session_id)}
-        if not holder.state:
+        state = self._read_state(holder)
+        if state is None:
             return keys
-        found = self.objects.read_object(holder.state)
-        if found is None:
-            return keys
-        state = msgpack.unpackb(found[0], raw=False, strict_map_key=False)
         payloads = {self.objects.key(locator) for locator in payloads_named(state)}
         return keys | {holder.state, *state["chunks"]} | payloads
 

@@ -14,7 +14,7 @@ import pytest
 from contextd.client import Client, pb
 from contextd.errors import ContextdError, FailedPrecondition, SessionHeld
 from contextd.objects import ObjectStore
-from contextd.wire import PinKind
+from contextd.wire import PageState, PinKind
 from harness.rgw import Rgw
 from serving.launcher import ContextdProcess
 from tests.objectstore import bucket
@@ -202,3 +202,31 @@ def test_gc_removes_the_objects_nothing_names_and_keeps_what_an_exported_state_s
     turn(a, 2, 3, "user 2")                   # a new state: nothing names the old p1 any more
     assert a.gc().orphan_objects_removed == 1 and s3.key(old.locator) not in object_keys(s3)
     assert b.hold_session("s", "m", 30).adopted and b.verify().pages_ok == 3
+
+
+def test_a_turn_puts_up_only_the_manifest_chunks_whose_pages_changed(daemon_factory: Any, s3: ObjectStore) -> None:
+    """The manifest goes up in chunks of CHUNK_PAGES page indexes, named by their content: a turn
+    that changes one page's row (and appends a page) puts up the chunks holding those two and the
+    new state, not the whole manifest, and an adopter still reads every row."""
+    from contextd.handover import CHUNK_PAGES
+
+    _, a = tiered(daemon_factory, s3)
+    n = 3 * CHUNK_PAGES
+    a.upsert_pages("s", [pb.Page(page_id=f"q{i:05d}", index=i, token_start=128 * i, token_end=128 * (i + 1),
+                                 state=PageState.HOT.value) for i in range(n)])
+    turn(a, 1, 0, "one")
+    chunks = {k for k in object_keys(s3) if "/pages/" in k}
+    assert len(chunks) == 3
+    a.set_page_states("s", [pb.PageStateChange(page_id=f"q{CHUNK_PAGES + 5:05d}", state=PageState.HOT.value,
+                                               last_used_turn=9)], [])
+    a.upsert_pages("s", [pb.Page(page_id=f"q{n:05d}", index=n, token_start=128 * n, token_end=128 * (n + 1),
+                                 state=PageState.HOT.value)])
+    turn(a, 2, 1, "two")
+    after = {k for k in object_keys(s3) if "/pages/" in k}
+    assert len(after) == 4 and len(after & chunks) == 2   # chunks 0 and 2 as they were, 1 changed, 3 new
+    b = server(daemon_factory, s3)
+    assert b.hold_session("s", "m", 30).adopted
+    ids = [f"q{i:05d}" for i in range(n + 1)]
+    assert [(p.page_id, p.last_used_turn) for p in b.get_pages("s", ids)] == \
+        [(p.page_id, p.last_used_turn) for p in a.get_pages("s", ids)]
+    assert b.get_session("s").pages == a.get_session("s").pages
