@@ -391,6 +391,9 @@ class SectionReader:
         self._stopped = threading.Event()
         self._ended = threading.Event()   # no thread touches the file or the buffer any more
         self._nowait: int | None = getattr(os, "RWF_NOWAIT", None)
+        # Whether a read so far waited for the disk (always, where RWF_NOWAIT is not taken): a
+        # file served so far from the page cache is likely all there.
+        self.from_disk = self._nowait is None
         # Where each byte of the file goes: (file offset, buffer) pieces in file order; all of it
         # into this reader's buffer until `land` replaces them.
         self._pieces: list[tuple[int, memoryview]] = [(0, self._mv)]
@@ -520,7 +523,9 @@ class SectionReader:
                     n = 0
                 except OSError:
                     self._nowait = None   # the file system does not take the flag
+                    self.from_disk = True
             if n <= 0:
+                self.from_disk = True
                 n = os.preadv(fd, self._requests(pieces, got, min(upto, got + IO_CHUNK_BYTES)), got)
                 if not n:
                     raise ContainerError("file is shorter than its header says" if self._head is None

@@ -320,6 +320,15 @@ class BlockStream:
         self._wait(section, None)
         return self._reader.array(section)
 
+    def from_disk(self) -> bool:
+        """Whether a read of this file so far waited for the disk (it is not all in the page
+        cache). A runtime lands only such files: keys copied into the slots just before their
+        rotation, while in the CPU's cache, rotate faster than keys another core wrote there, and
+        that outweighs the saved copy on a file the page cache serves (a warm SmolLM2 page on
+        the server's path, interleaved in one process: 8.91 ms copied against 11.05 landed;
+        8 cold pages 58.5 against 52.8 ms, 32 cold pages 221 against 201 ms)."""
+        return self._reader.from_disk
+
     def land(self, keys: list[memoryview] | None, values: list[memoryview] | None) -> bool:
         """For a stream opened `landing`: read the keys and values straight into these byte
         buffers (each list, joined, is where that section goes, in the block's layout), or, with

@@ -104,6 +104,8 @@ class _Rows(Protocol):
     """Where a block's layers come from while it is placed: a stored file being read
     (`BlockStream`) or a block already in memory (`_HeldBlock`)."""
 
+    def from_disk(self) -> bool: ...
+
     def land(self, keys: list[memoryview] | None, values: list[memoryview] | None) -> bool: ...
 
     def rows(self, section: str, start: int, stop: int) -> np.ndarray: ...
@@ -123,6 +125,9 @@ class _HeldBlock:
 
     def __init__(self, block: Block) -> None:
         self.block = block
+
+    def from_disk(self) -> bool:
+        return False
 
     def land(self, keys: list[memoryview] | None, values: list[memoryview] | None) -> bool:
         return False
@@ -676,12 +681,12 @@ class SlotBackend(abc.ABC):
         """Put blocks into free slots at the positions the batch plan gives them, layer group by
         layer group, keys first, then values (a streamed file is consumed in its on-disk order):
         landed there by the file's reader where the store allows (`SlotStore.landing`; then only
-        the keys' rotation is left), else copied; verify each, then commit the ones that verified
-        and re-anchor each held key at most once. Until the commit the slots stay free, so a
-        failure leaves no trace beyond zeroed free slots. An exact block must take its wanted
-        positions as they are (a recovery puts each page back where it was, so attention sees the
-        same relative distances as before). Returns the tokens inserted; `results[i]` gets the
-        error of a block that failed."""
+        the keys' rotation is left) and the file is read from the disk, else copied; verify each,
+        then commit the ones that verified and re-anchor each held key at most once. Until the
+        commit the slots stay free, so a failure leaves no trace beyond zeroed free slots. An
+        exact block must take its wanted positions as they are (a recovery puts each page back
+        where it was, so attention sees the same relative distances as before). Returns the
+        tokens inserted; `results[i]` gets the error of a block that failed."""
         st = self._store
 
         def split(values: np.ndarray, ids: list[int]) -> dict[int, np.ndarray]:
@@ -705,7 +710,7 @@ class SlotBackend(abc.ABC):
         try:
             landings: dict[int, Landing] = {}
             for i in live:  # all told first: each reader then reads its bulk straight into the slots
-                landing = st.landing(where[i])
+                landing = st.landing(where[i]) if incoming[i].source.from_disk() else None
                 if incoming[i].source.land(landing.keys if landing else None, landing.values if landing else None):
                     assert landing is not None
                     landings[i] = landing
