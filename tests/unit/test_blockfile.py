@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from backends import Block, BlockFormatError, LayerView
-from backends.blockfile import ContainerError, checksum
+from backends import Block, BlockFormatError, BlockStream, LayerView
+from backends.blockfile import ContainerError, ReadQueue, checksum
 
 VIEW = LayerView(model_id="m", family="llama", attention_layers=(0, 1, 2), num_kv_heads=2, head_dim=8,
                  value_head_dim=8, rotary_dim=8, rope_layout="neox", dtype="float32")
@@ -42,7 +43,6 @@ def test_a_stored_block_reads_back_whole_or_one_layer_and_a_flipped_byte_is_caug
 
 
 def test_a_compressed_block_round_trips_exactly_whole_by_layer_and_streamed(tmp_path: Path) -> None:
-    from backends import BlockStream
 
     blk = block()
     data = b"".join(blk.pieces(compress=True))
@@ -68,7 +68,7 @@ def test_a_compressed_block_round_trips_exactly_whole_by_layer_and_streamed(tmp_
 
 
 def test_a_read_queue_reads_every_header_first_then_each_file_whole_in_the_order_opened(tmp_path: Path) -> None:
-    from backends.blockfile import ReadQueue, SectionReader
+    from backends.blockfile import SectionReader
 
     data = b"".join(block().pieces())
     events: list[tuple[str, str]] = []
@@ -107,19 +107,22 @@ def test_a_read_queue_reads_every_header_first_then_each_file_whole_in_the_order
         late.finish()
 
 
+def opened_together(folder: Path, blk: Block, **kw: Any) -> tuple[bytes, list[Path], list[BlockStream]]:
+    """Three files holding `blk`, opened as streams on one read queue: its bytes, the files, the streams."""
+    data = b"".join(blk.pieces())
+    paths = [folder / f"page{i}.kv" for i in range(3)]
+    for path in paths:
+        path.write_bytes(data)
+    queue = ReadQueue(1)
+    return data, paths, [BlockStream(p, checksum(data), len(data), queue=queue, **kw) for p in paths]
+
+
 def test_streams_opened_together_read_in_turn_and_a_bad_header_surfaces_at_first_use(tmp_path: Path) -> None:
-    from backends import BlockMismatchError, BlockStream
-    from backends.blockfile import ReadQueue
+    from backends import BlockMismatchError
     from backends.protocol import CorruptPayloadError
 
     blk = block()
-    data = b"".join(blk.pieces())
-    paths = []
-    for n in range(3):
-        paths.append(tmp_path / f"page{n}.kv")
-        paths[-1].write_bytes(data)
-    queue = ReadQueue(1)
-    streams = [BlockStream(p, checksum(data), len(data), expect=VIEW, queue=queue) for p in paths]
+    data, paths, streams = opened_together(tmp_path, blk, expect=VIEW)
     try:
         # Every header and the token ids arrive before any file is used; the first file closed
         # unread lets the others read on.
@@ -157,19 +160,12 @@ def big_block() -> Block:
 
 
 def test_landed_keys_and_values_arrive_in_the_callers_buffers_checked_by_the_files_checksum(tmp_path: Path) -> None:
-    from backends import BlockStream
-    from backends.blockfile import IO_CHUNK_BYTES, ReadQueue
+    from backends.blockfile import IO_CHUNK_BYTES
     from backends.protocol import CorruptPayloadError
 
     blk = big_block()
-    data = b"".join(blk.pieces())
     assert blk.keys.nbytes > IO_CHUNK_BYTES
-    paths = []
-    for n in range(3):
-        paths.append(tmp_path / f"page{n}.kv")
-        paths[-1].write_bytes(data)
-    queue = ReadQueue(1)
-    streams = [BlockStream(p, checksum(data), len(data), queue=queue, landing=True) for p in paths]
+    data, paths, streams = opened_together(tmp_path, blk, landing=True)
     try:
         # Every header first, the last file's before the first's; the first file is read whole
         # into the reader's buffer before it lands (land copies it over), the others land as read.
@@ -199,6 +195,7 @@ def test_landed_keys_and_values_arrive_in_the_callers_buffers_checked_by_the_fil
     flipped = bytearray(data)
     flipped[-len(blk.values.tobytes()) // 2] ^= 1   # inside the values, which land elsewhere
     paths[0].write_bytes(bytes(flipped))
+    queue = ReadQueue(1)
     with BlockStream(paths[0], checksum(data), len(data), queue=queue, landing=True) as stream:
         assert stream.land([np.empty_like(blk.keys).data], [np.empty_like(blk.values).data])
         with pytest.raises(CorruptPayloadError, match="checksum"):
@@ -209,8 +206,6 @@ def test_landed_keys_and_values_arrive_in_the_callers_buffers_checked_by_the_fil
 
 
 def test_a_reader_opened_for_landing_and_closed_before_land_ends(tmp_path: Path) -> None:
-    from backends import BlockStream
-    from backends.blockfile import ReadQueue
 
     blk = big_block()
     data = b"".join(blk.pieces())
