@@ -10,7 +10,12 @@ turn's tokens more likely when it is the context. The host scores each candidate
              the last `question_tokens` of them;
   score      the mean log-probability of the question's tokens after the page;
   margin     keep every candidate whose score is within `margin` nats a token of the best: how many
-             pages come back follows the scores, not a fixed count.
+             pages come back follows the scores, not a fixed count;
+  unscored   the hybrid's groups past the first `candidates` are not scored and come back as the
+             hybrid chose them: a re-ranker drops only what it read. Dropping them lost the needed
+             page on the config shape, where a worker's config file is often the hybrid's fifth
+             group (tuning seed 1, budget 2,048: 8 of 10 hits against the hybrid's 10, and 10 of
+             10 with them kept; docs/controller.md).
 
 The figures behind each default are in docs/controller.md (benchmarks.selectors).
 Depends on numpy only.
@@ -26,7 +31,7 @@ import numpy as np
 
 @dataclass(frozen=True)
 class RerankConfig:
-    candidates: int = 4           # the hybrid's first page groups that are scored (the rest stay cold)
+    candidates: int = 2           # the hybrid's first page groups that are scored (the rest come back unscored)
     question_tokens: int = 12     # the turn's newest non-template tokens that are scored
     margin: float = 2.0           # nats a token below the best score that a candidate may be and still come back
 

@@ -170,8 +170,9 @@ def _restore_groups(groups: list[list[int]], bm25: dict[int, float], started: fl
 
 class RerankSelector:
     """The hybrid's choice, re-ranked by how likely the turn's own words are after each candidate,
-    read over its stored K/V by the serving model (controller.rerank): the host scores, this policy
-    keeps the candidates within a margin of the best. A choice of one candidate is not scored."""
+    read over its stored K/V by the serving model (controller.rerank): the host scores the first
+    candidates, this policy keeps those within a margin of the best and the groups it did not
+    score. A choice of one candidate is not scored."""
 
     uses_key_index = False
     uses_lexical_index = True
@@ -201,8 +202,11 @@ class RerankSelector:
         scores = {page: mean_logprob(lp) for page, lp in per_token.items()}
         kept = set(keep_by_margin(scores, self.config.margin))
         likely = {page: scores[group[0]] for group in scored if group[0] in kept for page in group}
+        unscored = groups[self.config.candidates:]
+        likely.update({page: bm25.get(page, 0.0) for group in unscored for page in group})
         return Selection(Plan(restore=sorted(likely)), _ms(started),
-                         f"restore {len(likely)} pages, {len(kept)} of {len(scored)} candidates kept", likely)
+                         f"restore {len(likely)} pages, {len(kept)} of {len(scored)} candidates kept"
+                         + (f", {len(unscored)} more groups unscored" if unscored else ""), likely)
 
 
 def _ms(started: float) -> float:

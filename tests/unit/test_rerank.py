@@ -63,7 +63,10 @@ def _scorer(table: dict[int, float], asked: list[tuple[list[int], list[int]]]
     return score
 
 
-def test_rerank_keeps_the_likely_candidates_and_asks_only_for_its_candidates() -> None:
+def test_rerank_keeps_the_likely_candidates_and_the_groups_it_did_not_score() -> None:
+    """Of the scored candidates those within the margin come back; a group past the scored ones
+    comes back as the hybrid chose it (the config shape's miss: dropping it lost the page a
+    question needed)."""
     pager, lexical = _session({5: [900, 901], 12: [900, 902], 20: [900, 903], 25: [900, 904], 28: [900]})
     asked: list[tuple[list[int], list[int]]] = []
     scorer = _scorer({5: -3.0, 12: -1.0, 20: -1.3, 25: -2.5, 28: -2.0}, asked)
@@ -75,6 +78,13 @@ def test_rerank_keeps_the_likely_candidates_and_asks_only_for_its_candidates() -
     assert sorted(pages) == [5, 12, 20, 25] and ids == [30, 900, 901, 902, 903, 904]
     assert selection.plan is not None and selection.plan.restore == [12, 20]
     assert selection.scores[12] == -1.0
+    asked.clear()
+    selection = RerankSelector(RerankConfig(candidates=3, margin=0.5, question_tokens=16)).select(ctx)
+    (pages, _), = asked
+    unscored = sorted({5, 12, 20, 25} - set(pages))
+    assert len(pages) == 3 and len(unscored) == 1 and "1 more groups unscored" in selection.note
+    assert selection.plan is not None
+    assert selection.plan.restore == sorted({12, 20} & set(pages) | set(unscored))
 
 
 def test_rerank_without_a_scorer_restores_the_hybrids_choice_and_one_candidate_is_not_scored() -> None:
