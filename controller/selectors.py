@@ -202,11 +202,11 @@ class RerankSelector:
         scores = {page: mean_logprob(lp) for page, lp in per_token.items()}
         kept = set(keep_by_margin(scores, self.config.margin))
         likely = {page: scores[group[0]] for group in scored if group[0] in kept for page in group}
-        unscored = groups[self.config.candidates:]
-        likely.update({page: bm25.get(page, 0.0) for group in unscored for page in group})
+        rest = groups[self.config.candidates:]
+        likely.update({page: bm25.get(page, 0.0) for group in rest for page in group})
         return Selection(Plan(restore=sorted(likely)), _ms(started),
                          f"restore {len(likely)} pages, {len(kept)} of {len(scored)} candidates kept"
-                         + (f", {len(unscored)} more groups unscored" if unscored else ""), likely)
+                         + (f", {len(rest)} more groups unscored" if rest else ""), likely)
 
 
 def _ms(started: float) -> float:
