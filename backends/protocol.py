@@ -322,26 +322,26 @@ class BlockStream:
 
     def from_disk(self) -> bool:
         """Whether a read of this file so far waited for the disk (it is not all in the page
-        cache). A runtime lands only such files: keys copied into the slots just before their
-        rotation, while in the CPU's cache, rotate faster than keys another core wrote there, and
-        that outweighs the saved copy on a file the page cache serves (a warm SmolLM2 page on
-        the server's path, interleaved in one process: 8.91 ms copied against 11.05 landed;
-        8 cold pages 58.5 against 52.8 ms, 32 cold pages 221 against 201 ms)."""
+        cache). A runtime lands the keys of only such files: keys copied into the slots just
+        before their rotation, while in the CPU's cache, rotate faster than keys another core
+        wrote there, and that outweighs the saved copy on a file the page cache serves (a warm
+        SmolLM2 page on the server's path, interleaved in one process: 8.91 ms copied against
+        11.05 landed; 8 cold pages 58.5 against 52.8 ms, 32 cold pages 221 against 201 ms).
+        Values, never rotated, land from any file (a warm page 10.99 -> 10.28 ms and 8.43 ->
+        7.81 ms in two interleaved runs: the restoring thread no longer copies them)."""
         return self._reader.from_disk
 
-    def land(self, keys: list[memoryview] | None, values: list[memoryview] | None) -> bool:
-        """For a stream opened `landing`: read the keys and values straight into these byte
-        buffers (each list, joined, is where that section goes, in the block's layout), or, with
-        None or when the file stores them compressed, into the reader's buffer. Returns whether
-        they land in the buffers given."""
+    def land(self, keys: list[memoryview] | None, values: list[memoryview] | None) -> tuple[bool, bool]:
+        """For a stream opened `landing`: read the keys and the values straight into these byte
+        buffers (each list, joined, is where that section goes, in the block's layout); with None,
+        or when the file stores them compressed, into the reader's buffer. Call once. Returns
+        whether the keys and whether the values land in the buffers given."""
         self.check()
         sections = self._reader.sections
-        plain = all(sections[name].frames is None for name in self._LANDING)
-        if keys is None or values is None or not plain:
-            self._reader.land({})
-            return False
-        self._reader.land({"keys": keys, "values": values})
-        return True
+        if not all(sections[name].frames is None for name in self._LANDING):
+            keys = values = None
+        self._reader.land({name: bufs for name, bufs in (("keys", keys), ("values", values)) if bufs is not None})
+        return keys is not None, values is not None
 
     def rows(self, section: str, start: int, stop: int) -> np.ndarray:
         """Rows (layers) [start, stop) of `keys` or `values` (not landed elsewhere), once they

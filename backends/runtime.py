@@ -84,6 +84,9 @@ INSERT_BATCH_BYTES = 256 << 20
 # ahead of the copies on this disk and beat two (16 cold SmolLM2 pages, interleaved runs: 69.7 ms
 # with one, 72.9 ms with two, 86.7 ms with a thread per file all reading at once).
 READ_THREADS = 1
+# How long a backend's read thread waits for the next insert before it ends: long enough to span
+# an agent's turns, so a turn's restores start no thread (blockfile.ReadQueue).
+READ_LINGER_S = 30.0
 
 
 def _batches(files: Sequence[StoredBlock]) -> Iterator[list[int]]:
@@ -106,7 +109,7 @@ class _Rows(Protocol):
 
     def from_disk(self) -> bool: ...
 
-    def land(self, keys: list[memoryview] | None, values: list[memoryview] | None) -> bool: ...
+    def land(self, keys: list[memoryview] | None, values: list[memoryview] | None) -> tuple[bool, bool]: ...
 
     def rows(self, section: str, start: int, stop: int) -> np.ndarray: ...
 
@@ -129,8 +132,8 @@ class _HeldBlock:
     def from_disk(self) -> bool:
         return False
 
-    def land(self, keys: list[memoryview] | None, values: list[memoryview] | None) -> bool:
-        return False
+    def land(self, keys: list[memoryview] | None, values: list[memoryview] | None) -> tuple[bool, bool]:
+        return False, False
 
     def rows(self, section: str, start: int, stop: int) -> np.ndarray:
         return self.block.keys[start:stop] if section == "keys" else self.block.values[start:stop]
@@ -192,6 +195,7 @@ class SlotBackend(abc.ABC):
         self._last_logits: np.ndarray | None = None
         self._broken: str | None = None
         self._scoring: SlotBackend | None = None  # see _scoring_session
+        self._reads = blockfile.ReadQueue(READ_THREADS, READ_LINGER_S)
 
     @classmethod
     def load(cls: type[B], model: str, device: str = "cpu", dtype: str = "float32", *, capacity: int = 4096,
@@ -654,12 +658,11 @@ class SlotBackend(abc.ABC):
         order they go in, ahead of the copies. Nothing becomes visible before every block that
         goes in has verified."""
         streams: dict[int, BlockStream] = {}
-        queue = blockfile.ReadQueue(READ_THREADS)
         try:
             for i in chunk:
                 try:
                     streams[i] = BlockStream(files[i].path, files[i].checksum, files[i].size,
-                                             expect=self._rt.view, queue=queue, landing=True)
+                                             expect=self._rt.view, queue=self._reads, landing=True)
                 except BlockFormatError as e:
                     results[i] = e
             for i in list(streams):
@@ -708,23 +711,30 @@ class SlotBackend(abc.ABC):
         where = split(slots, live)
         token_ids: dict[int, np.ndarray] = {}
         try:
-            landings: dict[int, Landing] = {}
-            for i in live:  # all told first: each reader then reads its bulk straight into the slots
-                landing = st.landing(where[i]) if incoming[i].source.from_disk() else None
-                if incoming[i].source.land(landing.keys if landing else None, landing.values if landing else None):
-                    assert landing is not None
-                    landings[i] = landing
+            # All told first: each reader then reads its bulk straight into the slots. Values land
+            # wherever the store allows; keys only from a file read from the disk (BlockStream.from_disk).
+            landings: dict[int, tuple[Landing, bool, bool]] = {}
+            for i in live:
+                landing = st.landing(where[i])
+                if landing is not None:
+                    keys_land = incoming[i].source.from_disk()
+                    landed = incoming[i].source.land(landing.keys if keys_land else None, landing.values)
+                    landings[i] = (landing, *landed)
+                else:
+                    incoming[i].source.land(None, None)
             for i in live:
                 rd = incoming[i].source
                 try:
                     groups = list(st.layer_groups(int(where[i].shape[0])))
-                    if i in landings:
-                        for a0, a1 in groups:
+                    landing, keys_landed, values_landed = landings.get(i, (None, False, False))
+                    for a0, a1 in groups:
+                        if keys_landed:
+                            assert landing is not None
                             rd.arrived("keys", a1)
-                            landings[i].rotate(a0, a1, placed[i])
-                    else:
-                        for a0, a1 in groups:
+                            landing.rotate(a0, a1, placed[i])
+                        else:
                             st.write_keys(where[i], a0, a1, rd.rows("keys", a0, a1), placed[i])
+                    if not values_landed:
                         for a0, a1 in groups:
                             st.write_values(where[i], a0, a1, rd.rows("values", a0, a1))
                     rd.finish()
@@ -908,6 +918,7 @@ class SlotBackend(abc.ABC):
         other._last_logits = None if self._last_logits is None else self._last_logits.copy()
         other._broken = self._broken
         other._scoring = None
+        other._reads = blockfile.ReadQueue(READ_THREADS, READ_LINGER_S)
         return other
 
     def reset(self) -> None:

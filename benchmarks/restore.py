@@ -73,12 +73,50 @@ def _torch_threads(backend: str) -> int | None:
     return int(torch.get_num_threads())
 
 
-def drop_from_page_cache(path: Path) -> None:
+def cached_pages(path: Path) -> int:
+    """How many of the file's memory pages the page cache holds: mincore(2) over a read-only
+    mapping of it (mapping reads nothing)."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    if not size:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+        try:
+            if libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+        finally:
+            libc.munmap(addr, size)
     finally:
         os.close(fd)
+    return sum(b & 1 for b in vec)
+
+
+def drop_from_page_cache(path: Path) -> None:
+    """Evict the file from the page cache, and check that it left: a drop right after other I/O
+    sometimes leaves pages behind, and a "cold" restore that finds them would flatter itself."""
+    for _ in range(10):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        if not cached_pages(path):
+            return
+        time.sleep(0.001)
+    raise RuntimeError(f"{path} stays in the page cache after 10 drops")
 
 
 _DD_TIME = re.compile(r"copied, ([0-9.eE+-]+) s")

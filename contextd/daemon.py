@@ -7,7 +7,8 @@ not at all.
 
 Page life cycle (enforced here, whatever the caller asks):
   HOT -> COLD             only when the page has a stored payload (it is written before it leaves)
-  COLD -> HOT             a restore
+  COLD -> HOT             a restore (refused, given the payload the engine read, unless the
+                          page is still COLD with that payload)
   COLD -> DROPPED         only by the pressure policy, and never when pinned or leased
   any -> CORRUPT          when a read or `verify` finds the payload missing or mismatched
   DROPPED/CORRUPT -> HOT  the engine recomputed it; the stale payload reference is cleared
@@ -640,6 +641,10 @@ class Daemon:
                 old = txn.get(MANIFEST, PageKey(session_id, change.page_id))
                 if old is None:
                     raise NotFound(f"session {session_id} has no page {change.page_id!r}")
+                if change.restored_checksum and (old.state != COLD or old.checksum != change.restored_checksum):
+                    raise FailedPrecondition(
+                        f"page {change.page_id} is {PageState(old.state).name} with checksum "
+                        f"{old.checksum or 'none'}, not the COLD payload {change.restored_checksum} the restore read")
                 page = replace(old, state=change.state, updated_unix=now,
                                last_used_turn=change.last_used_turn or old.last_used_turn)
                 if page.state == HOT and old.state == COLD:

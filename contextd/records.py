@@ -157,6 +157,7 @@ class StateChange:
     state: PageState
     last_used_turn: int = 0
     score: float = 0.0
+    restored_checksum: str = ""   # the payload a restore read: the page must be COLD with it
 
 
 @dataclass(frozen=True, slots=True)

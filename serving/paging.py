@@ -44,10 +44,10 @@ from backends import (
 )
 from contextd import crashpoints
 from contextd.client import Client, Pending, pb
-from contextd.errors import DataCorrupt
+from contextd.errors import DataCorrupt, FailedPrecondition
 from contextd.wire import PageState
 from controller.pager import PAGE_TOKENS, Decision, Page, Pager
-from serving.session import Session, SessionCounters
+from serving.session import Session, SessionCounters, StoredPayload
 
 log = logging.getLogger("kv_elision.paging")
 
@@ -136,54 +136,121 @@ class PageMover:
         return restored
 
     def _restore(self, session: Session, indices: list[int], evicted: list[pb.PageStateChange],
-                 scores: dict[int, float]) -> list[int]:
+                 scores: dict[int, float], ask: bool = False) -> list[int]:
         """Stream the pages' stored files into attention at their places in the timeline, all in
         one backend call (files read in parallel, each held key re-anchored once), while the
         decision's one state commit (`evicted`, then these pages HOT with leases) runs; return the
-        pages that came back. A page whose payload is gone or corrupt stays out (said in the log)."""
+        pages that came back, ascending. A page whose payload is gone or corrupt stays out (said
+        in the log).
+
+        Where each payload is comes from what this server wrote or last read of it
+        (`Persisted.payloads`) when its file is in the folder, else (or for every page, `ask`)
+        from contextd, whose GetPages also brings back what only an object store holds. Each
+        restored page's state change names the payload read, so contextd refuses the commit if a
+        page changed meanwhile (dropped to make room, found corrupt): the pages then come out
+        again and the decision is carried out on contextd's records. Not asking first saves a
+        round trip: a warm SmolLM2 page 7.10 -> 6.17 ms (benchmarks.restore's session,
+        interleaved in one process)."""
         pager = session.pager
         if not indices:
             if evicted:
                 self.contextd.set_page_states(session.session_id, evicted)
             return []
-        records = {r.page_id: r for r in self.contextd.get_pages(session.session_id,
-                                                                 [pager.pages[i].page_id for i in indices])}
-        asked: list[tuple[int, pb.Page]] = []
+        payloads, learned = self._payloads(session, indices, ask)
+        asked: list[tuple[int, StoredPayload]] = []
         for index in indices:
-            record = records.get(pager.pages[index].page_id)
-            if record is None or PageState(record.state) is not PageState.COLD or not record.locator:
+            payload = payloads.get(index)
+            if payload is None:
                 log.warning("session %s: page %d has no valid payload; it stays out", session.session_id, index)
                 pager.pages[index].stored = False
                 continue
-            asked.append((index, record))
+            asked.append((index, payload))
         # Places in the held order before any of them goes in (ascending, as the call wants).
-        files = [self._stored_block(session, record, index, pager.logical_start(index)) for index, record in asked]
-        changes = evicted + [pb.PageStateChange(page_id=record.page_id, state=PageState.HOT.value,
-                                                last_used_turn=pager.turn, score=scores.get(index, 0.0))
-                             for index, record in asked]
+        files = [self._stored_block(session, payload, index, pager.logical_start(index)) for index, payload in asked]
+        changes = evicted + [pb.PageStateChange(page_id=pager.pages[index].page_id, state=PageState.HOT.value,
+                                                last_used_turn=pager.turn, score=scores.get(index, 0.0),
+                                                restored_checksum=payload.checksum)
+                             for index, payload in asked]
         until = pager.restore_lease_until()
         # Sent, not waited for: the commit runs in contextd while the payloads go in. On a Python
         # thread of ours it shared the interpreter lock with the copies, which it slowed by more
         # than it saved (a warm SmolLM2 page: 9.3 ms with it on a thread, 7.0 ms waited for
         # first, 5.8 ms sent like this).
         commit = self.contextd.start_set_page_states(
-            session.session_id, changes, [pb.Lease(page_id=record.page_id, until_turn=until) for _, record in asked]
+            session.session_id, changes,
+            [pb.Lease(page_id=pager.pages[index].page_id, until_turn=until) for index, _ in asked]
         ) if changes else None
         try:
             results = self.backend.insert_block_files(files)
-        finally:
+        except BaseException:
             _settle(commit)
-        restored = []
-        for (index, record), result in zip(asked, results, strict=True):
+            raise
+        went_in = [index for (index, _), result in zip(asked, results, strict=True) if result is None]
+        try:
+            _settle(commit)
+        except FailedPrecondition as e:
+            self._take_out(session, went_in)
+            for index, _ in asked:
+                session.persisted.payloads.pop(pager.pages[index].page_id, None)
+            if ask:   # changed between contextd's answer and the commit: they stay out this turn
+                log.warning("session %s: %s; the pages stay out", session.session_id, e)
+                return self._restore(session, [], evicted, scores)
+            log.info("session %s: %s; restoring from contextd's records", session.session_id, e)
+            return self._restore(session, indices, evicted, scores, ask=True)
+        restored: list[int] = []
+        again: list[int] = []
+        for (index, _), result in zip(asked, results, strict=True):
             if result is not None:
+                session.persisted.payloads.pop(pager.pages[index].page_id, None)
+                if index not in learned:   # read where this server last knew it: ask contextd once
+                    again.append(index)
+                    continue
                 log.warning("session %s: %s; it stays out", session.session_id,
-                            self._report_corrupt(session, record.page_id, result))
+                            self._report_corrupt(session, pager.pages[index].page_id, result))
                 pager.pages[index].stored = False
                 continue
             pager.apply(Decision(evict=[], restore=[index], plan_used=False))
             restored.append(index)
             crashpoints.reached("serving.restore.inserted")
+        if again:
+            # Committed HOT with the others: back to COLD first, so contextd's answer is about them.
+            self.contextd.set_page_states(session.session_id, [
+                pb.PageStateChange(page_id=pager.pages[i].page_id, state=PageState.COLD.value,
+                                   last_used_turn=pager.turn) for i in again])
+            restored = sorted(restored + self._restore(session, again, [], scores, ask=True))
         return restored
+
+    def _payloads(self, session: Session, indices: list[int], ask: bool) -> tuple[dict[int, StoredPayload], set[int]]:
+        """Each page's payload for a restore (`_restore`), and which pages contextd was asked
+        about. A page contextd holds no COLD payload for is left out."""
+        pager = session.pager
+        known = session.persisted.payloads
+        payloads: dict[int, StoredPayload] = {}
+        for index in [] if ask else indices:
+            payload = known.get(pager.pages[index].page_id)
+            if payload is not None and self.payloads.path(payload.locator).exists():
+                payloads[index] = payload
+        learned = {index for index in indices if index not in payloads}
+        if learned:
+            records = {r.page_id: r for r in self.contextd.get_pages(session.session_id,
+                                                                     [pager.pages[i].page_id for i in learned])}
+            for index in learned:
+                page_id = pager.pages[index].page_id
+                record = records.get(page_id)
+                if record is None or PageState(record.state) is not PageState.COLD or not record.locator:
+                    known.pop(page_id, None)
+                    continue
+                payloads[index] = known[page_id] = _payload(record)
+        return payloads, learned
+
+    def _take_out(self, session: Session, went_in: list[int]) -> None:
+        """Remove pages a restore put into attention but did not commit (the pager still has them
+        cold), from the right so the places of those still to remove hold. Every page but the
+        timeline's last is full, so `n` earlier ones moved a page on by n pages."""
+        pager = session.pager
+        for n, index in reversed(list(enumerate(sorted(went_in)))):
+            start = pager.logical_start(index) + n * PAGE_TOKENS
+            self.backend.remove_attention_range(start, start + pager.pages[index].tokens)
 
     def score_pages(self, session: Session, indices: list[int], token_ids: list[int]) -> dict[int, np.ndarray]:
         """Query likelihood for a selector: how likely `token_ids` are after each cold page on its
@@ -199,7 +266,7 @@ class PageMover:
             record = records.get(pager.pages[index].page_id)
             if record is None or PageState(record.state) is not PageState.COLD or not record.locator:
                 continue
-            stored = self._stored_block(session, record, index, 0)
+            stored = self._stored_block(session, _payload(record), index, 0)
             try:
                 blk = Block.read(stored.path, stored.checksum, stored.size, expect=self.backend.layer_view)
                 stored.check_tokens(blk.token_ids)
@@ -226,12 +293,12 @@ class PageMover:
         self.contextd.report_corrupt(session.session_id, page_id, reason)
         return reason
 
-    def _stored_block(self, session: Session, record: pb.Page, index: int, at: int,
+    def _stored_block(self, session: Session, payload: StoredPayload, index: int, at: int,
                       position: int | None = None) -> StoredBlock:
-        """What the backend needs to insert a page from its manifest record: the file, its checksum
-        and size, and the transcript's tokens at the page's place (a file holding others is corrupt)."""
+        """What the backend needs to insert a page from its payload: the file, its checksum and
+        size, and the transcript's tokens at the page's place (a file holding others is corrupt)."""
         page = session.pager.pages[index]
-        return StoredBlock(self.payloads.path(record.locator), at, record.checksum, record.byte_size,
+        return StoredBlock(self.payloads.path(payload.locator), at, payload.checksum, payload.byte_size,
                            _int32(session.transcript.ids[page.token_start:page.token_end]), position)
 
     def close_gaps(self, session: Session) -> None:
@@ -342,6 +409,7 @@ class PageMover:
                                    prefix_hash=pager.prefix_hash(index)))
         self.payloads.sync_folder(session.session_id)   # one directory fsync for the batch, before the records
         self.contextd.upsert_pages(session.session_id, records)
+        session.persisted.payloads.update((r.page_id, _payload(r)) for r in records)
         crashpoints.reached("serving.store.recorded")
 
     def snapshot_recurrent(self, session: Session) -> None:
@@ -450,6 +518,8 @@ class PageMover:
                 persisted.pins -= set(pinned)
             self.contextd.set_leases(sid, remove=gone)
             self.contextd.delete_pages(sid, gone)
+            for page_id in gone:
+                persisted.payloads.pop(page_id, None)
 
     # ------------------------------------------------------------------ sessions
 
@@ -484,7 +554,7 @@ class PageMover:
             if record is None or not record.locator or PageState(record.state) in (
                     PageState.DROPPED, PageState.CORRUPT):
                 raise DataCorrupt(f"session {session.session_id}: resident page {page.index} has no stored payload")
-            files.append(self._stored_block(session, record, page.index, self.backend.attention_tokens,
+            files.append(self._stored_block(session, _payload(record), page.index, self.backend.attention_tokens,
                                             session.persisted.resident_positions.get(page.index)))
         results = self.backend.insert_block_files(files)
         failed = [self._report_corrupt(session, page.page_id, result)
@@ -517,6 +587,10 @@ def _settle(commit: Pending[pb.WriteAck] | None) -> None:
     work's error: the turn fails either way, and the commit's says what contextd holds)."""
     if commit is not None:
         commit.result()
+
+
+def _payload(record: pb.Page) -> StoredPayload:
+    return StoredPayload(record.locator, record.checksum, record.byte_size)
 
 
 def _int32(ids: list[int]) -> np.ndarray:

@@ -115,6 +115,15 @@ class LastAnswer:
     answer_ids: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class StoredPayload:
+    """Where a stored page's payload is and what it holds, as its manifest record says."""
+
+    locator: str
+    checksum: str
+    byte_size: int
+
+
 @dataclass
 class Persisted:
     """What contextd already holds of a session: serving.paging writes it as pages and records
@@ -125,6 +134,9 @@ class Persisted:
     pins: set[str] = field(default_factory=set)                 # pinned page ids contextd holds
     segments: int = 0                                           # transcript segments in the session record
     resident_positions: dict[int, int] = field(default_factory=dict)  # page -> first RoPE position, at turn end
+    # page id -> its payload, as this server wrote it or last read its record: a restore from here
+    # skips asking contextd, and its commit holds only if the page is still COLD with that payload
+    payloads: dict[str, StoredPayload] = field(default_factory=dict)
 
 
 @dataclass

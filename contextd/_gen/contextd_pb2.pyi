@@ -234,16 +234,18 @@ class UpsertPagesRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., pages: _Optional[_Iterable[_Union[Page, _Mapping]]] = ...) -> None: ...
 
 class PageStateChange(_message.Message):
-    __slots__ = ("page_id", "state", "last_used_turn", "score")
+    __slots__ = ("page_id", "state", "last_used_turn", "score", "restored_checksum")
     PAGE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LAST_USED_TURN_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     page_id: str
     state: PageState
     last_used_turn: int
     score: float
-    def __init__(self, page_id: _Optional[str] = ..., state: _Optional[_Union[PageState, str]] = ..., last_used_turn: _Optional[int] = ..., score: _Optional[float] = ...) -> None: ...
+    restored_checksum: str
+    def __init__(self, page_id: _Optional[str] = ..., state: _Optional[_Union[PageState, str]] = ..., last_used_turn: _Optional[int] = ..., score: _Optional[float] = ..., restored_checksum: _Optional[str] = ...) -> None: ...
 
 class SetPageStatesRequest(_message.Message):
     __slots__ = ("session_id", "changes", "leases")

@@ -72,6 +72,21 @@ def test_batched_upserts_and_state_changes_round_trip(daemon: ContextdProcess) -
                                leases=[pb.Lease(page_id="ghost", until_turn=9)])
     assert client.get_pages("s1", ["p000003"])[0].state == PageState.COLD.value
     client.set_leases("s1", remove=["p000002"])
+    # a restore from a record the engine kept: committed only while the page is COLD with the
+    # payload it read; refused whole otherwise (the evictions in the same commit with it)
+    read = cold[4].checksum
+    with pytest.raises(FailedPrecondition, match="p000004 is COLD with checksum .* not the COLD payload"):
+        client.set_page_states("s1", [pb.PageStateChange(page_id="p000001", state=PageState.COLD.value),
+                                      pb.PageStateChange(page_id="p000004", state=PageState.HOT.value,
+                                                         restored_checksum=cold[5].checksum)])
+    with pytest.raises(FailedPrecondition, match="p000001 is HOT"):
+        client.set_page_states("s1", [pb.PageStateChange(page_id="p000001", state=PageState.HOT.value,
+                                                         restored_checksum=cold[1].checksum)])
+    assert [p.state for p in client.get_pages("s1", ["p000004", "p000001"])] == [PageState.COLD.value,
+                                                                                 PageState.HOT.value]
+    client.set_page_states("s1", [pb.PageStateChange(page_id="p000004", state=PageState.HOT.value,
+                                                     restored_checksum=read)])
+    assert client.get_pages("s1", ["p000004"])[0].state == PageState.HOT.value
     path = daemon.root / "store" / restored.locator
     assert path.read_bytes() == bytes([1]) * 4096 and (path.stat().st_mode & 0o777) == 0o600
     assert (path.parent.stat().st_mode & 0o777) == 0o700

@@ -157,6 +157,44 @@ def test_a_corrupt_payload_is_reported_and_never_served(backend: Backend, contex
     assert target.state is PageState.COLD
 
 
+def test_a_restore_from_what_the_server_stored_asks_contextd_nothing_first_and_a_changed_page_stays_out(
+        backend: Backend, contextd: ContextdProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    from controller.pager import Decision
+
+    engine = engine_on(backend, contextd)
+    messages = grow(engine, "k", 6)
+    client = contextd.client
+    assert client is not None
+    session = engine.sessions["k"]
+    cold = [p.index for p in session.pager.pages if p.state is PageState.COLD]
+    asked: list[list[str]] = []
+    ask = Client.get_pages
+    monkeypatch.setattr(Client, "get_pages", lambda self, sid, ids: asked.append(list(ids)) or ask(self, sid, ids))
+
+    # the server wrote these pages: their payloads are known, contextd is asked nothing
+    assert engine.mover.execute(session, Decision(evict=[], restore=cold[:2], plan_used=False)) == cold[:2]
+    assert asked == []
+    assert [p.state for p in client.get_pages("k", [session.pager.pages[i].page_id for i in cold[:2]])] == [
+        PageState.HOT, PageState.HOT]
+    asked.clear()
+
+    # contextd marks one page corrupt behind the server's back (its file still reads fine): the
+    # commit that names the payload read is refused, the pages come out, and the decision is
+    # carried out on contextd's records: that page stays out, the other one comes back
+    changed, fine = session.pager.pages[cold[2]], session.pager.pages[cold[3]]
+    client.report_corrupt("k", changed.page_id, "found by a scrub")
+    held = engine.backend.attention_tokens
+    restored = engine.mover.execute(session, Decision(evict=[], restore=[changed.index, fine.index], plan_used=False))
+    assert restored == [fine.index] and asked == [[changed.page_id, fine.page_id]]
+    assert engine.backend.attention_tokens == held + fine.tokens
+    assert changed.state is PageState.COLD and not changed.stored and fine.state is PageState.HOT
+    states = {p.page_id: p.state for p in client.get_pages("k", [changed.page_id, fine.page_id])}
+    assert states == {changed.page_id: PageState.CORRUPT, fine.page_id: PageState.HOT}
+    assert {lease.page_id for lease in client.query_leases("k")} >= {fine.page_id}
+    # the session answers on
+    assert turn(engine, "k", [*messages, {"role": "user", "content": "next"}]).finish_reason in ("stop", "length")
+
+
 def prepared(engine: Engine, session: str, messages: list[dict[str, Any]]) -> tuple[Prepared, TurnResult]:
     events = [e for e in engine.chat(ChatRequest(session, list(messages), max_tokens=4)) if not e.pause]
     first = events[0].prepared

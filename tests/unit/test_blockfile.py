@@ -107,6 +107,38 @@ def test_a_read_queue_reads_every_header_first_then_each_file_whole_in_the_order
         late.finish()
 
 
+def test_a_lingering_read_queue_reads_one_insert_after_another_on_one_thread_then_ends(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    from backends.blockfile import SectionReader
+
+    data = b"".join(block().pieces())
+    path = tmp_path / "page.kv"
+    path.write_bytes(data)
+    readers: list[int] = []
+
+    class Logged(SectionReader):
+        def _read_bulk(self) -> None:
+            readers.append(threading.get_ident())
+            super()._read_bulk()
+
+    with pytest.raises(ValueError, match="negative"):
+        ReadQueue(1, linger_s=-1.0)
+    queue = ReadQueue(1, linger_s=0.2)
+    for _ in range(3):   # one insert after another, each read whole before the next is opened
+        with Logged(path, Block.MAGIC, checksum(data), len(data), queue) as reader:
+            reader.finish()
+    assert len(readers) == 3 and len(set(readers)) == 1
+    deadline = time.monotonic() + 10.0
+    while any(t.ident == readers[0] for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.ident == readers[0] for t in threading.enumerate()), "the idle thread did not end"
+    with Logged(path, Block.MAGIC, checksum(data), len(data), queue) as reader:   # a new one starts
+        reader.finish()
+    assert len(readers) == 4
+
+
 def opened_together(folder: Path, blk: Block, **kw: Any) -> tuple[bytes, list[Path], list[BlockStream]]:
     """Three files holding `blk`, opened as streams on one read queue: its bytes, the files, the streams."""
     data = b"".join(blk.pieces())
@@ -176,17 +208,22 @@ def test_landed_keys_and_values_arrive_in_the_callers_buffers_checked_by_the_fil
             streams[0].rows("keys", 0, 1)
         keys = [np.full_like(blk.keys, np.nan) for _ in streams]
         values = [np.full_like(blk.values, np.nan) for _ in streams]
-        # One buffer a layer for the keys, the values whole: the section is split where it lands.
-        assert streams[0].land([k.data for k in keys[0]], [values[0].data])
-        assert streams[1].land([keys[1].data], [v.data for v in values[1]])
-        assert not streams[2].land(None, None)
+        # One buffer a layer for the keys, the values whole: the section is split where it lands;
+        # the third file lands its values only, its keys stay in the reader's buffer.
+        assert streams[0].land([k.data for k in keys[0]], [values[0].data]) == (True, True)
+        assert streams[1].land([keys[1].data], [v.data for v in values[1]]) == (True, True)
+        assert streams[2].land(None, [values[2].data]) == (False, True)
         for stream in streams:
             stream.finish()
         for k, v in zip(keys[:2], values[:2], strict=True):
             np.testing.assert_array_equal(k, blk.keys)
             np.testing.assert_array_equal(v, blk.values)
+        np.testing.assert_array_equal(values[2], blk.values)
+        assert np.isnan(keys[2]).all()
         with pytest.raises(RuntimeError, match="caller's buffers"):
             streams[0].rows("keys", 0, 1)
+        with pytest.raises(RuntimeError, match="caller's buffers"):
+            streams[2].rows("values", 0, 1)
         np.testing.assert_array_equal(streams[2].rows("keys", 0, 3), blk.keys)
     finally:
         for stream in streams:
@@ -197,7 +234,7 @@ def test_landed_keys_and_values_arrive_in_the_callers_buffers_checked_by_the_fil
     paths[0].write_bytes(bytes(flipped))
     queue = ReadQueue(1)
     with BlockStream(paths[0], checksum(data), len(data), queue=queue, landing=True) as stream:
-        assert stream.land([np.empty_like(blk.keys).data], [np.empty_like(blk.values).data])
+        assert stream.land([np.empty_like(blk.keys).data], [np.empty_like(blk.values).data]) == (True, True)
         with pytest.raises(CorruptPayloadError, match="checksum"):
             stream.finish()
     with BlockStream(paths[1], checksum(data), len(data), queue=queue, landing=True) as stream:
@@ -218,6 +255,6 @@ def test_a_reader_opened_for_landing_and_closed_before_land_ends(tmp_path: Path)
     # Without a queue, on a thread of its own.
     with BlockStream(path, checksum(data), len(data), landing=True) as stream:
         keys = np.empty_like(blk.keys)
-        assert stream.land([keys.data], [np.empty_like(blk.values).data])
+        assert stream.land([keys.data], [np.empty_like(blk.values).data]) == (True, True)
         stream.finish()
         np.testing.assert_array_equal(keys, blk.keys)
