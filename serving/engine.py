@@ -333,7 +333,8 @@ class Engine:
                     completed = True
                     return
                 answer, failure = None, None
-                self._renew(session_id)
+                if event.final is None:   # the final answer's record ended the lease: renewing would take it again
+                    self._renew(session_id)
                 paused = time.perf_counter()
                 try:
                     answer = yield event

@@ -89,3 +89,17 @@ def test_a_session_moves_between_servers_with_the_tokens_of_one_that_never_moved
     assert any("session_held_elsewhere" in str(chunk) for chunk in rest), rest[-3:]
     assert moving.ask(a, QUESTIONS[5]) == still.ask(twin, QUESTIONS[5])   # and a takes it back, exactly
     assert a.stats("a")["counters"]["historical_forward_during_restore"] == 0
+
+
+def test_a_completed_turn_leaves_no_lease_behind_however_long_it_took(
+        server_factory: Any, rgw: Rgw, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A turn longer than a third of its lease renews it on the way; the record that completes the
+    turn ends the lease, and nothing after it takes the lease again, so the next server is served
+    at once (a renewal as the answer went out used to hold the session for one more lease)."""
+    url = bucket(rgw, monkeypatch).config.url
+    a = shared_server(server_factory, rgw, url, "--session-lease", "0.3")
+    b = shared_server(server_factory, rgw, url, "--session-lease", "0.3")
+    conversation = Conversation()
+    for question, server in zip(QUESTIONS[:4], (a, b, a, b), strict=True):
+        conversation.ask(server, question)   # no wait: a 409 fails the test
+    assert b.stats("a")["counters"]["adoptions"] == 3   # the session's counters travel with it
