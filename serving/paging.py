@@ -236,11 +236,11 @@ class PageMover:
                                                                      [pager.pages[i].page_id for i in learned])}
             for index in learned:
                 page_id = pager.pages[index].page_id
-                record = records.get(page_id)
-                if record is None or PageState(record.state) is not PageState.COLD or not record.locator:
+                payload = cold_payload(records.get(page_id))
+                if payload is None:
                     known.pop(page_id, None)
                     continue
-                payloads[index] = known[page_id] = _payload(record)
+                payloads[index] = known[page_id] = payload
         return payloads, learned
 
     def _take_out(self, session: Session, went_in: list[int]) -> None:
@@ -263,16 +263,16 @@ class PageMover:
                                                                  [pager.pages[i].page_id for i in indices])}
         blocks: dict[int, Block] = {}
         for index in indices:
-            record = records.get(pager.pages[index].page_id)
-            if record is None or PageState(record.state) is not PageState.COLD or not record.locator:
+            payload = cold_payload(records.get(pager.pages[index].page_id))
+            if payload is None:
                 continue
-            stored = self._stored_block(session, _payload(record), index, 0)
+            stored = self._stored_block(session, payload, index, 0)
             try:
                 blk = Block.read(stored.path, stored.checksum, stored.size, expect=self.backend.layer_view)
                 stored.check_tokens(blk.token_ids)
             except BlockFormatError as e:
                 log.warning("session %s: %s; not scored", session.session_id,
-                            self._report_corrupt(session, record.page_id, e))
+                            self._report_corrupt(session, pager.pages[index].page_id, e))
                 pager.pages[index].stored = False
                 continue
             blocks[index] = blk
@@ -409,7 +409,7 @@ class PageMover:
                                    prefix_hash=pager.prefix_hash(index)))
         self.payloads.sync_folder(session.session_id)   # one directory fsync for the batch, before the records
         self.contextd.upsert_pages(session.session_id, records)
-        session.persisted.payloads.update((r.page_id, _payload(r)) for r in records)
+        session.persisted.payloads.update((r.page_id, stored_payload(r)) for r in records)
         crashpoints.reached("serving.store.recorded")
 
     def snapshot_recurrent(self, session: Session) -> None:
@@ -554,7 +554,7 @@ class PageMover:
             if record is None or not record.locator or PageState(record.state) in (
                     PageState.DROPPED, PageState.CORRUPT):
                 raise DataCorrupt(f"session {session.session_id}: resident page {page.index} has no stored payload")
-            files.append(self._stored_block(session, _payload(record), page.index, self.backend.attention_tokens,
+            files.append(self._stored_block(session, stored_payload(record), page.index, self.backend.attention_tokens,
                                             session.persisted.resident_positions.get(page.index)))
         results = self.backend.insert_block_files(files)
         failed = [self._report_corrupt(session, page.page_id, result)
@@ -589,8 +589,16 @@ def _settle(commit: Pending[pb.WriteAck] | None) -> None:
         commit.result()
 
 
-def _payload(record: pb.Page) -> StoredPayload:
+def stored_payload(record: pb.Page) -> StoredPayload:
+    """The payload a manifest record names."""
     return StoredPayload(record.locator, record.checksum, record.byte_size)
+
+
+def cold_payload(record: pb.Page | None) -> StoredPayload | None:
+    """The payload of a page contextd holds COLD with one, else None: what a restore or a score reads."""
+    if record is None or PageState(record.state) is not PageState.COLD or not record.locator:
+        return None
+    return stored_payload(record)
 
 
 def _int32(ids: list[int]) -> np.ndarray:

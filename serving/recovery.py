@@ -28,8 +28,8 @@ from contextd.wire import PageState, PinKind
 from controller.keyindex import KeyIndex
 from controller.lexical import LexicalIndex
 from controller.pager import PAGE_TOKENS, Pager, PagerConfig
-from serving.paging import PageMover, SnapshotSlot, Tally
-from serving.session import Session, SessionCounters, StoredPayload
+from serving.paging import PageMover, SnapshotSlot, Tally, stored_payload
+from serving.session import Session, SessionCounters
 from serving.transcript import Fingerprint, Segment, Transcript
 
 log = logging.getLogger("kv_elision.recovery")
@@ -153,8 +153,7 @@ class Recovery:
             page.stored = page.page_id in usable
             session.persisted.page_ids[page.index] = page.page_id
             if page.stored:
-                session.persisted.payloads[page.page_id] = StoredPayload(stored.locator, stored.checksum,
-                                                                         stored.byte_size)
+                session.persisted.payloads[page.page_id] = stored_payload(stored)
             if page.stored and (PageState(stored.state) is PageState.COLD) != (page.state is PageState.COLD):
                 moved.append(page)
         session.persisted.resident_positions = {int(i): int(p) for i, p in resident.items()}
