@@ -108,6 +108,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.restore
 	$(PY) -m benchmarks.session
 	$(PY) -m benchmarks.selectors --ablation
+	$(PY) -m benchmarks.eviction
 	$(PY) -m benchmarks.scale
 	$(PY) -m benchmarks.runtime
 

@@ -191,6 +191,15 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def names_of(parser: argparse.ArgumentParser, text: str, known: Sequence[str], what: str) -> list[str]:
+    """Comma-separated names from `known` ("all": every one); an unknown name is a usage error."""
+    names = list(known) if text == "all" else text.split(",")
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        parser.error(f"unknown {what} {unknown}: use {', '.join(known)}")
+    return names
+
+
 def seeds_of(text: str) -> list[int]:
     if text == "held-out":
         return list(HELD_OUT_SEEDS)
@@ -240,14 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                              "SmolLM2's tokenizer (tiny-llama) gives them the same figures in a fraction of the time")
     parser.add_argument("--ablation", action="store_true", help="also the hybrid without each part, and with keys")
     args = parser.parse_args(argv)
-    shapes = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
-    unknown = sorted(set(shapes) - set(SHAPES))
-    if unknown:
-        parser.error(f"unknown shapes {unknown}: use {', '.join(SHAPES)}")
-    names = args.selectors.split(",")
-    if sorted(set(names) - set(BASE_SELECTORS)):
-        parser.error(f"unknown selectors {sorted(set(names) - set(BASE_SELECTORS))}: use {', '.join(BASE_SELECTORS)}")
-    chosen = selectors(names, args.ablation)
+    shapes = names_of(parser, args.shapes, SHAPES, "shapes")
+    chosen = selectors(names_of(parser, args.selectors, BASE_SELECTORS, "selectors"), args.ablation)
     result = run(shapes, seeds_of(args.seeds), [int(b) for b in args.budgets.split(",")], args.tokens, chosen,
                  args.model)
     for name, budgets in result["summary"].items():

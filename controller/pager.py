@@ -421,6 +421,30 @@ class Pager:
     def must_evict_for(self, incoming_tokens: int) -> bool:
         return self._hot_tokens + incoming_tokens > self.config.high_tokens
 
+    def evictable(self) -> list[int]:
+        """The pages in attention that nothing protects now, in the order the default retention
+        evicts them (oldest first)."""
+        protected = self.protected()
+        return [index for index in self._resident if index not in protected]
+
+    def unpinned_full(self) -> list[int]:
+        """The full pages in attention without a hard pin, oldest first: the ones that are or may
+        become evictable (the ledger, the tail and leases protect a page for a while only)."""
+        return [index for index in self._resident
+                if self.pages[index].pin is None and self.pages[index].tokens == PAGE_TOKENS]
+
+    def pages_to_free(self, incoming_tokens: int, order: Sequence[int]) -> int:
+        """How many of `order`'s pages, taken in turn, must leave for `incoming_tokens` more to
+        fit (0 when they fit under the high watermark as it is)."""
+        if not self.must_evict_for(incoming_tokens):
+            return 0
+        excess = self._hot_tokens + incoming_tokens - self.config.low_tokens
+        for count, index in enumerate(order, start=1):
+            excess -= self.pages[index].tokens
+            if excess <= 0:
+                return count
+        return len(order)
+
     def apply(self, decision: Decision) -> None:
         """Record that the engine carried the decision out."""
         for index in decision.evict:

@@ -19,6 +19,7 @@ from pathlib import Path
 from contextd.client import Client
 from contextd.errors import DaemonUnavailable
 from contextd.paths import default_root, default_socket
+from controller.eviction import EVICTION_ORDERS
 from controller.selectors import SELECTORS, Selector, make_selector
 from serving.engine import PLACEMENTS, Engine, EngineConfig
 from serving.launcher import ContextdProcess, spawn_tied_contextd
@@ -69,7 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           tail_tokens=args.tail_tokens, lease_turns=args.lease_turns,
                           compress_pages=args.compress == "zstd", placement=args.placement, refresh=args.refresh,
                           resident_sessions=args.resident_sessions, batch_decode=args.batch_decode,
-                          session_lease_s=args.session_lease)
+                          session_lease_s=args.session_lease, evict_order=args.evict_order)
     client, daemon = _connect_or_spawn_contextd(root, socket_path)
     try:
         backend = load_backend(args.backend, args.model, device=args.device, dtype=args.dtype,
@@ -80,6 +81,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"kv-elision: --selector rerank scores each candidate over its stored K/V in one forward, which "
                   f"needs every layer to be full attention; {args.model} has sliding-window or recurrent layers "
                   "(use --selector hybrid)", file=sys.stderr, flush=True)
+            return 2
+        if args.evict_order == "model" and backend.is_hybrid:
+            print(f"kv-elision: --evict-order model scores pages in attention over their K/V in one forward, which "
+                  f"needs every layer to be full attention; {args.model} has sliding-window or recurrent layers "
+                  "(use --evict-order recency)", file=sys.stderr, flush=True)
             return 2
         template = Path(args.chat_template).read_text() if args.chat_template else None
         engine = Engine(backend, ChatFormat(backend.tokenizer, template), client, config, _selector(args))
@@ -146,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--refresh", action="store_true",
                        help="prefill a turn's restored pages again in the current view (a forward pass over "
                        "history, counted as refresh_forward_tokens; off by default, docs/proof.md measures it)")
+    serve.add_argument("--evict-order", default=EngineConfig.evict_order, choices=list(EVICTION_ORDERS),
+                       help="which pages leave attention first: the oldest (recency), or, of the oldest the pager may "
+                       "evict, those least related to the last user message, scored by the serving model over their "
+                       "K/V (model: a scoring forward when the budget is crossed; docs/controller.md measures it)")
     serve.add_argument("--max-new-tokens", type=int, default=1024, help="cap on tokens generated per turn")
     serve.add_argument("--resident-sessions", type=int, default=1, metavar="N",
                        help="sessions whose caches stay in memory, least recently used out (each holds a budget's "

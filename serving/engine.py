@@ -28,6 +28,7 @@ recovery / session / transcript / chat_format / likelihood.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -45,6 +46,7 @@ from contextd import crashpoints
 from contextd.client import Client, pb
 from contextd.errors import ContextdError, FailedPrecondition, NotFound, StoreFull
 from contextd.wire import PinKind
+from controller.eviction import EVICTION_ORDERS, EvictionAdviceConfig, EvictionAdvisor
 from controller.keyindex import KeyIndex, KeyIndexConfig
 from controller.lexical import DEFAULT_LEXICAL, LexicalConfig, LexicalIndex
 from controller.pager import Decision, Pager, PagerConfig, Plan, PrefixChain
@@ -99,6 +101,8 @@ class EngineConfig:
     resident_sessions: int = 1     # sessions whose caches stay in memory (each a budget's worth of K/V)
     batch_decode: bool = True      # resident sessions decoding at once share one forward (Engine.decode_batch)
     session_lease_s: float = 30.0  # with an object store: how long a turn holds its session unrenewed
+    evict_order: str = "recency"   # "model": the pages least related to the last user message leave first
+    eviction: EvictionAdviceConfig = field(default_factory=EvictionAdviceConfig)
 
     def __post_init__(self) -> None:
         if self.prefill_chunk <= 0 or self.max_new_tokens <= 0:
@@ -109,6 +113,8 @@ class EngineConfig:
             raise ValueError(f"resident_sessions must be >= 1, got {self.resident_sessions}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, not {self.placement!r}")
+        if self.evict_order not in EVICTION_ORDERS:
+            raise ValueError(f"evict_order must be one of {', '.join(EVICTION_ORDERS)}, not {self.evict_order!r}")
         self.pager_config()  # validates the budget knobs
 
     def pager_config(self) -> PagerConfig:
@@ -184,11 +190,13 @@ class TurnEvent:
 
 @dataclass(frozen=True)
 class PromptPiece:
-    """One message's share of the new text: its tokens, the hard pin it gets, whether it closes a tool call."""
+    """One message's share of the new text: its tokens, the hard pin it gets, whether it closes a
+    tool call, whether the user wrote it (the eviction advice's focus)."""
 
     segment: Segment
     pin: PinKind | None
     tool_call: bool
+    from_user: bool
 
 
 @dataclass(frozen=True)
@@ -302,6 +310,8 @@ class Engine:
                                   key_index=key_index, lexical_index=lexical_index)
                 self.contextd.open_session(session_id, model_id=self.backend.model_name,
                                            fingerprint=fingerprint.combined(), budget_tokens=self.config.budget_tokens)
+            if self.config.evict_order == "model":
+                session.eviction = EvictionAdvisor(self.config.eviction, self.format.template_ids)
             self.sessions[session_id] = session
         else:
             self.tally.count(session, recovered_pages=self.mover.fill_resident(session))
@@ -457,6 +467,9 @@ class Engine:
         # answer token comes from then see the restored pages too.
         body, opener = (pieces[:-1], pieces[-1:]) if pieces[-1].segment.opener else (pieces, [])
         for piece in body:
+            if piece.from_user and session.eviction is not None:
+                # The focus from the message on: its own room is made by it, the earlier pieces' was not.
+                session.eviction.set_focus(piece.segment.ids)
             yield from self._prefill(session, piece.segment, piece.pin)
             if piece.tool_call:
                 session.pager.mark_ledger(len(session.pager.pages) - 1)
@@ -537,7 +550,8 @@ class Engine:
                 opening = message.get("role") in ("system", "developer")
                 pin = (PinKind.TOOLS if request.tools else PinKind.SYSTEM) if opening else PinKind.OBJECTIVE
             tool_call = message.get("role") == "assistant" and bool(message.get("tool_calls"))
-            pieces.append(PromptPiece(Segment(piece, self.format.encode(piece), opener=opener), pin, tool_call))
+            pieces.append(PromptPiece(Segment(piece, self.format.encode(piece), opener=opener), pin, tool_call,
+                                      message.get("role") == "user"))
         return pieces
 
     def _selection_context(self, session: Session, new_tokens: int) -> SelectionContext:
@@ -569,6 +583,10 @@ class Engine:
             session.last_selection = f"{self.selector.name}: {selection.note} ({selection.decided_ms:.0f} ms)"
             self.tally.count(session, selector_ms=int(selection.decided_ms))
         if plan is not None:
+            if not plan.evict_first:
+                coming = sum(pager.pages[i].tokens for i in set(plan.restore) | set(plan.pin)
+                             if 0 <= i < len(pager.pages) and not pager.pages[i].resident)
+                plan = dataclasses.replace(plan, evict_first=self.mover.advise_evictions(session, coming))
             decision = pager.decide(plan, incoming_tokens=0)
             self.tally.count(session, plans_used=int(decision.plan_used), plans_rejected=int(not decision.plan_used))
             if decision.plan_rejected:

@@ -27,6 +27,7 @@ serving.session / serving.transcript.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -46,7 +47,7 @@ from contextd import crashpoints
 from contextd.client import Client, Pending, pb
 from contextd.errors import DataCorrupt, FailedPrecondition
 from contextd.wire import PageState
-from controller.pager import PAGE_TOKENS, Decision, Page, Pager
+from controller.pager import PAGE_TOKENS, Decision, Page, Pager, Plan
 from serving.session import Session, SessionCounters, StoredPayload
 
 log = logging.getLogger("kv_elision.paging")
@@ -105,10 +106,42 @@ class PageMover:
         return self.backend.save_block(end - n, end).keys if n > 0 else None
 
     def make_room(self, session: Session, incoming: int) -> None:
-        """Evict down to the low watermark when `incoming` more tokens would cross the high one."""
+        """Evict down to the low watermark when `incoming` more tokens would cross the high one
+        (in the order the session's eviction advice gives, when it has one)."""
         pager = session.pager
         if pager.must_evict_for(incoming):
-            self.execute(session, pager.decide(None, incoming_tokens=incoming))
+            order = self.advise_evictions(session, incoming)
+            self.execute(session, pager.decide(Plan(evict_first=order) if order else None, incoming_tokens=incoming))
+
+    def advise_evictions(self, session: Session, incoming: int) -> list[int]:
+        """The pages to evict first for `incoming` more tokens, by the session's eviction advice
+        (controller.eviction: the pages least related to the last user message first); [] without
+        advice, when nothing must go, or on a model that cannot score pages apart (then said once
+        in the log, and the pager's own order stands for the session)."""
+        advisor = session.eviction
+        if advisor is None or not session.pager.must_evict_for(incoming):
+            return []
+        advising = time.perf_counter()
+        try:
+            return advisor.order(session.pager, incoming, functools.partial(self.score_held, session))
+        except UnsupportedModelError as e:
+            advisor.disabled = str(e)
+            log.warning("session %s: evictions in the pager's own order: %s", session.session_id, e)
+            return []
+        finally:
+            session.timed("advise", advising)
+
+    def score_held(self, session: Session, indices: list[int], token_ids: list[int]) -> dict[int, np.ndarray]:
+        """Query likelihood over pages in attention, for the eviction advice: each page's K/V as
+        held (`Backend.save_block`), scored like `score_pages` scores stored ones, in one forward
+        (`Backend.score_after_blocks`; counted as `controller_forward_tokens`, no forward over
+        history). Raises UnsupportedModelError on a model with sliding-window or recurrent layers."""
+        pager = session.pager
+        blocks = [self.backend.save_block(pager.logical_start(i), pager.logical_start(i) + pager.pages[i].tokens)
+                  for i in indices]
+        scores, forwarded = self.backend.score_after_blocks(blocks, token_ids)
+        self.tally.count(session, controller_forward_tokens=forwarded)
+        return dict(zip(indices, scores, strict=True))
 
     def execute(self, session: Session, decision: Decision, scores: dict[int, float] | None = None) -> list[int]:
         """Store, evict, restore; return the pages that came back. Pages leave attention only once
@@ -431,6 +464,8 @@ class PageMover:
         session.persisted.segments = min(session.persisted.segments, keep_segments)
 
     def _truncate(self, session: Session, tokens: int) -> None:
+        if session.eviction is not None:
+            session.eviction.forget_scores(tokens // PAGE_TOKENS)
         # Stored versions of pages the cut removes go once the record no longer names them.
         persisted = session.persisted
         for index in [i for i in persisted.page_ids if i * PAGE_TOKENS >= tokens]:

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from backends import RecurrentSnapshot
+from controller.eviction import EvictionAdvisor
 from controller.keyindex import KeyIndex
 from controller.lexical import LexicalIndex
 from controller.pager import Pager
@@ -87,7 +88,7 @@ class TurnTimings:
 
     total_ms: float
     forward_ms: float
-    phases: dict[str, float]   # milliseconds in each of PHASES (none of them runs the model)
+    phases: dict[str, float]   # ms in each of PHASES (the turn's own forwards are in none; scoring forwards are)
 
     @property
     def overhead_ms(self) -> float:
@@ -101,9 +102,10 @@ class TurnTimings:
 
 # Where a turn's overhead goes: read and parse the request body (HTTP); bring the session into the
 # backend (nothing when it is there; a switch from another session, a recovery or a branch
-# otherwise); render, align and tokenize the request; the selector's decision; payload writes and
-# their records; restores (reads, checks, inserts); the end-of-turn write-through.
-PHASES = ("receive", "activate", "prepare", "select", "store", "restore", "persist")
+# otherwise); render, align and tokenize the request; the selector's decision; the eviction
+# advice (--evict-order model: its scoring forwards); payload writes and their records; restores
+# (reads, checks, inserts); the end-of-turn write-through.
+PHASES = ("receive", "activate", "prepare", "select", "advise", "store", "restore", "persist")
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,7 @@ class Session:
     recovery_notes: list[str] = field(default_factory=list)    # what recovery found and fixed
     restore_scores: dict[int, float] = field(default_factory=dict)  # page -> score that last brought it back
     render_memo: RenderMemo | None = None   # the last request's render, for rendering only what the next adds
+    eviction: EvictionAdvisor | None = None  # the model's eviction advice (--evict-order model), else the pager's order
 
     def timed(self, phase: str, started: float) -> None:
         """Add the time since `started` (time.perf_counter) to this turn's `phase`."""

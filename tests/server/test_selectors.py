@@ -107,12 +107,27 @@ def test_rerank_selector_scores_the_hybrids_choice_over_stored_pages(server_fact
     assert scored and hits >= asked - 1, (scored, hits, asked)
 
 
-def test_rerank_is_refused_at_start_for_a_model_that_cannot_score_pages_apart(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, "-m", "serving.cli", "serve", "--model", "tiny-qwen3-next", "--selector",
-                          "rerank", "--root", str(tmp_path / "root"), "--port", "0", "--budget", "2048"],
+@pytest.mark.parametrize(("flag", "advice"), [(["--selector", "rerank"], "--selector hybrid"),
+                                              (["--evict-order", "model"], "--evict-order recency")])
+def test_scoring_pages_apart_is_refused_at_start_for_a_model_that_cannot(tmp_path: Path, flag: list[str],
+                                                                          advice: str) -> None:
+    run = subprocess.run([sys.executable, "-m", "serving.cli", "serve", "--model", "tiny-qwen3-next", *flag,
+                          "--root", str(tmp_path / "root"), "--port", "0", "--budget", "2048"],
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert run.returncode == 2, run.stderr[-2000:]
-    assert "full attention" in run.stderr and "--selector hybrid" in run.stderr
+    assert "full attention" in run.stderr and advice in run.stderr
+
+
+def test_evict_order_model_scores_pages_in_attention_over_http(server_factory: Any) -> None:
+    """The flag reaches the engine: sessions past their budget evict with the model's advice (its
+    scoring forwards counted apart, the turn's phases name its time) and stay exact."""
+    server: ServerProcess = server_factory("tiny-llama", 2048, "--evict-order", "model")
+    grow(server, "m", files=8)
+    stats = server.stats("m")
+    assert stats["counters"]["evicted_pages"] > 0
+    assert stats["counters"]["controller_forward_tokens"] > 0
+    assert "advise_ms" in stats["last_turn"]
+    exact(stats)
 
 
 def test_attention_selector_restores_pages_for_a_question_about_a_cold_fact(server_factory: Any) -> None:

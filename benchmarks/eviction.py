@@ -1,0 +1,234 @@
+"""Eviction order on agent tasks: does the page a user's task is about stay while the agent reads on?
+
+    python -m benchmarks.eviction [--shapes prose,code,config,paraphrase,near_duplicate]
+        [--seeds held-out|tuning|101,102] [--budgets 2048] [--tokens 12000] [--gap 1.0]
+        [--orders recency,model] [--model smollm2-135m]
+
+For each shape (harness.shapes), seed, budget and eviction order (`EngineConfig.evict_order`:
+recency, the pager's own; model, controller.eviction), one session is driven through the real
+engine (real contextd process, real weights, the default `hybrid` selector) the way an agent
+drives a server: one request per turn, the whole transcript in each. A turn reads one file (the
+assistant's `read` call and its result) and the user asks for a note on it; but right after the
+file that holds a question's fact is read, the user's message is that question (the task), and
+the agent then reads on with no user message, as a tool loop does, for `--gap` budgets' worth of
+tokens; the next turn answers. Only questions whose fact is in one file are asked, one at a time;
+a question whose file came while another task was open is not asked.
+
+At the answer turn (the selector has already run on the last tool result, as it would), over the
+exact cache the answer is read from (`Engine.watch_answer`, serving.likelihood):
+  kept            every page that holds the fact is in attention;
+  recall_at_1     the right value ranked first by likelihood among every value the session
+                  plants (a tie counts against it); `answer_logprob` its log-probability;
+  restored        pages the selector brought back for that answer.
+Per session: controller forward tokens (the advice's scoring), the advice's time per turn
+(p50 / p95 of the `advise` phase over turns that evicted), `historical_forward` and whether
+model_forward_tokens == new_prefill_tokens + decoded_tokens held. Tuning seeds are
+harness.shapes.TUNING_SEEDS; the advice's defaults were set before any run and tuned on none.
+
+Last line: one JSON object: `rows` (per order, shape, seed and budget), `summary` (per order and
+budget: kept, recall_at_1, the answers' mean log-probability, the advice's p95 and controller
+tokens over every question), `sessions`, `other_processes_cpu_share` and `reliable`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import fmean
+from typing import Any
+
+from backends import Backend, load_backend
+from benchmarks.selectors import locate, names_of, seeds_of, token_spans
+from benchmarks.stats import percentile, reliable, unreliable_warning
+from controller.eviction import EVICTION_ORDERS
+from harness.procfs import machine_cpu_seconds, other_cpu_share, process_cpu_seconds
+from harness.shapes import SHAPES, TUNING_SEEDS, Question, Workload, approx_tokens, make
+from serving.chat_format import ChatFormat
+from serving.engine import ChatRequest, Engine, EngineConfig
+from serving.launcher import ContextdProcess
+
+MODEL = "smollm2-135m"
+DEFAULT_SHAPES = ("prose", "code", "config", "paraphrase", "near_duplicate")
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request's new messages, and the question whose answer it is (None for other turns)."""
+
+    messages: list[dict[str, Any]]
+    answers: Question | None = None
+
+
+def script(workload: Workload, budget: int, gap: float) -> list[Turn]:
+    """The session's turns: reads with notes; a question as the user's task right after the file
+    holding its fact, reads with no user message for `gap` x `budget` tokens, then its answer."""
+    turns = [Turn(workload.opening())]
+    asked: set[str] = set()
+    task: Question | None = None
+    read_since = 0
+    for n, file in enumerate(workload.files):
+        call = {"id": f"call_{n:03d}", "type": "function",
+                "function": {"name": "read", "arguments": json.dumps({"path": file.path})}}
+        messages: list[dict[str, Any]] = [{"role": "assistant", "content": "", "tool_calls": [call]},
+                                          {"role": "tool", "tool_call_id": call["id"], "content": file.text}]
+        if task is not None:
+            read_since += approx_tokens(file.text)
+            if read_since >= gap * budget:
+                turns.append(Turn(messages, answers=task))
+                task = None
+            else:
+                turns.append(Turn(messages))
+            continue
+        here = [q for q in workload.questions
+                if len(q.evidence) == 1 and q.evidence[0] in file.text and q.text not in asked]
+        if here:
+            task, read_since = here[0], 0
+            asked.add(task.text)
+            messages.append(workload.question_message(task))
+        else:
+            messages.append({"role": "user", "content": f"Note what matters in {file.path} in one sentence."})
+        turns.append(Turn(messages))
+    return turns
+
+
+def measure_session(backend: Backend, client: Any, workload: Workload, budget: int, gap: float, order: str
+                    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Drive one session; one entry per answered question, and the session's own figures."""
+    fresh = backend.fork()   # the engine empties it when the session comes in
+    engine = Engine(fresh, ChatFormat(fresh.tokenizer), client,
+                    EngineConfig(budget_tokens=budget, tail_tokens=512, max_new_tokens=1, evict_order=order))
+    session_id = f"{workload.shape}-{workload.seed}-{budget}-{order}"
+    values = list(dict.fromkeys(q.answer for q in workload.questions))
+    messages: list[dict[str, Any]] = []
+    answers: list[dict[str, Any]] = []
+    advise_ms: list[float] = []
+    started = time.perf_counter()
+    for turn in script(workload, budget, gap):
+        messages.extend(turn.messages)
+        if turn.answers is not None:
+            engine.watch_answer(session_id, values)
+        for _ in engine.chat(ChatRequest(session_id, list(messages), tools=workload.tools, max_tokens=1)):
+            pass
+        session = engine.sessions[session_id]
+        assert session.last_turn is not None
+        if session.last_turn.phases.get("advise", 0.0) > 0:
+            advise_ms.append(session.last_turn.phases["advise"])
+        if turn.answers is None:
+            continue
+        reading = engine.readings.pop(session_id)
+        text, spans = token_spans(engine, session_id)
+        where = locate(text, spans, Workload(workload.shape, workload.seed, workload.files, (turn.answers,)))[0]
+        right = reading.logprobs[values.index(turn.answers.answer)]
+        answers.append({"kept": all(pages <= set(reading.resident_pages) for pages in where.needed),
+                        "first": sum(1 for lp in reading.logprobs if lp >= right) == 1,
+                        "logprob": right, "restored": len(reading.restored_pages)})
+    counters = fresh.counters   # the serving session's own forwards; scoring ran on scratch sessions
+    session = engine.sessions[session_id]
+    context = {"session_tokens": session.transcript.tokens, "build_s": round(time.perf_counter() - started, 1),
+               "controller_forward_tokens": session.counters.controller_forward_tokens,
+               "advise_ms": advise_ms, "historical_forward": counters.historical_forward_during_restore,
+               "forward_invariant":
+                   counters.model_forward_tokens == counters.new_prefill_tokens + counters.decoded_tokens}
+    return answers, context
+
+
+def row(order: str, shape: str, seed: int, budget: int, answers: list[dict[str, Any]], context: dict[str, Any]
+        ) -> dict[str, Any]:
+    ms = context["advise_ms"] or [0.0]
+    return {"order": order, "shape": shape, "seed": seed, "budget": budget, "questions": len(answers),
+            "kept": sum(a["kept"] for a in answers), "recall_at_1": sum(a["first"] for a in answers),
+            "answer_logprob": round(fmean(a["logprob"] for a in answers), 3) if answers else None,
+            "restored_per_answer": round(fmean(a["restored"] for a in answers), 2) if answers else None,
+            "advise_p50_ms": round(percentile(ms, 50), 1), "advise_p95_ms": round(percentile(ms, 95), 1),
+            "controller_forward_tokens": context["controller_forward_tokens"],
+            "historical_forward": context["historical_forward"], "forward_invariant": context["forward_invariant"]}
+
+
+def summarise(rows: list[dict[str, Any]], answers: dict[tuple[str, int], list[dict[str, Any]]],
+              advise: dict[tuple[str, int], list[float]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for (order, budget), given in sorted(answers.items()):
+        ms = advise[(order, budget)] or [0.0]
+        mine = [r for r in rows if r["order"] == order and r["budget"] == budget]
+        out.setdefault(order, {})[str(budget)] = {
+            "questions": len(given), "kept": sum(a["kept"] for a in given),
+            "recall_at_1": round(sum(a["first"] for a in given) / max(1, len(given)), 3),
+            "answer_logprob": round(fmean(a["logprob"] for a in given), 3) if given else None,
+            "advise_p95_ms": round(percentile(ms, 95), 1),
+            "controller_forward_tokens": sum(r["controller_forward_tokens"] for r in mine)}
+    return out
+
+
+def run(shapes: Sequence[str], seeds: Sequence[int], budgets: Sequence[int], tokens: int, gap: float,
+        orders: Sequence[str], model: str = MODEL, log: Any = print) -> dict[str, Any]:
+    machine0, own0 = machine_cpu_seconds(), process_cpu_seconds(os.getpid())
+    base = Path(tempfile.mkdtemp(prefix="kvb-evict-", dir="/tmp"))
+    daemon = ContextdProcess(base / "root", base / "run" / "c.sock", extra=["--reserve-bytes", "0"])
+    client = daemon.start()
+    rows: list[dict[str, Any]] = []
+    sessions: list[dict[str, Any]] = []
+    answers: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    advise: dict[tuple[str, int], list[float]] = {}
+    try:
+        backend = load_backend("torch", model, capacity=max(budgets) + 256)
+        for budget, shape, seed in itertools.product(budgets, shapes, seeds):
+            workload = make(shape, seed, tokens)
+            for order in orders:   # the same session, each order in turn
+                given, context = measure_session(backend, client, workload, budget, gap, order)
+                rows.append(row(order, shape, seed, budget, given, context))
+                answers.setdefault((order, budget), []).extend(given)
+                advise.setdefault((order, budget), []).extend(context.pop("advise_ms"))
+                sessions.append({"order": order, "shape": shape, "seed": seed, "budget": budget, **context})
+                r = rows[-1]
+                log(f"{shape:<15} seed {seed:<4} budget {budget:<5} {order:<8}"
+                    f"  kept {r['kept']}/{r['questions']}  recall@1 {r['recall_at_1']}/{r['questions']}"
+                    f"  log p {r['answer_logprob']}"
+                    f"  advise p95 {r['advise_p95_ms']} ms  scored {r['controller_forward_tokens']} tokens")
+    finally:
+        daemon_s = process_cpu_seconds(daemon.proc.pid) if daemon.proc is not None else 0.0
+        daemon.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    other = other_cpu_share(machine0, machine_cpu_seconds(), process_cpu_seconds(os.getpid()) - own0 + daemon_s)
+    return {"model": model, "tokens": tokens, "gap": gap, "rows": rows, "summary": summarise(rows, answers, advise),
+            "sessions": sessions, "tuning_seeds": sorted(set(seeds) & set(TUNING_SEEDS)),
+            "other_processes_cpu_share": other, "reliable": reliable(other)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                        help=f"comma-separated, or all: {', '.join(SHAPES)} (split has no one-file facts)")
+    parser.add_argument("--seeds", default="held-out", help="held-out, tuning, or comma-separated seeds")
+    parser.add_argument("--budgets", default="2048")
+    parser.add_argument("--tokens", type=int, default=12000, help="approximate session length")
+    parser.add_argument("--gap", type=float, default=1.0, help="budgets' worth of tokens read between task and answer")
+    parser.add_argument("--orders", default=",".join(EVICTION_ORDERS), help=f"from {', '.join(EVICTION_ORDERS)}")
+    parser.add_argument("--model", default=MODEL)
+    args = parser.parse_args(argv)
+    shapes = names_of(parser, args.shapes, SHAPES, "shapes")
+    orders = names_of(parser, args.orders, EVICTION_ORDERS, "orders")
+    if args.gap <= 0:
+        parser.error("--gap must be positive")
+    result = run(shapes, seeds_of(args.seeds), [int(b) for b in args.budgets.split(",")], args.tokens, args.gap,
+                 orders, args.model)
+    if not result["reliable"]:
+        print(unreliable_warning(result["other_processes_cpu_share"]))
+    for order, budgets in result["summary"].items():
+        for budget, entry in budgets.items():
+            print(f"{order:<8} budget {budget:<5} kept {entry['kept']}/{entry['questions']}  recall@1 "
+                  f"{entry['recall_at_1']}  log p {entry['answer_logprob']}  advise p95 {entry['advise_p95_ms']} ms  "
+                  f"scored {entry['controller_forward_tokens']} tokens")
+    print(json.dumps(result, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

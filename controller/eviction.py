@@ -1,0 +1,105 @@
+"""Eviction order advised by the model: of the pages the pager would evict next, those least related
+to what the user asked last leave first.
+
+The pager's own retention evicts the oldest unprotected pages first. In an agent's session the
+user's last message states the task, and the turns after it are mostly tool results: the file the
+task is about was often read early and is the first to go while the agent reads on. With this
+advice the pager keeps the order it has for everything else, but among its `window` oldest
+evictable pages the ones under which the task's own words are least likely go first (query
+likelihood, the re-ranker's score: controller.rerank), so a page the task is about stays while
+pages that have nothing to do with it leave in its place.
+
+  focus     the last user message's newest non-template ids (`question_tokens` of them); a turn
+            with no user message in it (tool results) keeps the focus it had. No focus, no advice.
+  window    the `window` oldest pages the pager may evict now (pins, the ledger, the tail and
+            leases excluded: the host's rules decide what is evictable, this only orders it).
+            When no more of them are evictable than must go, there is nothing to choose and
+            nothing is scored.
+  scores    each page's mean log-probability of the focus after the page on its own, read over
+            its K/V in attention by the host (`HeldScorer`: one forward of at most `window` pages:
+            the window's unscored ones, then the pages that may become evictable next; counted as
+            controller forward tokens, never a forward over history). Scores are kept until the
+            focus changes or the transcript is cut: a page's K/V does not change while it is held.
+  order     the window, least likely first (ties: older first); the pager then evicts in that
+            order until it is under its low watermark, and past the window in its own.
+
+Depends on numpy, controller.pager and controller.rerank.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from controller.pager import Pager
+from controller.rerank import mean_logprob, question_ids
+
+log = logging.getLogger("kv_elision.eviction")
+
+# The host's query likelihood over pages in attention: for held page indices and token ids, each
+# page's float64 log p(ids[j] | page, ids[:j]) for j >= 1, read over the page's K/V where it is held.
+HeldScorer = Callable[[list[int], list[int]], dict[int, np.ndarray]]
+
+EVICTION_ORDERS = ("recency", "model")
+
+
+@dataclass(frozen=True)
+class EvictionAdviceConfig:
+    window: int = 8            # the oldest evictable pages that are scored and ordered
+    question_tokens: int = 12  # the last user message's newest non-template tokens that are scored
+
+    def __post_init__(self) -> None:
+        if self.window < 2:
+            raise ValueError(f"window must be >= 2 (one page leaves no choice), got {self.window}")
+        if self.question_tokens < 2:
+            raise ValueError(f"question_tokens must be >= 2, got {self.question_tokens}")
+
+
+class EvictionAdvisor:
+    """One session's focus and the scores of its held pages under it."""
+
+    def __init__(self, config: EvictionAdviceConfig, template_ids: Collection[int]) -> None:
+        self.config = config
+        self._template = frozenset(int(t) for t in template_ids)
+        self.focus: list[int] = []
+        self.scores: dict[int, float] = {}
+        self.disabled = ""   # why the model cannot score held pages (then the pager's order stands)
+
+    def set_focus(self, user_message_ids: Sequence[int]) -> None:
+        """A new user message: its words are the focus from now on; scores under the old one go."""
+        focus = question_ids(user_message_ids, self._template, self.config.question_tokens)
+        if len(focus) >= 2 and focus != self.focus:
+            self.focus = focus
+            self.scores = {}
+
+    def forget_scores(self, from_page: int) -> None:
+        """The transcript was cut inside page `from_page` or at its start: it and the pages after it
+        may hold other tokens than they were scored for."""
+        self.scores = {page: score for page, score in self.scores.items() if page < from_page}
+
+    def order(self, pager: Pager, incoming_tokens: int, scorer: HeldScorer) -> list[int]:
+        """The pages to evict first for `incoming_tokens` more, least related to the focus first;
+        [] when there is no focus, no choice, or nothing could be scored."""
+        if not self.focus or self.disabled:
+            return []
+        window = pager.evictable()[:self.config.window]
+        need = pager.pages_to_free(incoming_tokens, window)
+        if need == 0 or len(window) <= need:
+            return []
+        unscored = [page for page in window if page not in self.scores]
+        if unscored:
+            # Filled up to `window` with the pages that come next (the ledger's, leased, the tail's):
+            # a forward costs ~110 ms on this CPU whatever it holds plus ~2 ms a token, and each
+            # eviction frees a page or two, so scoring only what entered the window would run one
+            # forward per prefill chunk (benchmarks.eviction, prose, tuning seed 1: 560 ms a turn).
+            coming = [page for page in pager.unpinned_full() if page not in self.scores and page not in unscored]
+            per_token = scorer(unscored + coming[:max(0, self.config.window - len(unscored))], self.focus)
+            self.scores.update({page: mean_logprob(lp) for page, lp in per_token.items()})
+        scored = [page for page in window if page in self.scores]
+        if len(scored) < 2:
+            return []
+        # Stable: of two pages that score alike, the older goes first, as the pager would have it.
+        return sorted(scored, key=lambda page: self.scores[page])

@@ -1,0 +1,124 @@
+"""The model's eviction advice in the engine (`--evict-order model`): a tiny real model, a real
+contextd process. Of the oldest pages the pager may evict, the least likely under the last user
+message leave first; pages are scored over the K/V they hold in attention, which is the K/V a
+restore brings back; the host's rules and the forward accounting hold."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from backends import Backend, load_backend
+from contextd.client import Client
+from contextd.wire import PageState
+from controller.rerank import mean_logprob
+from controller.selectors import RecencySelector
+from serving.chat_format import ChatFormat
+from serving.engine import Engine, EngineConfig
+from serving.launcher import ContextdProcess
+from tests.serving.engines import turn
+
+CONFIG = EngineConfig(budget_tokens=2048, tail_tokens=256, max_new_tokens=1, evict_order="model")
+SYSTEM = {"role": "system", "content": "You are a coding agent. Be brief."}
+
+
+@pytest.fixture(scope="module")
+def backend() -> Backend:
+    return load_backend("torch", "tiny-llama", capacity=CONFIG.budget_tokens + 256)
+
+
+def engine_on(backend: Backend, contextd: ContextdProcess, config: EngineConfig = CONFIG) -> Engine:
+    fresh = backend.fork()
+    fresh.reset()
+    # No restores: a restored page's lease would keep it out of the order this is about.
+    return Engine(fresh, ChatFormat(fresh.tokenizer), Client(contextd.socket, timeout=60.0), config,
+                  RecencySelector())
+
+
+def file_turn(n: int) -> list[dict[str, object]]:
+    """A tool loop's turn: the assistant reads a file, the tool answers (no user message)."""
+    call = {"id": f"call_{n}", "type": "function", "function": {"name": "read", "arguments": f'{{"path": "f{n}.py"}}'}}
+    return [{"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{n}", "content": f"# f{n}.py\n" + f"value_{n} = {n * 7}\n" * 40}]
+
+
+def test_the_least_likely_of_the_oldest_pages_leave_first_and_the_accounting_holds(
+        backend: Backend, contextd: ContextdProcess) -> None:
+    engine = engine_on(backend, contextd)
+    messages: list[dict[str, object]] = [SYSTEM, {"role": "user", "content": "What does handler retry_limit do?"}]
+    turn(engine, "e", messages)
+    session = engine.sessions["e"]
+    advice = session.eviction
+    assert advice is not None and advice.focus
+    for n in range(8):
+        messages += file_turn(n)
+        turn(engine, "e", messages)
+    # One eviction, made the way a prefill chunk makes room: of the window, the least likely leave.
+    pager = session.pager
+    incoming = pager.config.high_tokens - pager.hot_tokens + 1
+    window = pager.evictable()[:advice.config.window]
+    need = pager.pages_to_free(incoming, window)
+    assert 0 < need < len(window)
+    engine.mover.make_room(session, incoming)
+    evicted = [p for p in window if not pager.pages[p].resident]
+    assert set(evicted) == set(sorted(window, key=lambda p: advice.scores[p])[:need])
+    assert evicted != window[:need], "the scores happened to agree with the pager's own order"
+    counters = session.counters
+    assert counters.controller_forward_tokens > 0
+    assert counters.historical_forward_during_restore == 0
+    assert counters.model_forward_tokens == counters.new_prefill_tokens + counters.decoded_tokens
+    assert counters.peak_attention_tokens <= CONFIG.budget_tokens
+    client = contextd.client
+    assert client is not None
+    assert {p.page_id: int(p.state) for p in client.query_pages("e")} == {
+        p.page_id: int(p.state) for p in session.pager.pages}
+    # A page scored while held, scored again from its stored payload after it left: the same K/V.
+    cold = [p for p in advice.scores if session.pager.pages[p].state is PageState.COLD][:3]
+    assert cold
+    for page in cold:
+        stored = engine.mover.score_pages(session, [page], advice.focus)
+        assert mean_logprob(stored[page]) == pytest.approx(advice.scores[page], abs=1e-4)
+
+
+def test_without_advice_the_pager_keeps_its_order_and_scores_nothing(backend: Backend,
+                                                                      contextd: ContextdProcess) -> None:
+    engine = engine_on(backend, contextd, dataclasses.replace(CONFIG, evict_order="recency"))
+    messages: list[dict[str, object]] = [SYSTEM, {"role": "user", "content": "What does handler retry_limit do?"}]
+    turn(engine, "r", messages)
+    session = engine.sessions["r"]
+    assert session.eviction is None
+    for n in range(6):
+        window = session.pager.evictable()
+        messages += file_turn(n)
+        turn(engine, "r", messages)
+        evicted = [p for p in window if not session.pager.pages[p].resident]
+        assert evicted == window[:len(evicted)]   # oldest first
+    assert session.counters.controller_forward_tokens == 0
+
+
+def test_after_a_cut_every_kept_score_is_of_the_page_as_it_is_now(backend: Backend, contextd: ContextdProcess) -> None:
+    with pytest.raises(ValueError, match="evict_order"):
+        EngineConfig(evict_order="lru")
+    engine = engine_on(backend, contextd)
+    messages: list[dict[str, object]] = [SYSTEM, {"role": "user", "content": "What does handler retry_limit do?"}]
+    turn(engine, "c", messages)
+    for n in range(6):
+        messages += file_turn(n)
+        turn(engine, "c", messages)
+    session = engine.sessions["c"]
+    advice = session.eviction
+    assert advice is not None and advice.scores
+    focus = list(advice.focus)
+    # An earlier tool result changed (the client edited its history): the session is cut back there
+    # and prefilled again from it; the user message, and so the focus, stay the same.
+    edited = [dict(m) for m in messages]
+    edited[5]["content"] = "# f1.py\n" + "other_value = 3\n" * 40
+    turn(engine, "c", edited)
+    assert session.counters.rebuilds >= 1 and advice.focus == focus
+    for page, score in advice.scores.items():
+        if session.pager.pages[page].resident:
+            now = engine.mover.score_held(session, [page], focus)[page]
+        else:
+            now = engine.mover.score_pages(session, [page], focus)[page]
+        assert mean_logprob(now) == pytest.approx(score, abs=1e-4), page

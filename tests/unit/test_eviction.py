@@ -1,0 +1,122 @@
+"""The eviction advice's policy (controller.eviction) on a real pager, tensor-free: what it scores,
+in what order pages leave, what it never touches. The scorer is the host's input to the policy;
+here a table of per-page log-probabilities stands for it (the engine tests score real K/V)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from contextd.wire import PinKind
+from controller.eviction import EvictionAdviceConfig, EvictionAdvisor
+from controller.pager import PAGE_TOKENS, Pager, PagerConfig, Plan
+
+TEMPLATE = (1, 2)
+FOCUS = [1, 50, 51, 2, 52, 53, 54]   # 1 and 2 are the template's
+
+
+class Table:
+    """A scorer from a table of mean log-probabilities; records what it was asked."""
+
+    def __init__(self, scores: dict[int, float]) -> None:
+        self.scores = scores
+        self.calls: list[tuple[list[int], list[int]]] = []
+
+    def __call__(self, pages: list[int], ids: list[int]) -> dict[int, np.ndarray]:
+        self.calls.append((list(pages), list(ids)))
+        return {p: np.full(len(ids) - 1, self.scores.get(p, -5.0)) for p in pages}
+
+
+def full_pager(pages: int, budget: int = 2048, tail: int = 256, system_pages: int = 1) -> Pager:
+    """A pager whose attention sits exactly at its budget: `system_pages` pinned, then plain pages."""
+    pager = Pager(PagerConfig(budget_tokens=budget, tail_tokens=tail))
+    pager.append(list(range(system_pages * PAGE_TOKENS)), pin=PinKind.SYSTEM)
+    pager.append(list(range((pages - system_pages) * PAGE_TOKENS)))
+    for page in pager.pages:
+        page.stored = True
+    return pager
+
+
+def advisor(window: int = 8) -> EvictionAdvisor:
+    advice = EvictionAdvisor(EvictionAdviceConfig(window=window), TEMPLATE)
+    advice.set_focus(FOCUS)
+    return advice
+
+
+def test_the_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="window"):
+        EvictionAdviceConfig(window=1)
+    with pytest.raises(ValueError, match="question_tokens"):
+        EvictionAdviceConfig(question_tokens=1)
+
+
+def test_the_focus_is_the_user_messages_own_words_and_a_new_one_drops_the_old_scores() -> None:
+    advice = advisor()
+    assert advice.focus == [50, 51, 52, 53, 54]
+    advice.scores = {3: -1.0}
+    advice.set_focus([1, 50, 2, 51, 52, 53, 54])      # the same words: the scores stand
+    assert advice.scores == {3: -1.0}
+    advice.set_focus([1, 2, 60])                      # one word is not a focus: nothing changes
+    assert advice.focus == [50, 51, 52, 53, 54] and advice.scores == {3: -1.0}
+    advice.set_focus([60, 61])
+    assert advice.focus == [60, 61] and advice.scores == {}
+    advice.scores = {2: -1.0, 3: -1.0, 4: -1.0}
+    advice.forget_scores(3)                           # cut inside page 3: it and page 4 changed
+    assert advice.scores == {2: -1.0}
+
+
+def test_of_the_oldest_evictable_pages_the_least_likely_leave_first() -> None:
+    pager = full_pager(16)
+    evictable = pager.evictable()
+    assert evictable[0] == 1 and 0 not in evictable   # the system page is pinned
+    table = Table({1: -1.0, 2: -6.0, 3: -2.0, 4: -6.0, 5: -0.5})
+    order = advisor(window=5).order(pager, 256, table)
+    assert order == [2, 4, 3, 1, 5]                   # ties (2 and 4): the older first
+    decision = pager.decide(Plan(evict_first=order), incoming_tokens=256)
+    assert decision.evict == [2, 4, 3, 1]             # what the low watermark needs, in that order
+    assert pager.pages_to_free(256, evictable) == 4
+
+
+def test_nothing_is_scored_without_a_focus_or_without_a_choice() -> None:
+    pager = full_pager(16)
+    table = Table({})
+    assert EvictionAdvisor(EvictionAdviceConfig(), TEMPLATE).order(pager, 256, table) == []
+    assert advisor(window=4).order(pager, 256, table) == []   # 4 must go out of 4: no choice
+    assert advisor().order(pager, 0, table) == []             # nothing must go
+    assert table.calls == []
+
+
+def test_pins_the_tail_the_ledger_and_leases_are_never_in_the_order() -> None:
+    pager = full_pager(16, tail=512)
+    pager.mark_ledger(3)
+    pager.lease(5, pager.turn + 2)
+    table = Table({})
+    order = advisor(window=16).order(pager, 256, table)
+    protected = {0, 3, 5} | {12, 13, 14, 15}       # pinned, ledger, leased, the tail's four pages
+    assert order and not set(order) & protected
+    assert set(order) == set(pager.evictable())
+
+
+def test_scores_are_kept_under_one_focus_and_a_forward_fills_up_with_the_pages_that_come_next() -> None:
+    pager = full_pager(16, tail=512)
+    pager.lease(2, pager.turn + 2)
+    table = Table({})
+    advice = advisor(window=4)
+    first = advice.order(pager, 128, table)           # 3 of the window's 4 must go
+    assert table.calls == [([1, 3, 4, 5], [50, 51, 52, 53, 54])]
+    assert first == [1, 3, 4, 5] and advice.order(pager, 128, table) == first and len(table.calls) == 1
+    advice.scores = {1: -1.0, 3: -1.0, 4: -1.0}
+    advice.order(pager, 128, table)
+    # the window's one unscored page, then the oldest that may become evictable: 2 (leased), 6, 7
+    assert table.calls[-1][0] == [5, 2, 6, 7]
+
+
+def test_a_page_the_scorer_left_out_is_evicted_in_the_pagers_order() -> None:
+    pager = full_pager(16)
+
+    def partial(pages: list[int], ids: list[int]) -> dict[int, np.ndarray]:
+        return {p: np.full(len(ids) - 1, -float(p)) for p in pages if p != 2}
+
+    order = advisor(window=5).order(pager, 128, partial)
+    assert order == [5, 4, 3, 1]
+    assert pager.decide(Plan(evict_first=order), incoming_tokens=128).evict == [5, 4, 3]
