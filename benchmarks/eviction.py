@@ -1,7 +1,7 @@
 """Eviction order on agent tasks: does the page a user's task is about stay while the agent reads on?
 
     python -m benchmarks.eviction [--shapes prose,code,config,paraphrase,near_duplicate]
-        [--seeds held-out|tuning|101,102] [--budgets 2048] [--tokens 12000] [--gap 1.0]
+        [--seeds held-out|tuning|101,102] [--budgets 2048] [--tokens 30000] [--gap 1.0]
         [--orders recency,model] [--model smollm2-135m]
 
 For each shape (harness.shapes), seed, budget and eviction order (`EngineConfig.evict_order`:
@@ -17,22 +17,31 @@ a question whose file came while another task was open is not asked.
 At the answer turn (the selector has already run on the last tool result, as it would), over the
 exact cache the answer is read from (`Engine.watch_answer`, serving.likelihood):
   kept            every page that holds the fact is in attention;
+  question_kept   the page(s) holding the question are (the question is asked once, so an answer
+                  read without it is read blind: recall with the fact kept but not the question,
+                  or the other way round, says which of the two mattered);
+  meanwhile_kept  of the facts in the files read while the task was open (not asked: what the
+                  advice may have pushed out in the task's place), how many are in attention;
   recall_at_1     the right value ranked first by likelihood among every value the session
                   plants (a tie counts against it); `answer_logprob` its log-probability;
   restored        pages the selector brought back for that answer.
+Each session runs on a contextd of its own (sessions share their opening: on one contextd a later
+one would start as a branch of an earlier one).
 Per session: controller forward tokens (the advice's scoring), the advice's time per turn
 (p50 / p95 of the `advise` phase over turns that evicted), `historical_forward` and whether
 model_forward_tokens == new_prefill_tokens + decoded_tokens held. Tuning seeds are
 harness.shapes.TUNING_SEEDS; the advice's defaults were set before any run and tuned on none.
 
 Last line: one JSON object: `rows` (per order, shape, seed and budget), `summary` (per order and
-budget: kept, recall_at_1, the answers' mean log-probability, the advice's p95 and controller
-tokens over every question), `sessions`, `other_processes_cpu_share` and `reliable`.
+budget, over every question: kept, question_kept, meanwhile_kept of meanwhile, recall_at_1, the
+answers' mean log-probability, the advice's p95 and controller tokens), `sessions`,
+`other_processes_cpu_share` and `reliable`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -46,7 +55,7 @@ from statistics import fmean
 from typing import Any
 
 from backends import Backend, load_backend
-from benchmarks.selectors import locate, names_of, seeds_of, token_spans
+from benchmarks.selectors import locate, names_of, pages_over, seeds_of, token_spans
 from benchmarks.stats import percentile, reliable, unreliable_warning
 from controller.eviction import EVICTION_ORDERS
 from harness.procfs import machine_cpu_seconds, other_cpu_share, process_cpu_seconds
@@ -61,10 +70,12 @@ DEFAULT_SHAPES = ("prose", "code", "config", "paraphrase", "near_duplicate")
 
 @dataclass(frozen=True)
 class Turn:
-    """One request's new messages, and the question whose answer it is (None for other turns)."""
+    """One request's new messages; for an answer turn, the question it answers and the questions
+    whose facts were read while that task was open (what the advice might have pushed out)."""
 
     messages: list[dict[str, Any]]
     answers: Question | None = None
+    read_meanwhile: tuple[Question, ...] = ()
 
 
 def script(workload: Workload, budget: int, gap: float) -> list[Turn]:
@@ -73,24 +84,26 @@ def script(workload: Workload, budget: int, gap: float) -> list[Turn]:
     turns = [Turn(workload.opening())]
     asked: set[str] = set()
     task: Question | None = None
+    meanwhile: list[Question] = []
     read_since = 0
     for n, file in enumerate(workload.files):
         call = {"id": f"call_{n:03d}", "type": "function",
                 "function": {"name": "read", "arguments": json.dumps({"path": file.path})}}
         messages: list[dict[str, Any]] = [{"role": "assistant", "content": "", "tool_calls": [call]},
                                           {"role": "tool", "tool_call_id": call["id"], "content": file.text}]
+        here = [q for q in workload.questions if len(q.evidence) == 1 and q.evidence[0] in file.text]
         if task is not None:
             read_since += approx_tokens(file.text)
+            meanwhile += here
             if read_since >= gap * budget:
-                turns.append(Turn(messages, answers=task))
+                turns.append(Turn(messages, answers=task, read_meanwhile=tuple(meanwhile)))
                 task = None
             else:
                 turns.append(Turn(messages))
             continue
-        here = [q for q in workload.questions
-                if len(q.evidence) == 1 and q.evidence[0] in file.text and q.text not in asked]
-        if here:
-            task, read_since = here[0], 0
+        fresh = [q for q in here if q.text not in asked]
+        if fresh:
+            task, read_since, meanwhile = fresh[0], 0, []
             asked.add(task.text)
             messages.append(workload.question_message(task))
         else:
@@ -99,9 +112,25 @@ def script(workload: Workload, budget: int, gap: float) -> list[Turn]:
     return turns
 
 
-def measure_session(backend: Backend, client: Any, workload: Workload, budget: int, gap: float, order: str
+def measure_session(backend: Backend, workload: Workload, budget: int, gap: float, order: str
                     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Drive one session; one entry per answered question, and the session's own figures."""
+    """Drive one session on a contextd of its own (sessions of one run share their opening, and
+    on one contextd a later session would start as a branch of an earlier one); one entry per
+    answered question, and the session's own figures."""
+    base = Path(tempfile.mkdtemp(prefix="kvb-evict-", dir="/tmp"))
+    daemon = ContextdProcess(base / "root", base / "run" / "c.sock", extra=["--reserve-bytes", "0"])
+    client = daemon.start()
+    try:
+        answers, context = drive(backend, client, workload, budget, gap, order)
+    finally:
+        context_s = process_cpu_seconds(daemon.proc.pid) if daemon.proc is not None else 0.0
+        daemon.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    return answers, {**context, "contextd_cpu_s": context_s}
+
+
+def drive(backend: Backend, client: Any, workload: Workload, budget: int, gap: float, order: str
+          ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     fresh = backend.fork()   # the engine empties it when the session comes in
     engine = Engine(fresh, ChatFormat(fresh.tokenizer), client,
                     EngineConfig(budget_tokens=budget, tail_tokens=512, max_new_tokens=1, evict_order=order))
@@ -124,16 +153,24 @@ def measure_session(backend: Backend, client: Any, workload: Workload, budget: i
         if turn.answers is None:
             continue
         reading = engine.readings.pop(session_id)
+        held = set(reading.resident_pages)
         text, spans = token_spans(engine, session_id)
-        where = locate(text, spans, Workload(workload.shape, workload.seed, workload.files, (turn.answers,)))[0]
+        task, *others = locate(text, spans, dataclasses.replace(workload, questions=(turn.answers,
+                                                                                     *turn.read_meanwhile)))
+        asked_at = text.rfind(turn.answers.text)
+        assert asked_at >= 0, f"{workload.shape}/{workload.seed}: the question is not in the transcript"
         right = reading.logprobs[values.index(turn.answers.answer)]
-        answers.append({"kept": all(pages <= set(reading.resident_pages) for pages in where.needed),
+        answers.append({"kept": all(pages <= held for pages in task.needed),
+                        "question_kept": pages_over(spans, asked_at, asked_at + len(turn.answers.text)) <= held,
+                        "meanwhile": len(others),
+                        "meanwhile_kept": sum(all(pages <= held for pages in q.needed) for q in others),
                         "first": sum(1 for lp in reading.logprobs if lp >= right) == 1,
                         "logprob": right, "restored": len(reading.restored_pages)})
     counters = fresh.counters   # the serving session's own forwards; scoring ran on scratch sessions
     session = engine.sessions[session_id]
     context = {"session_tokens": session.transcript.tokens, "build_s": round(time.perf_counter() - started, 1),
                "controller_forward_tokens": session.counters.controller_forward_tokens,
+               "branches": session.counters.branches,
                "advise_ms": advise_ms, "historical_forward": counters.historical_forward_during_restore,
                "forward_invariant":
                    counters.model_forward_tokens == counters.new_prefill_tokens + counters.decoded_tokens}
@@ -144,7 +181,10 @@ def row(order: str, shape: str, seed: int, budget: int, answers: list[dict[str, 
         ) -> dict[str, Any]:
     ms = context["advise_ms"] or [0.0]
     return {"order": order, "shape": shape, "seed": seed, "budget": budget, "questions": len(answers),
-            "kept": sum(a["kept"] for a in answers), "recall_at_1": sum(a["first"] for a in answers),
+            "kept": sum(a["kept"] for a in answers), "question_kept": sum(a["question_kept"] for a in answers),
+            "meanwhile": sum(a["meanwhile"] for a in answers),
+            "meanwhile_kept": sum(a["meanwhile_kept"] for a in answers),
+            "recall_at_1": sum(a["first"] for a in answers),
             "answer_logprob": round(fmean(a["logprob"] for a in answers), 3) if answers else None,
             "restored_per_answer": round(fmean(a["restored"] for a in answers), 2) if answers else None,
             "advise_p50_ms": round(percentile(ms, 50), 1), "advise_p95_ms": round(percentile(ms, 95), 1),
@@ -160,6 +200,9 @@ def summarise(rows: list[dict[str, Any]], answers: dict[tuple[str, int], list[di
         mine = [r for r in rows if r["order"] == order and r["budget"] == budget]
         out.setdefault(order, {})[str(budget)] = {
             "questions": len(given), "kept": sum(a["kept"] for a in given),
+            "question_kept": sum(a["question_kept"] for a in given),
+            "meanwhile": sum(a["meanwhile"] for a in given),
+            "meanwhile_kept": sum(a["meanwhile_kept"] for a in given),
             "recall_at_1": round(sum(a["first"] for a in given) / max(1, len(given)), 3),
             "answer_logprob": round(fmean(a["logprob"] for a in given), 3) if given else None,
             "advise_p95_ms": round(percentile(ms, 95), 1),
@@ -170,33 +213,28 @@ def summarise(rows: list[dict[str, Any]], answers: dict[tuple[str, int], list[di
 def run(shapes: Sequence[str], seeds: Sequence[int], budgets: Sequence[int], tokens: int, gap: float,
         orders: Sequence[str], model: str = MODEL, log: Any = print) -> dict[str, Any]:
     machine0, own0 = machine_cpu_seconds(), process_cpu_seconds(os.getpid())
-    base = Path(tempfile.mkdtemp(prefix="kvb-evict-", dir="/tmp"))
-    daemon = ContextdProcess(base / "root", base / "run" / "c.sock", extra=["--reserve-bytes", "0"])
-    client = daemon.start()
     rows: list[dict[str, Any]] = []
     sessions: list[dict[str, Any]] = []
     answers: dict[tuple[str, int], list[dict[str, Any]]] = {}
     advise: dict[tuple[str, int], list[float]] = {}
-    try:
-        backend = load_backend("torch", model, capacity=max(budgets) + 256)
-        for budget, shape, seed in itertools.product(budgets, shapes, seeds):
-            workload = make(shape, seed, tokens)
-            for order in orders:   # the same session, each order in turn
-                given, context = measure_session(backend, client, workload, budget, gap, order)
-                rows.append(row(order, shape, seed, budget, given, context))
-                answers.setdefault((order, budget), []).extend(given)
-                advise.setdefault((order, budget), []).extend(context.pop("advise_ms"))
-                sessions.append({"order": order, "shape": shape, "seed": seed, "budget": budget, **context})
-                r = rows[-1]
-                log(f"{shape:<15} seed {seed:<4} budget {budget:<5} {order:<8}"
-                    f"  kept {r['kept']}/{r['questions']}  recall@1 {r['recall_at_1']}/{r['questions']}"
-                    f"  log p {r['answer_logprob']}"
-                    f"  advise p95 {r['advise_p95_ms']} ms  scored {r['controller_forward_tokens']} tokens")
-    finally:
-        daemon_s = process_cpu_seconds(daemon.proc.pid) if daemon.proc is not None else 0.0
-        daemon.stop()
-        shutil.rmtree(base, ignore_errors=True)
-    other = other_cpu_share(machine0, machine_cpu_seconds(), process_cpu_seconds(os.getpid()) - own0 + daemon_s)
+    backend = load_backend("torch", model, capacity=max(budgets) + 256)
+    contextd_s = 0.0
+    for budget, shape, seed in itertools.product(budgets, shapes, seeds):
+        workload = make(shape, seed, tokens)
+        for order in orders:   # the same session, each order in turn
+            given, context = measure_session(backend, workload, budget, gap, order)
+            rows.append(row(order, shape, seed, budget, given, context))
+            answers.setdefault((order, budget), []).extend(given)
+            advise.setdefault((order, budget), []).extend(context.pop("advise_ms"))
+            contextd_s += context.pop("contextd_cpu_s")
+            sessions.append({"order": order, "shape": shape, "seed": seed, "budget": budget, **context})
+            r = rows[-1]
+            log(f"{shape:<15} seed {seed:<4} budget {budget:<5} {order:<8}"
+                f"  kept {r['kept']}/{r['questions']} (question {r['question_kept']}, read meanwhile"
+                f" {r['meanwhile_kept']}/{r['meanwhile']})  recall@1 {r['recall_at_1']}/{r['questions']}"
+                f"  log p {r['answer_logprob']}"
+                f"  advise p95 {r['advise_p95_ms']} ms  scored {r['controller_forward_tokens']} tokens")
+    other = other_cpu_share(machine0, machine_cpu_seconds(), process_cpu_seconds(os.getpid()) - own0 + contextd_s)
     return {"model": model, "tokens": tokens, "gap": gap, "rows": rows, "summary": summarise(rows, answers, advise),
             "sessions": sessions, "tuning_seeds": sorted(set(seeds) & set(TUNING_SEEDS)),
             "other_processes_cpu_share": other, "reliable": reliable(other)}
@@ -208,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated, or all: {', '.join(SHAPES)} (split has no one-file facts)")
     parser.add_argument("--seeds", default="held-out", help="held-out, tuning, or comma-separated seeds")
     parser.add_argument("--budgets", default="2048")
-    parser.add_argument("--tokens", type=int, default=12000, help="approximate session length")
+    parser.add_argument("--tokens", type=int, default=30000,
+                        help="approximate session length (facts sit in its first three quarters: a session of "
+                             "12,000 tokens asks one or two questions)")
     parser.add_argument("--gap", type=float, default=1.0, help="budgets' worth of tokens read between task and answer")
     parser.add_argument("--orders", default=",".join(EVICTION_ORDERS), help=f"from {', '.join(EVICTION_ORDERS)}")
     parser.add_argument("--model", default=MODEL)
@@ -223,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         print(unreliable_warning(result["other_processes_cpu_share"]))
     for order, budgets in result["summary"].items():
         for budget, entry in budgets.items():
-            print(f"{order:<8} budget {budget:<5} kept {entry['kept']}/{entry['questions']}  recall@1 "
+            print(f"{order:<8} budget {budget:<5} kept {entry['kept']}/{entry['questions']} (question "
+                  f"{entry['question_kept']}, read meanwhile {entry['meanwhile_kept']}/{entry['meanwhile']})  recall@1 "
                   f"{entry['recall_at_1']}  log p {entry['answer_logprob']}  advise p95 {entry['advise_p95_ms']} ms  "
                   f"scored {entry['controller_forward_tokens']} tokens")
     print(json.dumps(result, ensure_ascii=False))

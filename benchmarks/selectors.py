@@ -99,9 +99,14 @@ def token_spans(engine: Engine, session_id: str) -> tuple[str, list[tuple[int, i
     return text, spans
 
 
+def pages_over(spans: list[tuple[int, int]], a: int, b: int) -> set[int]:
+    """The pages whose tokens cover any of the transcript's characters [a, b) (`token_spans`)."""
+    return {t // PAGE_TOKENS for t, (s, e) in enumerate(spans) if e > a and s < b}
+
+
 def locate(text: str, spans: list[tuple[int, int]], workload: Workload) -> list[Located]:
     def pages(a: int, b: int) -> set[int]:
-        return {t // PAGE_TOKENS for t, (s, e) in enumerate(spans) if e > a and s < b}
+        return pages_over(spans, a, b)
 
     out = []
     for q in workload.questions:

@@ -10,7 +10,10 @@ likelihood, the re-ranker's score: controller.rerank), so a page the task is abo
 pages that have nothing to do with it leave in its place.
 
   focus     the last user message's newest non-template ids (`question_tokens` of them); a turn
-            with no user message in it (tool results) keeps the focus it had. No focus, no advice.
+            with no user message in it (tool results), or one whose user message has fewer than
+            two such tokens, keeps the focus it had. A session without one (new, restarted,
+            adopted, branched, or rebuilt after a failed turn) takes it from the last user
+            message its request carries. No focus, no advice.
   window    the `window` oldest pages the pager may evict now (pins, the ledger, the tail and
             leases excluded: the host's rules decide what is evictable, this only orders it).
             When no more of them are evictable than must go, there is nothing to choose and
@@ -19,7 +22,8 @@ pages that have nothing to do with it leave in its place.
             its K/V in attention by the host (`HeldScorer`: one forward of at most `window` pages:
             the window's unscored ones, then the pages that may become evictable next; counted as
             controller forward tokens, never a forward over history). Scores are kept until the
-            focus changes or the transcript is cut: a page's K/V does not change while it is held.
+            focus changes, the transcript is cut at or before the page, or the page's K/V are
+            prefilled again (`--refresh`): otherwise a held page's K/V do not change.
   order     the window, least likely first (ties: older first); the pager then evicts in that
             order until it is under its low watermark, and past the window in its own.
 
@@ -28,8 +32,7 @@ Depends on numpy, controller.pager and controller.rerank.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,9 +40,7 @@ import numpy as np
 from controller.pager import Pager
 from controller.rerank import mean_logprob, question_ids
 
-log = logging.getLogger("kv_elision.eviction")
-
-# The host's query likelihood over pages in attention: for held page indices and token ids, each
+# The host's query likelihood over pages in attention: for held page indices and token ids, every
 # page's float64 log p(ids[j] | page, ids[:j]) for j >= 1, read over the page's K/V where it is held.
 HeldScorer = Callable[[list[int], list[int]], dict[int, np.ndarray]]
 
@@ -66,7 +67,6 @@ class EvictionAdvisor:
         self._template = frozenset(int(t) for t in template_ids)
         self.focus: list[int] = []
         self.scores: dict[int, float] = {}
-        self.disabled = ""   # why the model cannot score held pages (then the pager's order stands)
 
     def set_focus(self, user_message_ids: Sequence[int]) -> None:
         """A new user message: its words are the focus from now on; scores under the old one go."""
@@ -75,15 +75,16 @@ class EvictionAdvisor:
             self.focus = focus
             self.scores = {}
 
-    def forget_scores(self, from_page: int) -> None:
-        """The transcript was cut inside page `from_page` or at its start: it and the pages after it
-        may hold other tokens than they were scored for."""
-        self.scores = {page: score for page, score in self.scores.items() if page < from_page}
+    def forget_scores(self, pages: Iterable[int]) -> None:
+        """These pages now hold other K/V than they were scored for (cut and written again, or
+        prefilled again in place)."""
+        for page in pages:
+            self.scores.pop(page, None)
 
     def order(self, pager: Pager, incoming_tokens: int, scorer: HeldScorer) -> list[int]:
         """The pages to evict first for `incoming_tokens` more, least related to the focus first;
         [] when there is no focus, no choice, or nothing could be scored."""
-        if not self.focus or self.disabled:
+        if not self.focus:
             return []
         window = pager.evictable()[:self.config.window]
         need = pager.pages_to_free(incoming_tokens, window)
@@ -98,8 +99,5 @@ class EvictionAdvisor:
             coming = [page for page in pager.unpinned_full() if page not in self.scores and page not in unscored]
             per_token = scorer(unscored + coming[:max(0, self.config.window - len(unscored))], self.focus)
             self.scores.update({page: mean_logprob(lp) for page, lp in per_token.items()})
-        scored = [page for page in window if page in self.scores]
-        if len(scored) < 2:
-            return []
         # Stable: of two pages that score alike, the older goes first, as the pager would have it.
-        return sorted(scored, key=lambda page: self.scores[page])
+        return sorted(window, key=lambda page: self.scores[page])

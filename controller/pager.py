@@ -376,13 +376,23 @@ class Pager:
         evict_first = [i for i in clean(plan.evict_first) if i not in hard]
         cleaned = Plan(restore=restore, pin=pin, evict_first=evict_first)
         # Room the plan may fill: everything under the low watermark that protections do not hold.
+        # A plan that brings nothing in (an eviction order alone) asks for no room.
         held = sum(self.pages[i].tokens for i in self.protected() | set(pin) if self.pages[i].resident)
-        want = sum(self.pages[i].tokens for i in restore) + sum(
-            self.pages[i].tokens for i in pin if not self.pages[i].resident)
-        if held + want > self.config.low_tokens:
+        want = self._brought_in(cleaned)
+        if want and held + want > self.config.low_tokens:
             return Plan(), (f"plan asks for {want} tokens of restores and pins with {held} tokens already held; "
                             f"the low watermark is {self.config.low_tokens}")
         return cleaned, ""
+
+    def _brought_in(self, plan: Plan) -> int:
+        """Tokens a cleaned plan brings into attention: its restores and its pins not in attention."""
+        return sum(self.pages[i].tokens for i in plan.restore) + sum(
+            self.pages[i].tokens for i in plan.pin if not self.pages[i].resident)
+
+    def incoming_for(self, plan: Plan) -> int:
+        """Tokens `plan` would bring into attention; 0 for a plan `validate` rejects."""
+        cleaned, rejected = self.validate(plan)
+        return 0 if rejected else self._brought_in(cleaned)
 
     def room(self) -> int:
         """Tokens that restores may fill under the low watermark, next to what protections hold."""

@@ -51,7 +51,7 @@ _PROBE_TOOLS = [{"type": "function", "function": {"name": "f", "description": "d
     "type": "object", "properties": {"x": {"type": "string"}}}}}]
 
 
-def _text_of(content: Any, where: str) -> str:
+def content_text(content: Any, where: str) -> str:
     """OpenAI content: a string, null, or a list of parts of which only text is supported."""
     if content is None:
         return ""
@@ -215,7 +215,7 @@ class ChatFormat:
             role = "system"
         if role not in ("system", "user", "assistant", "tool"):
             raise TranscriptError(f"messages[{n}]: unsupported role {role!r}")
-        text = _text_of(message.get("content"), f"messages[{n}]")
+        text = content_text(message.get("content"), f"messages[{n}]")
         if role == "assistant":
             calls = message.get("tool_calls") or []
             if not isinstance(calls, list):

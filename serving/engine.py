@@ -51,7 +51,7 @@ from controller.keyindex import KeyIndex, KeyIndexConfig
 from controller.lexical import DEFAULT_LEXICAL, LexicalConfig, LexicalIndex
 from controller.pager import Decision, Pager, PagerConfig, Plan, PrefixChain
 from controller.selectors import RecencySelector, SelectionContext, Selector
-from serving.chat_format import ChatFormat, Rendering
+from serving.chat_format import ChatFormat, Rendering, content_text
 from serving.likelihood import ViewCapture, ViewReading, capture_view
 from serving.paging import PageMover, Tally
 from serving.recovery import Recovery
@@ -219,6 +219,9 @@ class Engine:
         self.contextd = contextd
         self.config = config
         self.selector: Selector = selector or RecencySelector()
+        if config.evict_order == "model" and backend.is_hybrid:
+            raise ValueError("evict_order 'model' scores pages in attention apart, in one forward, which needs every "
+                             "layer to be full attention; this model has sliding-window or recurrent layers")
         self.tally = Tally()
         self.mover = PageMover(backend, contextd, self.tally, compress=config.compress_pages)
         self.recovery = Recovery(self.mover, contextd, self.tally, self._indexes)
@@ -466,10 +469,9 @@ class Engine:
         # The template's opening of the answer is prefilled after the plan: the logits the first
         # answer token comes from then see the restored pages too.
         body, opener = (pieces[:-1], pieces[-1:]) if pieces[-1].segment.opener else (pieces, [])
+        self._keep_focus(session, request)
         for piece in body:
-            if piece.from_user and session.eviction is not None:
-                # The focus from the message on: its own room is made by it, the earlier pieces' was not.
-                session.eviction.set_focus(piece.segment.ids)
+            self._take_focus(session, piece)
             yield from self._prefill(session, piece.segment, piece.pin)
             if piece.tool_call:
                 session.pager.mark_ledger(len(session.pager.pages) - 1)
@@ -554,6 +556,24 @@ class Engine:
                                       message.get("role") == "user"))
         return pieces
 
+    def _keep_focus(self, session: Session, request: ChatRequest) -> None:
+        """A session whose eviction advice has no focus (new, restarted, adopted, branched, or
+        rebuilt after a failed turn) takes the last user message the request carries: in a tool
+        loop the next user message may be many turns away."""
+        advisor = session.eviction
+        if advisor is None or advisor.focus:
+            return
+        asked = next((m for m in reversed(request.messages) if m.get("role") == "user"), None)
+        if asked is not None:
+            advisor.set_focus(self.format.encode(content_text(asked.get("content"), "the last user message")))
+
+    @staticmethod
+    def _take_focus(session: Session, piece: PromptPiece) -> None:
+        """A user message's words are the eviction advice's focus from that message on: the room
+        its own prefill needs is made by it, the earlier pieces' was not."""
+        if piece.from_user and session.eviction is not None:
+            session.eviction.set_focus(piece.segment.ids)
+
     def _selection_context(self, session: Session, new_tokens: int) -> SelectionContext:
         ids = session.transcript.ids
         return SelectionContext(session.session_id, session.pager,
@@ -583,9 +603,8 @@ class Engine:
             session.last_selection = f"{self.selector.name}: {selection.note} ({selection.decided_ms:.0f} ms)"
             self.tally.count(session, selector_ms=int(selection.decided_ms))
         if plan is not None:
-            if not plan.evict_first:
-                coming = sum(pager.pages[i].tokens for i in set(plan.restore) | set(plan.pin)
-                             if 0 <= i < len(pager.pages) and not pager.pages[i].resident)
+            coming = pager.incoming_for(plan)
+            if not plan.evict_first and pager.must_evict_for(coming):
                 plan = dataclasses.replace(plan, evict_first=self.mover.advise_evictions(session, coming))
             decision = pager.decide(plan, incoming_tokens=0)
             self.tally.count(session, plans_used=int(decision.plan_used), plans_rejected=int(not decision.plan_used))
@@ -796,6 +815,7 @@ class Engine:
         for piece in self._prompt_pieces(session, request, rendering, alignment.new_text):
             if piece.segment.opener:
                 continue  # as in a turn: the plan is made before the answer's opening is prefilled
+            self._take_focus(session, piece)
             for _ in self._prefill(session, piece.segment, piece.pin):
                 pass   # a probe runs alone: nothing to interleave at its pauses
             new_tokens += len(piece.segment.ids)

@@ -116,18 +116,13 @@ class PageMover:
     def advise_evictions(self, session: Session, incoming: int) -> list[int]:
         """The pages to evict first for `incoming` more tokens, by the session's eviction advice
         (controller.eviction: the pages least related to the last user message first); [] without
-        advice, when nothing must go, or on a model that cannot score pages apart (then said once
-        in the log, and the pager's own order stands for the session)."""
+        advice or when there is nothing to choose. Its time is the turn's `advise` phase."""
         advisor = session.eviction
-        if advisor is None or not session.pager.must_evict_for(incoming):
+        if advisor is None:
             return []
         advising = time.perf_counter()
         try:
             return advisor.order(session.pager, incoming, functools.partial(self.score_held, session))
-        except UnsupportedModelError as e:
-            advisor.disabled = str(e)
-            log.warning("session %s: evictions in the pager's own order: %s", session.session_id, e)
-            return []
         finally:
             session.timed("advise", advising)
 
@@ -135,7 +130,7 @@ class PageMover:
         """Query likelihood over pages in attention, for the eviction advice: each page's K/V as
         held (`Backend.save_block`), scored like `score_pages` scores stored ones, in one forward
         (`Backend.score_after_blocks`; counted as `controller_forward_tokens`, no forward over
-        history). Raises UnsupportedModelError on a model with sliding-window or recurrent layers."""
+        history). The engine takes the advice only for models whose layers are all full attention."""
         pager = session.pager
         blocks = [self.backend.save_block(pager.logical_start(i), pager.logical_start(i) + pager.pages[i].tokens)
                   for i in indices]
@@ -378,6 +373,8 @@ class PageMover:
             refreshed += len(tokens)
         if snap is not None:
             backend.restore_recurrent(snap)
+        if session.eviction is not None:
+            session.eviction.forget_scores(restored)
         return refreshed
 
     def place_near_question(self, session: Session, restored: list[int], new_tokens: int) -> bool:
@@ -464,8 +461,8 @@ class PageMover:
         session.persisted.segments = min(session.persisted.segments, keep_segments)
 
     def _truncate(self, session: Session, tokens: int) -> None:
-        if session.eviction is not None:
-            session.eviction.forget_scores(tokens // PAGE_TOKENS)
+        if session.eviction is not None:   # the page the cut is in, and every page after it
+            session.eviction.forget_scores(range(tokens // PAGE_TOKENS, len(session.pager.pages)))
         # Stored versions of pages the cut removes go once the record no longer names them.
         persisted = session.persisted
         for index in [i for i in persisted.page_ids if i * PAGE_TOKENS >= tokens]:

@@ -113,12 +113,32 @@ def test_after_a_cut_every_kept_score_is_of_the_page_as_it_is_now(backend: Backe
     # An earlier tool result changed (the client edited its history): the session is cut back there
     # and prefilled again from it; the user message, and so the focus, stay the same.
     edited = [dict(m) for m in messages]
-    edited[5]["content"] = "# f1.py\n" + "other_value = 3\n" * 40
+    edited[7]["content"] = "# f2.py\n" + "other_value = 3\n" * 40
+    before = dict(advice.scores)
     turn(engine, "c", edited)
     assert session.counters.rebuilds >= 1 and advice.focus == focus
+    segments = session.transcript.segments
+    edited_at = next(k for k, segment in enumerate(segments) if "other_value" in segment.text)
+    cut_page = sum(len(segment.ids) for segment in segments[:edited_at]) // 128
+    assert any(p < cut_page and advice.scores[p] == before[p] for p in advice.scores), "no score survived the cut"
+    assert any(p >= cut_page for p in before), "no page the cut rewrote had a score to lose"
     for page, score in advice.scores.items():
         if session.pager.pages[page].resident:
             now = engine.mover.score_held(session, [page], focus)[page]
         else:
             now = engine.mover.score_pages(session, [page], focus)[page]
         assert mean_logprob(now) == pytest.approx(score, abs=1e-4), page
+
+
+def test_a_restarted_server_takes_the_focus_from_the_request(backend: Backend, contextd: ContextdProcess) -> None:
+    """The focus is kept in memory: a new engine (a restarted server) finds none, and in a tool loop
+    the next user message may be many turns away, so it takes the request's last user message."""
+    engine = engine_on(backend, contextd)
+    messages: list[dict[str, object]] = [SYSTEM, {"role": "user", "content": "What does handler retry_limit do?"}]
+    turn(engine, "s", messages)
+    focus = engine.sessions["s"].eviction.focus   # type: ignore[union-attr]
+    restarted = engine_on(backend, contextd)
+    messages += file_turn(0)
+    turn(restarted, "s", messages)
+    advice = restarted.sessions["s"].eviction
+    assert advice is not None and advice.focus == focus

@@ -9,7 +9,7 @@ import pytest
 
 from contextd.wire import PinKind
 from controller.eviction import EvictionAdviceConfig, EvictionAdvisor
-from controller.pager import PAGE_TOKENS, Pager, PagerConfig, Plan
+from controller.pager import PAGE_TOKENS, Decision, Pager, PagerConfig, Plan
 
 TEMPLATE = (1, 2)
 FOCUS = [1, 50, 51, 2, 52, 53, 54]   # 1 and 2 are the template's
@@ -61,7 +61,7 @@ def test_the_focus_is_the_user_messages_own_words_and_a_new_one_drops_the_old_sc
     advice.set_focus([60, 61])
     assert advice.focus == [60, 61] and advice.scores == {}
     advice.scores = {2: -1.0, 3: -1.0, 4: -1.0}
-    advice.forget_scores(3)                           # cut inside page 3: it and page 4 changed
+    advice.forget_scores([3, 4, 9])                   # a page never scored is no error
     assert advice.scores == {2: -1.0}
 
 
@@ -75,6 +75,17 @@ def test_of_the_oldest_evictable_pages_the_least_likely_leave_first() -> None:
     decision = pager.decide(Plan(evict_first=order), incoming_tokens=256)
     assert decision.evict == [2, 4, 3, 1]             # what the low watermark needs, in that order
     assert pager.pages_to_free(256, evictable) == 4
+
+
+def test_an_eviction_order_alone_asks_for_no_room_and_is_not_rejected() -> None:
+    pager = full_pager(16, tail=512)
+    pager.apply(Decision(evict=[1], restore=[], plan_used=False))
+    assert pager.incoming_for(Plan(restore=[1])) == PAGE_TOKENS
+    for page in range(2, 12):
+        pager.lease(page, pager.turn + 2)             # protections now hold more than the low watermark
+    assert pager.validate(Plan(restore=[1]))[1] != "" and pager.incoming_for(Plan(restore=[1])) == 0
+    cleaned, rejected = pager.validate(Plan(evict_first=[11, 2]))
+    assert rejected == "" and cleaned.evict_first == [11, 2]
 
 
 def test_nothing_is_scored_without_a_focus_or_without_a_choice() -> None:
@@ -109,14 +120,3 @@ def test_scores_are_kept_under_one_focus_and_a_forward_fills_up_with_the_pages_t
     advice.order(pager, 128, table)
     # the window's one unscored page, then the oldest that may become evictable: 2 (leased), 6, 7
     assert table.calls[-1][0] == [5, 2, 6, 7]
-
-
-def test_a_page_the_scorer_left_out_is_evicted_in_the_pagers_order() -> None:
-    pager = full_pager(16)
-
-    def partial(pages: list[int], ids: list[int]) -> dict[int, np.ndarray]:
-        return {p: np.full(len(ids) - 1, -float(p)) for p in pages if p != 2}
-
-    order = advisor(window=5).order(pager, 128, partial)
-    assert order == [5, 4, 3, 1]
-    assert pager.decide(Plan(evict_first=order), incoming_tokens=128).evict == [5, 4, 3]
