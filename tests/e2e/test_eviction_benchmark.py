@@ -5,7 +5,7 @@ than the benchmark's default; its last line is the JSON the test reads.
 
 The user asks about a file the agent has just read; the agent reads on, tool results only, for a
 budget's worth of tokens, then answers. With the pager's own order the file's page is gone by
-then (by construction: benchmarks.eviction measured 0 of 25 kept on seed 101, so that arm is not
+then (by construction: benchmarks.eviction kept 0 of 51 on seeds 101 and 103, so that arm is not
 run here); with the advice it must still be there. The session keeps the forward accounting and
 never runs a forward over history.
 """
