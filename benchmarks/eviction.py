@@ -177,15 +177,20 @@ def drive(backend: Backend, client: Any, workload: Workload, budget: int, gap: f
     return answers, context
 
 
+def totals(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a set of answers adds up to: the counts, and the right values' mean log-probability."""
+    return {"questions": len(answers), "kept": sum(a["kept"] for a in answers),
+            "question_kept": sum(a["question_kept"] for a in answers),
+            "meanwhile": sum(a["meanwhile"] for a in answers),
+            "meanwhile_kept": sum(a["meanwhile_kept"] for a in answers),
+            "answer_logprob": round(fmean(a["logprob"] for a in answers), 3) if answers else None}
+
+
 def row(order: str, shape: str, seed: int, budget: int, answers: list[dict[str, Any]], context: dict[str, Any]
         ) -> dict[str, Any]:
     ms = context["advise_ms"] or [0.0]
-    return {"order": order, "shape": shape, "seed": seed, "budget": budget, "questions": len(answers),
-            "kept": sum(a["kept"] for a in answers), "question_kept": sum(a["question_kept"] for a in answers),
-            "meanwhile": sum(a["meanwhile"] for a in answers),
-            "meanwhile_kept": sum(a["meanwhile_kept"] for a in answers),
+    return {"order": order, "shape": shape, "seed": seed, "budget": budget, **totals(answers),
             "recall_at_1": sum(a["first"] for a in answers),
-            "answer_logprob": round(fmean(a["logprob"] for a in answers), 3) if answers else None,
             "restored_per_answer": round(fmean(a["restored"] for a in answers), 2) if answers else None,
             "advise_p50_ms": round(percentile(ms, 50), 1), "advise_p95_ms": round(percentile(ms, 95), 1),
             "controller_forward_tokens": context["controller_forward_tokens"],
@@ -199,12 +204,7 @@ def summarise(rows: list[dict[str, Any]], answers: dict[tuple[str, int], list[di
         ms = advise[(order, budget)] or [0.0]
         mine = [r for r in rows if r["order"] == order and r["budget"] == budget]
         out.setdefault(order, {})[str(budget)] = {
-            "questions": len(given), "kept": sum(a["kept"] for a in given),
-            "question_kept": sum(a["question_kept"] for a in given),
-            "meanwhile": sum(a["meanwhile"] for a in given),
-            "meanwhile_kept": sum(a["meanwhile_kept"] for a in given),
-            "recall_at_1": round(sum(a["first"] for a in given) / max(1, len(given)), 3),
-            "answer_logprob": round(fmean(a["logprob"] for a in given), 3) if given else None,
+            **totals(given), "recall_at_1": round(sum(a["first"] for a in given) / max(1, len(given)), 3),
             "advise_p95_ms": round(percentile(ms, 95), 1),
             "controller_forward_tokens": sum(r["controller_forward_tokens"] for r in mine)}
     return out

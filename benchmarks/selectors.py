@@ -105,9 +105,6 @@ def pages_over(spans: list[tuple[int, int]], a: int, b: int) -> set[int]:
 
 
 def locate(text: str, spans: list[tuple[int, int]], workload: Workload) -> list[Located]:
-    def pages(a: int, b: int) -> set[int]:
-        return pages_over(spans, a, b)
-
     out = []
     for q in workload.questions:
         needed, touched = [], set()
@@ -115,9 +112,9 @@ def locate(text: str, spans: list[tuple[int, int]], workload: Workload) -> list[
             at = text.find(evidence)
             if at < 0:
                 raise AssertionError(f"{workload.shape}/{workload.seed}: evidence not in the transcript: {evidence!r}")
-            touched |= pages(at, at + len(evidence))
+            touched |= pages_over(spans, at, at + len(evidence))
             part_at = at + evidence.index(part)
-            needed.append(pages(part_at, part_at + len(part)))
+            needed.append(pages_over(spans, part_at, part_at + len(part)))
         out.append(Located(needed, touched))
     return out
 

@@ -603,9 +603,10 @@ class Engine:
             session.last_selection = f"{self.selector.name}: {selection.note} ({selection.decided_ms:.0f} ms)"
             self.tally.count(session, selector_ms=int(selection.decided_ms))
         if plan is not None:
-            coming = pager.incoming_for(plan)
-            if not plan.evict_first and pager.must_evict_for(coming):
-                plan = dataclasses.replace(plan, evict_first=self.mover.advise_evictions(session, coming))
+            if session.eviction is not None and not plan.evict_first:
+                coming = pager.incoming_for(plan)
+                if pager.must_evict_for(coming):
+                    plan = dataclasses.replace(plan, evict_first=self.mover.advise_evictions(session, coming))
             decision = pager.decide(plan, incoming_tokens=0)
             self.tally.count(session, plans_used=int(decision.plan_used), plans_rejected=int(not decision.plan_used))
             if decision.plan_rejected:
