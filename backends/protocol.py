@@ -665,6 +665,12 @@ class Backend(Protocol):
         for a block of another model, ValueError for fewer than two tokens or no block."""
         ...
 
+    def prefill_alone(self, token_ids: Sequence[int]) -> Block:
+        """The K/V `token_ids` get when prefilled on their own from position 0, as a block
+        (positions 0..n-1). This session's cache, counters and logits are untouched (a scratch
+        session sharing the weights does the forward). ValueError for no tokens."""
+        ...
+
     def compact_positions(self) -> int:
         """Renumber held tokens densely from 0; re-anchor only keys whose position changed.
         Returns the number of token keys re-anchored."""

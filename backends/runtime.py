@@ -450,8 +450,22 @@ class SlotBackend(abc.ABC):
         total = np.exp(shifted, out=shifted).sum(axis=-1).astype(np.float64)
         return (picked - top[..., 0]).astype(np.float64) - np.log(total), k * n
 
+    def prefill_alone(self, token_ids: Sequence[int]) -> Block:
+        """The K/V `token_ids` get prefilled on their own from position 0, as a block: what a
+        separate controller model reads a page's text into once and scores it over from then on
+        (serving.scoring). Runs in the scratch session `score_after_blocks` uses, emptied after."""
+        ids = checked_token_ids(token_ids, self._rt.vocab_size)
+        if not ids:
+            raise ValueError("prefill_alone needs at least one token")
+        scratch = self._scoring_session(len(ids), len(ids))
+        try:
+            scratch.prefill(ids)
+            return scratch.save_block(0, len(ids))
+        finally:
+            scratch.reset()
+
     def _scoring_session(self, tokens: int, position_limit: int) -> SlotBackend:
-        """The empty scratch session `score_after_blocks` runs in, kept between calls: building one
+        """The empty scratch session `score_after_blocks` and `prefill_alone` run in, kept between calls: building one
         zero-fills its buffers, ~50 ms of a ~450 ms SmolLM2 re-rank of 4 pages (cProfile over the
         rerank selector's probes). It shares the weights and nothing else with this session."""
         scratch = self._scoring

@@ -2,7 +2,7 @@
 
     python -m benchmarks.eviction [--shapes prose,code,config,paraphrase,near_duplicate]
         [--seeds held-out|tuning|101,102] [--budgets 2048] [--tokens 30000] [--gap 1.0]
-        [--orders recency,model] [--model smollm2-135m]
+        [--orders recency,model] [--model smollm2-135m] [--controller-model NAME]
 
 For each shape (harness.shapes), seed, budget and eviction order (`EngineConfig.evict_order`:
 recency, the pager's own; model, controller.eviction), one session is driven through the real
@@ -28,7 +28,9 @@ exact cache the answer is read from (`Engine.watch_answer`, serving.likelihood):
 Each session runs on a contextd of its own (sessions share their opening: on one contextd a later
 one would start as a branch of an earlier one).
 Per session: controller forward tokens (the advice's scoring), the advice's time per turn
-(p50 / p95 of the `advise` phase over turns that evicted), `historical_forward` and whether
+(p50 / p95 of the `advise` phase over turns that evicted), with `--controller-model` the time a
+turn's new pages took the controller to read (`read_ahead` phase, over turns that read any),
+`historical_forward` and whether
 model_forward_tokens == new_prefill_tokens + decoded_tokens held. Tuning seeds are
 harness.shapes.TUNING_SEEDS; the advice's defaults were set before any run and tuned on none.
 
@@ -55,7 +57,7 @@ from statistics import fmean
 from typing import Any
 
 from backends import Backend, load_backend
-from benchmarks.selectors import locate, names_of, pages_over, seeds_of, token_spans
+from benchmarks.selectors import controller_scorer, locate, names_of, pages_over, seeds_of, token_spans
 from benchmarks.stats import percentile, reliable, unreliable_warning
 from controller.eviction import EVICTION_ORDERS
 from harness.procfs import machine_cpu_seconds, other_cpu_share, process_cpu_seconds
@@ -63,6 +65,7 @@ from harness.shapes import SHAPES, TUNING_SEEDS, Question, Workload, approx_toke
 from serving.chat_format import ChatFormat
 from serving.engine import ChatRequest, Engine, EngineConfig
 from serving.launcher import ContextdProcess
+from serving.scoring import ControllerScorer
 
 MODEL = "smollm2-135m"
 DEFAULT_SHAPES = ("prose", "code", "config", "paraphrase", "near_duplicate")
@@ -112,8 +115,8 @@ def script(workload: Workload, budget: int, gap: float) -> list[Turn]:
     return turns
 
 
-def measure_session(backend: Backend, workload: Workload, budget: int, gap: float, order: str
-                    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def measure_session(backend: Backend, workload: Workload, budget: int, gap: float, order: str,
+                    controller: ControllerScorer | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Drive one session on a contextd of its own (sessions of one run share their opening, and
     on one contextd a later session would start as a branch of an earlier one); one entry per
     answered question, and the session's own figures."""
@@ -121,7 +124,7 @@ def measure_session(backend: Backend, workload: Workload, budget: int, gap: floa
     daemon = ContextdProcess(base / "root", base / "run" / "c.sock", extra=["--reserve-bytes", "0"])
     client = daemon.start()
     try:
-        answers, context = drive(backend, client, workload, budget, gap, order)
+        answers, context = drive(backend, client, workload, budget, gap, order, controller)
     finally:
         context_s = process_cpu_seconds(daemon.proc.pid) if daemon.proc is not None else 0.0
         daemon.stop()
@@ -129,16 +132,18 @@ def measure_session(backend: Backend, workload: Workload, budget: int, gap: floa
     return answers, {**context, "contextd_cpu_s": context_s}
 
 
-def drive(backend: Backend, client: Any, workload: Workload, budget: int, gap: float, order: str
-          ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def drive(backend: Backend, client: Any, workload: Workload, budget: int, gap: float, order: str,
+          controller: ControllerScorer | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     fresh = backend.fork()   # the engine empties it when the session comes in
     engine = Engine(fresh, ChatFormat(fresh.tokenizer), client,
-                    EngineConfig(budget_tokens=budget, tail_tokens=512, max_new_tokens=1, evict_order=order))
+                    EngineConfig(budget_tokens=budget, tail_tokens=512, max_new_tokens=1, evict_order=order),
+                    controller=controller if order == "model" else None)
     session_id = f"{workload.shape}-{workload.seed}-{budget}-{order}"
     values = list(dict.fromkeys(q.answer for q in workload.questions))
     messages: list[dict[str, Any]] = []
     answers: list[dict[str, Any]] = []
     advise_ms: list[float] = []
+    read_ms: list[float] = []
     started = time.perf_counter()
     for turn in script(workload, budget, gap):
         messages.extend(turn.messages)
@@ -150,6 +155,8 @@ def drive(backend: Backend, client: Any, workload: Workload, budget: int, gap: f
         assert session.last_turn is not None
         if session.last_turn.phases.get("advise", 0.0) > 0:
             advise_ms.append(session.last_turn.phases["advise"])
+        if session.last_turn.phases.get("read_ahead", 0.0) > 1.0:   # a controller model read pages
+            read_ms.append(session.last_turn.phases["read_ahead"])
         if turn.answers is None:
             continue
         reading = engine.readings.pop(session_id)
@@ -171,7 +178,8 @@ def drive(backend: Backend, client: Any, workload: Workload, budget: int, gap: f
     context = {"session_tokens": session.transcript.tokens, "build_s": round(time.perf_counter() - started, 1),
                "controller_forward_tokens": session.counters.controller_forward_tokens,
                "branches": session.counters.branches,
-               "advise_ms": advise_ms, "historical_forward": counters.historical_forward_during_restore,
+               "advise_ms": advise_ms, "read_ahead_ms": read_ms,
+               "historical_forward": counters.historical_forward_during_restore,
                "forward_invariant":
                    counters.model_forward_tokens == counters.new_prefill_tokens + counters.decoded_tokens}
     return answers, context
@@ -189,10 +197,12 @@ def totals(answers: list[dict[str, Any]]) -> dict[str, Any]:
 def row(order: str, shape: str, seed: int, budget: int, answers: list[dict[str, Any]], context: dict[str, Any]
         ) -> dict[str, Any]:
     ms = context["advise_ms"] or [0.0]
+    read = context["read_ahead_ms"] or [0.0]
     return {"order": order, "shape": shape, "seed": seed, "budget": budget, **totals(answers),
             "recall_at_1": sum(a["first"] for a in answers),
             "restored_per_answer": round(fmean(a["restored"] for a in answers), 2) if answers else None,
             "advise_p50_ms": round(percentile(ms, 50), 1), "advise_p95_ms": round(percentile(ms, 95), 1),
+            "read_ahead_p50_ms": round(percentile(read, 50), 1), "read_ahead_p95_ms": round(percentile(read, 95), 1),
             "controller_forward_tokens": context["controller_forward_tokens"],
             "historical_forward": context["historical_forward"], "forward_invariant": context["forward_invariant"]}
 
@@ -211,21 +221,24 @@ def summarise(rows: list[dict[str, Any]], answers: dict[tuple[str, int], list[di
 
 
 def run(shapes: Sequence[str], seeds: Sequence[int], budgets: Sequence[int], tokens: int, gap: float,
-        orders: Sequence[str], model: str = MODEL, log: Any = print) -> dict[str, Any]:
+        orders: Sequence[str], model: str = MODEL, log: Any = print, controller_model: str | None = None
+        ) -> dict[str, Any]:
     machine0, own0 = machine_cpu_seconds(), process_cpu_seconds(os.getpid())
     rows: list[dict[str, Any]] = []
     sessions: list[dict[str, Any]] = []
     answers: dict[tuple[str, int], list[dict[str, Any]]] = {}
     advise: dict[tuple[str, int], list[float]] = {}
     backend = load_backend("torch", model, capacity=max(budgets) + 256)
+    controller = controller_scorer(controller_model, backend)
     contextd_s = 0.0
     for budget, shape, seed in itertools.product(budgets, shapes, seeds):
         workload = make(shape, seed, tokens)
         for order in orders:   # the same session, each order in turn
-            given, context = measure_session(backend, workload, budget, gap, order)
+            given, context = measure_session(backend, workload, budget, gap, order, controller)
             rows.append(row(order, shape, seed, budget, given, context))
             answers.setdefault((order, budget), []).extend(given)
             advise.setdefault((order, budget), []).extend(context.pop("advise_ms"))
+            context.pop("read_ahead_ms")
             contextd_s += context.pop("contextd_cpu_s")
             sessions.append({"order": order, "shape": shape, "seed": seed, "budget": budget, **context})
             r = rows[-1]
@@ -233,9 +246,11 @@ def run(shapes: Sequence[str], seeds: Sequence[int], budgets: Sequence[int], tok
                 f"  kept {r['kept']}/{r['questions']} (question {r['question_kept']}, read meanwhile"
                 f" {r['meanwhile_kept']}/{r['meanwhile']})  recall@1 {r['recall_at_1']}/{r['questions']}"
                 f"  log p {r['answer_logprob']}"
-                f"  advise p95 {r['advise_p95_ms']} ms  scored {r['controller_forward_tokens']} tokens")
+                f"  advise p95 {r['advise_p95_ms']} ms  read ahead p95 {r['read_ahead_p95_ms']} ms"
+                f"  scored {r['controller_forward_tokens']} tokens")
     other = other_cpu_share(machine0, machine_cpu_seconds(), process_cpu_seconds(os.getpid()) - own0 + contextd_s)
-    return {"model": model, "tokens": tokens, "gap": gap, "rows": rows, "summary": summarise(rows, answers, advise),
+    return {"model": model, "controller_model": controller_model, "tokens": tokens, "gap": gap, "rows": rows,
+            "summary": summarise(rows, answers, advise),
             "sessions": sessions, "tuning_seeds": sorted(set(seeds) & set(TUNING_SEEDS)),
             "other_processes_cpu_share": other, "reliable": reliable(other)}
 
@@ -252,13 +267,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gap", type=float, default=1.0, help="budgets' worth of tokens read between task and answer")
     parser.add_argument("--orders", default=",".join(EVICTION_ORDERS), help=f"from {', '.join(EVICTION_ORDERS)}")
     parser.add_argument("--model", default=MODEL)
+    parser.add_argument("--controller-model", default=None, metavar="NAME",
+                        help="the model order is scored by this separate model from the pages' text "
+                             "(serving.scoring) instead of by the serving model over their K/V")
     args = parser.parse_args(argv)
     shapes = names_of(parser, args.shapes, SHAPES, "shapes")
     orders = names_of(parser, args.orders, EVICTION_ORDERS, "orders")
     if args.gap <= 0:
         parser.error("--gap must be positive")
     result = run(shapes, seeds_of(args.seeds), [int(b) for b in args.budgets.split(",")], args.tokens, args.gap,
-                 orders, args.model)
+                 orders, args.model, controller_model=args.controller_model)
     if not result["reliable"]:
         print(unreliable_warning(result["other_processes_cpu_share"]))
     for order, budgets in result["summary"].items():

@@ -12,7 +12,7 @@ HELD_OUT_SEEDS.
 
     python -m benchmarks.selectors [--shapes all] [--seeds held-out|tuning|101,102]
         [--budgets 2048,4096] [--tokens 16000] [--selectors recency,attention,bm25,hybrid]
-        [--model smollm2-135m] [--ablation]
+        [--model smollm2-135m] [--ablation] [--controller-model NAME]
 
 Selectors: recency (no advice), attention (the model's keys, controller.keyindex), bm25 (lexical
 rarity alone: the 8 best pages by BM25 that fit), hybrid (the default, controller.hybrid), rerank
@@ -53,6 +53,7 @@ from harness.shapes import DEFAULT_TOKENS, HELD_OUT_SEEDS, SHAPES, TUNING_SEEDS,
 from serving.chat_format import ChatFormat
 from serving.engine import ChatRequest, Engine, EngineConfig
 from serving.launcher import ContextdProcess
+from serving.scoring import ControllerConfig, ControllerScorer
 
 MODEL = "smollm2-135m"
 BASE_SELECTORS = ("recency", "attention", "bm25", "hybrid", "rerank")
@@ -129,13 +130,14 @@ def build(engine: Engine, session_id: str, workload: Workload) -> list[dict[str,
     return [*messages, {"role": "assistant", "content": final.content}]
 
 
-def measure_session(backend: Backend, client: Any, workload: Workload, budget: int, chosen: Sequence[Selector]
-                    ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+def measure_session(backend: Backend, client: Any, workload: Workload, budget: int, chosen: Sequence[Selector],
+                    controller: ControllerScorer | None = None) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     fresh = backend.fork()   # the engine empties it when the session comes in
     # The session is built with no selector: pages restored (and leased) while it is built would
     # take the room every question's restores need. Each selector is asked in `Engine.probe`.
     engine = Engine(fresh, ChatFormat(fresh.tokenizer), client,
-                    EngineConfig(budget_tokens=budget, tail_tokens=512, max_new_tokens=1), RecencySelector())
+                    EngineConfig(budget_tokens=budget, tail_tokens=512, max_new_tokens=1), RecencySelector(),
+                    controller)
     session_id = f"{workload.shape}-{workload.seed}-{budget}"
     started = time.perf_counter()
     messages = build(engine, session_id, workload)
@@ -193,6 +195,13 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def controller_scorer(name: str | None, backend: Backend) -> ControllerScorer | None:
+    """The separate controller model `name` scoring for `backend`'s sessions, or None for none."""
+    if name is None:
+        return None
+    return ControllerScorer(load_backend("torch", name, capacity=ControllerConfig.max_page_tokens), backend.tokenizer)
+
+
 def names_of(parser: argparse.ArgumentParser, text: str, known: Sequence[str], what: str) -> list[str]:
     """Comma-separated names from `known` ("all": every one); an unknown name is a usage error."""
     names = list(known) if text == "all" else text.split(",")
@@ -211,7 +220,7 @@ def seeds_of(text: str) -> list[int]:
 
 
 def run(shapes: list[str], seeds: list[int], budgets: list[int], tokens: int, chosen: list[Selector],
-        model: str = MODEL, log: Any = print) -> dict[str, Any]:
+        model: str = MODEL, log: Any = print, controller_model: str | None = None) -> dict[str, Any]:
     base = Path(tempfile.mkdtemp(prefix="kvb-sel-", dir="/tmp"))
     daemon = ContextdProcess(base / "root", base / "run" / "c.sock", extra=["--reserve-bytes", "0"])
     client = daemon.start()
@@ -219,11 +228,12 @@ def run(shapes: list[str], seeds: list[int], budgets: list[int], tokens: int, ch
     sessions: list[dict[str, Any]] = []
     try:
         backend = load_backend("torch", model, capacity=max(budgets) + 256)
+        controller = controller_scorer(controller_model, backend)
         for budget in budgets:
             for shape in shapes:
                 for seed in seeds:
                     workload = make(shape, seed, tokens)
-                    results, context = measure_session(backend, client, workload, budget, chosen)
+                    results, context = measure_session(backend, client, workload, budget, chosen, controller)
                     sessions.append({"shape": shape, "seed": seed, "budget": budget, **context})
                     for name, r in results.items():
                         rows.append(row(name, r, shape, seed, budget))
@@ -234,7 +244,8 @@ def run(shapes: list[str], seeds: list[int], budgets: list[int], tokens: int, ch
         daemon.stop()
         shutil.rmtree(base, ignore_errors=True)
     tuned = sorted(set(seeds) & set(TUNING_SEEDS))
-    return {"model": model, "rows": rows, "summary": summarise(rows), "sessions": sessions, "tokens": tokens,
+    return {"model": model, "controller_model": controller_model, "rows": rows, "summary": summarise(rows),
+            "sessions": sessions, "tokens": tokens,
             "tuning_seeds": tuned, "held_out_seeds": sorted(set(seeds) - set(TUNING_SEEDS))}
 
 
@@ -250,11 +261,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="the serving model; recency, bm25 and hybrid read token ids only, so any model with "
                              "SmolLM2's tokenizer (tiny-llama) gives them the same figures in a fraction of the time")
     parser.add_argument("--ablation", action="store_true", help="also the hybrid without each part, and with keys")
+    parser.add_argument("--controller-model", default=None, metavar="NAME",
+                        help="rerank scores with this separate model from the pages' text (serving.scoring) instead "
+                             "of the serving model over their stored K/V")
     args = parser.parse_args(argv)
     shapes = names_of(parser, args.shapes, SHAPES, "shapes")
     chosen = selectors(names_of(parser, args.selectors, BASE_SELECTORS, "selectors"), args.ablation)
     result = run(shapes, seeds_of(args.seeds), [int(b) for b in args.budgets.split(",")], args.tokens, chosen,
-                 args.model)
+                 args.model, controller_model=args.controller_model)
     for name, budgets in result["summary"].items():
         for budget, entry in budgets.items():
             shapes_text = "  ".join(f"{shape} {rate:.2f}" for shape, rate in entry["by_shape"].items())

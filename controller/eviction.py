@@ -18,10 +18,12 @@ pages that have nothing to do with it leave in its place.
             leases excluded: the host's rules decide what is evictable, this only orders it).
             When no more of them are evictable than must go, there is nothing to choose and
             nothing is scored.
-  scores    each page's mean log-probability of the focus after the page on its own, read over
-            its K/V in attention by the host (`HeldScorer`: one forward of at most `window` pages:
-            the window's unscored ones, then the pages that may become evictable next; counted as
-            controller forward tokens, never a forward over history). Scores are kept until the
+  scores    each page's mean log-probability of the focus after the page on its own, read by the
+            host (`HeldScorer`: over the page's K/V in attention, or by a separate controller
+            model from its text; one forward of at most `window` pages: the window's unscored
+            ones, then the pages that may become evictable next; counted as controller forward
+            tokens, never a forward over history). A page the scorer could not score leaves the
+            window unordered (no advice). Scores are kept until the
             focus changes, the transcript is cut at or before the page, or the page's K/V are
             prefilled again (`--refresh`): otherwise a held page's K/V do not change.
   order     the window, least likely first (ties: older first); the pager then evicts in that
@@ -41,7 +43,8 @@ from controller.pager import Pager
 from controller.rerank import mean_logprob, question_ids
 
 # The host's query likelihood over pages in attention: for held page indices and token ids, every
-# page's float64 log p(ids[j] | page, ids[:j]) for j >= 1, read over the page's K/V where it is held.
+# page's float64 log p(ids[j] | page, ids[:j]) for j >= 1 (read over the page's K/V where it is
+# held, or by a separate controller model from the page's text, in its own tokens).
 HeldScorer = Callable[[list[int], list[int]], dict[int, np.ndarray]]
 
 EVICTION_ORDERS = ("recency", "model")
@@ -81,9 +84,12 @@ class EvictionAdvisor:
         for page in pages:
             self.scores.pop(page, None)
 
-    def order(self, pager: Pager, incoming_tokens: int, scorer: HeldScorer) -> list[int]:
+    def order(self, pager: Pager, incoming_tokens: int, scorer: HeldScorer,
+              cheap: Callable[[list[int]], list[int]] | None = None) -> list[int]:
         """The pages to evict first for `incoming_tokens` more, least related to the focus first;
-        [] when there is no focus, no choice, or nothing could be scored."""
+        [] when there is no focus, no choice, or nothing could be scored. `cheap`: of the pages
+        that may fill a forward up, those the scorer reads at the question's cost alone (a
+        controller model reads a page it has not read yet at ~400 ms here); None: all."""
         if not self.focus:
             return []
         window = pager.evictable()[:self.config.window]
@@ -97,7 +103,11 @@ class EvictionAdvisor:
             # eviction frees a page or two, so scoring only what entered the window would run one
             # forward per prefill chunk (benchmarks.eviction, prose, tuning seed 1: 560 ms a turn).
             coming = [page for page in pager.unpinned_full() if page not in self.scores and page not in unscored]
+            if cheap is not None:
+                coming = cheap(coming)
             per_token = scorer(unscored + coming[:max(0, self.config.window - len(unscored))], self.focus)
             self.scores.update({page: mean_logprob(lp) for page, lp in per_token.items()})
+            if any(page not in self.scores for page in window):
+                return []   # nothing to order by (the focus had no words the scorer could read)
         # Stable: of two pages that score alike, the older goes first, as the pager would have it.
         return sorted(window, key=lambda page: self.scores[page])

@@ -3,8 +3,9 @@ words are likely.
 
 Query likelihood (UPR, Sachan et al. 2022): a page that holds what the turn is about makes the
 turn's tokens more likely when it is the context. The host scores each candidate page on its own
-(`SelectionContext.scorer`: the serving model reads the page's stored K/V, then the turn's last
-`question_tokens` words, all candidates in one forward) and this module decides from the scores:
+(`SelectionContext.scorer`: the serving model reads the page's stored K/V, or a separate
+controller model the page's text, then the turn's last `question_tokens` words, all candidates in
+one forward) and this module decides from the scores:
 
   question   the turn's newest ids without the chat template's own (they follow any page alike),
              the last `question_tokens` of them;

@@ -6,15 +6,17 @@
               a cutoff where the evidence falls off, and the neighbour a match leans on
               (controller.hybrid). Optionally the key index's evidence beside it.
   rerank      the hybrid's choice re-ranked by query likelihood: the serving model reads each
-              candidate's stored K/V and then the turn's own words, all candidates in one forward
-              (the host's `SelectionContext.scorer`); the candidates within a margin of the best
-              come back (controller.rerank).
+              candidate's stored K/V (or a separate controller model its text) and then the
+              turn's own words, all candidates in one forward (the host's
+              `SelectionContext.scorer`); the candidates within a margin of the best come back
+              (controller.rerank).
   attention   model-native, no second model: the turn's new tokens are matched against every cold
               page in the serving model's own key space (controller.keyindex); the best pages
               that fit the room come back.
 
 Whatever a selector says goes through the pager's rules (`Pager.validate`). No selector, and
-nothing in the host, looks at the words of the transcript: they read token ids and stored K/V.
+nothing in the host, looks at the words of the transcript: they read token ids and stored K/V (a
+controller model reads text, but only to score it; no rule matches words).
 Depends on numpy, contextd.wire (PageState), controller.pager, controller.keyindex,
 controller.lexical, controller.hybrid and controller.rerank.
 """

@@ -15,7 +15,9 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from backends.protocol import BackendError
 from contextd.client import Client
 from contextd.errors import DaemonUnavailable
 from contextd.paths import default_root, default_socket
@@ -23,6 +25,10 @@ from controller.eviction import EVICTION_ORDERS
 from controller.selectors import SELECTORS, Selector, make_selector
 from serving.engine import PLACEMENTS, Engine, EngineConfig
 from serving.launcher import ContextdProcess, spawn_tied_contextd
+from serving.scoring import ControllerConfig, ControllerScorer
+
+if TYPE_CHECKING:
+    from backends import Backend
 
 log = logging.getLogger("kv_elision")
 
@@ -54,11 +60,25 @@ def _selector(args: argparse.Namespace) -> Selector:
     return make_selector(args.selector, **options)
 
 
+def _controller(args: argparse.Namespace, backend: Backend) -> ControllerScorer | None:
+    """The separate controller model `--controller-model` names, loaded on the serving runtime."""
+    if args.controller_model is None:
+        return None
+    from backends import load_backend
+
+    controller = load_backend(args.backend, args.controller_model, device=args.device, dtype=args.dtype,
+                              capacity=ControllerConfig.max_page_tokens)
+    return ControllerScorer(controller, backend.tokenizer, ControllerConfig(cache_bytes=args.controller_cache_mb << 20))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from backends import load_backend
     from serving.chat_format import ChatFormat
     from serving.http import Server
 
+    if args.controller_model is not None and args.selector != "rerank" and args.evict_order != "model":
+        raise ValueError("--controller-model scores pages for --selector rerank and --evict-order model; "
+                         "with neither it would have nothing to do")
     if args.backend == "mlx":
         from backends.runtime import keep_torch_out
 
@@ -77,18 +97,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                capacity=args.budget + 256)
         if daemon is not None:
             daemon.wait_started()
-        if args.selector == "rerank" and backend.is_hybrid:
+        controller = _controller(args, backend)
+        if args.selector == "rerank" and backend.is_hybrid and controller is None:
             print(f"kv-elision: --selector rerank scores each candidate over its stored K/V in one forward, which "
                   f"needs every layer to be full attention; {args.model} has sliding-window or recurrent layers "
-                  "(use --selector hybrid)", file=sys.stderr, flush=True)
+                  "(use --selector hybrid, or a full-attention --controller-model)", file=sys.stderr, flush=True)
             return 2
-        if args.evict_order == "model" and backend.is_hybrid:
+        if args.evict_order == "model" and backend.is_hybrid and controller is None:
             print(f"kv-elision: --evict-order model scores pages in attention over their K/V in one forward, which "
                   f"needs every layer to be full attention; {args.model} has sliding-window or recurrent layers "
-                  "(use --evict-order recency)", file=sys.stderr, flush=True)
+                  "(use --evict-order recency, or a full-attention --controller-model)", file=sys.stderr, flush=True)
             return 2
         template = Path(args.chat_template).read_text() if args.chat_template else None
-        engine = Engine(backend, ChatFormat(backend.tokenizer, template), client, config, _selector(args))
+        engine = Engine(backend, ChatFormat(backend.tokenizer, template), client, config, _selector(args), controller)
         server = Server(engine, args.model, args.host, args.port, str(socket_path), args.api_key or None,
                         client_timeout=args.client_timeout)
         stop = threading.Event()
@@ -155,7 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--evict-order", default=EngineConfig.evict_order, choices=list(EVICTION_ORDERS),
                        help="which pages leave attention first: the oldest (recency), or, of the oldest the pager may "
                        "evict, those least related to the last user message, scored by the serving model over their "
-                       "K/V (model: a scoring forward when the budget is crossed; docs/controller.md measures it)")
+                       "K/V or by --controller-model (model: a scoring forward when the budget is crossed; "
+                       "docs/controller.md measures it)")
+    serve.add_argument("--controller-model", default=None, metavar="NAME",
+                       help="a separate full-attention model (any name --model takes) that scores pages for "
+                       "--selector rerank and --evict-order model from their text, instead of the serving model over "
+                       "their K/V: it costs the controller's forwards, not the serving model's, and works for hybrid "
+                       "and sliding-window serving models (docs/controller.md)")
+    serve.add_argument("--controller-cache-mb", type=int, default=ControllerConfig.cache_bytes >> 20, metavar="MB",
+                       help="memory for the controller's K/V of pages it already read (each page is prefilled by "
+                       "the controller once while it stays here)")
     serve.add_argument("--max-new-tokens", type=int, default=1024, help="cap on tokens generated per turn")
     serve.add_argument("--resident-sessions", type=int, default=1, metavar="N",
                        help="sessions whose caches stay in memory, least recently used out (each holds a budget's "
@@ -201,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code: int = args.run(args)
         return code
-    except (DaemonUnavailable, ValueError, OSError) as exc:
+    except (DaemonUnavailable, BackendError, ValueError, OSError) as exc:
         print(f"kv-elision {args.verb}: {exc}", file=sys.stderr)
         return 2
 

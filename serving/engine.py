@@ -29,7 +29,6 @@ recovery / session / transcript / chat_format / likelihood.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from collections import OrderedDict
@@ -55,6 +54,7 @@ from serving.chat_format import ChatFormat, Rendering, content_text
 from serving.likelihood import ViewCapture, ViewReading, capture_view
 from serving.paging import PageMover, Tally
 from serving.recovery import Recovery
+from serving.scoring import ControllerScorer
 from serving.session import LastAnswer, Session, SessionCounters, TurnTimings
 from serving.transcript import (
     Alignment,
@@ -213,17 +213,20 @@ class Engine:
     `self.backend` (and the mover's) is the cache of the session being served."""
 
     def __init__(self, backend: Backend, chat_format: ChatFormat, contextd: Client, config: EngineConfig,
-                 selector: Selector | None = None) -> None:
+                 selector: Selector | None = None, controller: ControllerScorer | None = None) -> None:
+        """`controller`: a separate model that scores pages for the re-ranker and the eviction advice
+        (serving.scoring); without one the serving model scores them over their K/V."""
         self.backend = backend
         self.format = chat_format
         self.contextd = contextd
         self.config = config
         self.selector: Selector = selector or RecencySelector()
-        if config.evict_order == "model" and backend.is_hybrid:
+        if config.evict_order == "model" and backend.is_hybrid and controller is None:
             raise ValueError("evict_order 'model' scores pages in attention apart, in one forward, which needs every "
-                             "layer to be full attention; this model has sliding-window or recurrent layers")
+                             "layer to be full attention; this model has sliding-window or recurrent layers "
+                             "(a controller model can score them instead)")
         self.tally = Tally()
-        self.mover = PageMover(backend, contextd, self.tally, compress=config.compress_pages)
+        self.mover = PageMover(backend, contextd, self.tally, compress=config.compress_pages, controller=controller)
         self.recovery = Recovery(self.mover, contextd, self.tally, self._indexes)
         self.sessions: dict[str, Session] = {}
         self.active: str | None = None                 # the session whose cache `self.backend` is
@@ -581,7 +584,7 @@ class Engine:
                                 key_index=session.key_index, room_tokens=session.pager.room(),
                                 lexical_index=session.lexical_index,
                                 incoming_ids=ids[len(ids) - min(new_tokens, INCOMING_IDS):],
-                                scorer=functools.partial(self.mover.score_pages, session))
+                                scorer=self.mover.cold_scorer(session))
 
     def _apply_plan(self, session: Session, request: ChatRequest, new_tokens: int
                     ) -> tuple[list[int], bool]:
@@ -777,6 +780,9 @@ class Engine:
         persisting = time.perf_counter()
         self.mover.persist(session, lambda: self._record(session))
         session.timed("persist", persisting)
+        reading = time.perf_counter()
+        self.mover.read_ahead(session)
+        session.timed("read_ahead", reading)
         elapsed_ms = (time.perf_counter() - started) * 1e3 - self.paused_ms.get(session.session_id, 0.0)
         session.last_turn = TurnTimings(total_ms=elapsed_ms + session.phase_ms["receive"],
                                         forward_ms=(after.forward_ns - before.forward_ns) / 1e6,

@@ -48,6 +48,7 @@ from contextd.client import Client, Pending, pb
 from contextd.errors import DataCorrupt, FailedPrecondition
 from contextd.wire import PageState
 from controller.pager import PAGE_TOKENS, Decision, Page, Pager, Plan
+from serving.scoring import ControllerScorer
 from serving.session import Session, SessionCounters, StoredPayload
 
 log = logging.getLogger("kv_elision.paging")
@@ -85,12 +86,14 @@ class Tally:
 class PageMover:
     """Carries the pager's decisions out on the backend and records them in contextd."""
 
-    def __init__(self, backend: Backend, contextd: Client, tally: Tally, compress: bool = False) -> None:
+    def __init__(self, backend: Backend, contextd: Client, tally: Tally, compress: bool = False,
+                 controller: ControllerScorer | None = None) -> None:
         self.backend = backend
         self.compress = compress
         self.contextd = contextd
         self.payloads = contextd.payloads()
         self.tally = tally
+        self.controller = controller
 
     # ------------------------------------------------------------------ during a turn
 
@@ -122,9 +125,45 @@ class PageMover:
             return []
         advising = time.perf_counter()
         try:
-            return advisor.order(session.pager, incoming, functools.partial(self.score_held, session))
+            cheap = None if self.controller is None else functools.partial(self.controller.holding, session)
+            return advisor.order(session.pager, incoming, self.held_scorer(session), cheap)
         finally:
             session.timed("advise", advising)
+
+    def cold_scorer(self, session: Session) -> Callable[[list[int], list[int]], dict[int, np.ndarray]]:
+        """How a selector scores this session's cold pages: by the controller model when the server
+        has one, else by the serving model over their stored K/V (`score_pages`)."""
+        if self.controller is not None:
+            return functools.partial(self.score_by_controller, session)
+        return functools.partial(self.score_pages, session)
+
+    def held_scorer(self, session: Session) -> Callable[[list[int], list[int]], dict[int, np.ndarray]]:
+        """How the eviction advice scores this session's pages in attention: by the controller model
+        when the server has one, else by the serving model over their K/V as held (`score_held`)."""
+        if self.controller is not None:
+            return functools.partial(self.score_by_controller, session)
+        return functools.partial(self.score_held, session)
+
+    def read_ahead(self, session: Session) -> None:
+        """The controller model reads the full pages stored this turn (serving.scoring): each is
+        read once when it is written, at the end of its turn, so the eviction advice and the
+        re-ranker later forward only the question's tokens over it (a page the controller's memory
+        let go is read again when scored). Counted as `controller_forward_tokens`."""
+        if self.controller is None or not session.unread_pages:
+            return
+        pages = session.pager.pages
+        unread = sorted({i for i in session.unread_pages if i < len(pages) and pages[i].tokens == PAGE_TOKENS})
+        session.unread_pages = []
+        self.tally.count(session, controller_forward_tokens=self.controller.read(session, unread))
+
+    def score_by_controller(self, session: Session, indices: list[int], token_ids: list[int]
+                            ) -> dict[int, np.ndarray]:
+        """Query likelihood read by the controller model from the pages' text (serving.scoring);
+        the same for a page in attention or cold. Counted as `controller_forward_tokens`."""
+        assert self.controller is not None
+        scores, forwarded = self.controller.score(session, indices, token_ids)
+        self.tally.count(session, controller_forward_tokens=forwarded)
+        return scores
 
     def score_held(self, session: Session, indices: list[int], token_ids: list[int]) -> dict[int, np.ndarray]:
         """Query likelihood over pages in attention, for the eviction advice: each page's K/V as
@@ -425,6 +464,8 @@ class PageMover:
                 session.key_index.add(index, block.keys)
             if page.tokens == PAGE_TOKENS and session.lexical_index is not None:
                 session.lexical_index.add(index, block.token_ids)
+            if page.tokens == PAGE_TOKENS and self.controller is not None:
+                session.unread_pages.append(index)
             page.stored = True
             previous = session.persisted.page_ids.get(index)
             if previous is not None and previous != page.page_id:

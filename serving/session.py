@@ -104,8 +104,9 @@ class TurnTimings:
 # backend (nothing when it is there; a switch from another session, a recovery or a branch
 # otherwise); render, align and tokenize the request; the selector's decision; the eviction
 # advice (--evict-order model: its scoring forwards); payload writes and their records; restores
-# (reads, checks, inserts); the end-of-turn write-through.
-PHASES = ("receive", "activate", "prepare", "select", "advise", "store", "restore", "persist")
+# (reads, checks, inserts); the end-of-turn write-through; a controller model's first read of the
+# pages stored this turn (--controller-model).
+PHASES = ("receive", "activate", "prepare", "select", "advise", "store", "restore", "persist", "read_ahead")
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,7 @@ class Session:
     recovery_notes: list[str] = field(default_factory=list)    # what recovery found and fixed
     restore_scores: dict[int, float] = field(default_factory=dict)  # page -> score that last brought it back
     render_memo: RenderMemo | None = None   # the last request's render, for rendering only what the next adds
+    unread_pages: list[int] = field(default_factory=list)  # full pages stored this turn, for a controller to read
     eviction: EvictionAdvisor | None = None  # the model's eviction advice (--evict-order model), else the pager's order
 
     def timed(self, phase: str, started: float) -> None:

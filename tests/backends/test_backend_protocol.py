@@ -503,6 +503,28 @@ def test_scoring_after_blocks_equals_each_block_in_a_session_of_its_own(models: 
     np.testing.assert_allclose(again[0], expected, atol=2e-4)
 
 
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
+def test_a_block_prefilled_alone_is_a_fresh_sessions_and_leaves_the_session_as_it_was(models: Models,
+                                                                                       model: str) -> None:
+    be = models.fresh(model)
+    be.prefill(models.tokens[:300])
+    before, keys, logits = be.counters, be.rotated_keys(), be.last_logits()
+    for span in (slice(400, 528), slice(10, 40)):   # the second, shorter, reads nothing of the first
+        blk = be.prefill_alone(models.tokens[span])
+        assert be.counters == before and be.attention_tokens == 300
+        alone = models.fresh(model)
+        alone.prefill(models.tokens[span])
+        expected = alone.save_block(0, alone.attention_tokens)
+        np.testing.assert_array_equal(blk.token_ids, expected.token_ids)
+        np.testing.assert_array_equal(blk.positions, np.arange(expected.n_tokens))
+        np.testing.assert_allclose(blk.keys, expected.keys, atol=1e-5)
+        np.testing.assert_allclose(blk.values, expected.values, atol=1e-5)
+    np.testing.assert_array_equal(be.rotated_keys(), keys)
+    np.testing.assert_array_equal(be.last_logits(), logits)
+    with pytest.raises(ValueError, match="at least one token"):
+        be.prefill_alone([])
+
+
 @pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-qwen3-next"])
 def test_scoring_after_blocks_is_refused_for_stream_state(models: Models, model: str) -> None:
     be = models.fresh(model)

@@ -118,6 +118,30 @@ def test_scoring_pages_apart_is_refused_at_start_for_a_model_that_cannot(tmp_pat
     assert "full attention" in run.stderr and advice in run.stderr
 
 
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--model", "tiny-llama", "--controller-model", "tiny-llama"], "nothing to do"),
+    (["--model", "tiny-qwen3-next", "--evict-order", "model", "--controller-model", "tiny-qwen3-next"],
+     "full attention"),
+    (["--model", "tiny-llama", "--selector", "rerank", "--controller-model", "no-such-model"], "no-such-model")])
+def test_a_controller_model_that_cannot_serve_is_refused_at_start(tmp_path: Path, flags: list[str], says: str) -> None:
+    run = subprocess.run([sys.executable, "-m", "serving.cli", "serve", *flags, "--root", str(tmp_path / "root"),
+                          "--port", "0", "--budget", "2048"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert says in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
+def test_a_controller_model_advises_evictions_for_a_hybrid_model_over_http(server_factory: Any) -> None:
+    """Recurrent layers keep the serving model from scoring pages apart; a full-attention controller
+    reads the pages' text instead, and the session stays exact."""
+    server: ServerProcess = server_factory("tiny-qwen3-next", 2048, "--evict-order", "model",
+                                           "--controller-model", "tiny-llama")
+    grow(server, "c", files=8)
+    stats = server.stats("c")
+    assert stats["counters"]["evicted_pages"] > 0
+    assert stats["counters"]["controller_forward_tokens"] > 0
+    exact(stats)
+
+
 def test_evict_order_model_scores_pages_in_attention_over_http(server_factory: Any) -> None:
     """The flag reaches the engine: sessions past their budget evict with the model's advice (its
     scoring forwards counted apart) and stay exact."""

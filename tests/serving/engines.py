@@ -1,5 +1,6 @@
 """Shared by the engine tests: one turn run to its end (every event consumed, so a watched turn's
-scoring runs too), and the store as a restarted server finds it."""
+scoring runs too), one eviction checked against the eviction advice, and the store as a restarted
+server finds it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from serving.engine import ChatRequest, Engine, TurnResult
 from serving.launcher import ContextdProcess
+from serving.session import Session
 
 
 def turn(engine: Engine, session: str, messages: list[dict[str, Any]]) -> TurnResult:
@@ -18,6 +20,22 @@ def turn(engine: Engine, session: str, messages: list[dict[str, Any]]) -> TurnRe
         final = event.final or final
     assert final is not None
     return final
+
+
+def evicts_the_least_likely_of_the_window(engine: Engine, session: Session) -> None:
+    """One eviction, made the way a prefill chunk makes room: of the advice's window, exactly the
+    least likely pages leave, and not the ones the pager's own order would have taken."""
+    advice = session.eviction
+    assert advice is not None
+    pager = session.pager
+    incoming = pager.config.high_tokens - pager.hot_tokens + 1
+    window = pager.evictable()[:advice.config.window]
+    need = pager.pages_to_free(incoming, window)
+    assert 0 < need < len(window)
+    engine.mover.make_room(session, incoming)
+    evicted = [p for p in window if not pager.pages[p].resident]
+    assert set(evicted) == set(sorted(window, key=lambda p: advice.scores[p])[:need])
+    assert evicted != window[:need], "the scores happened to agree with the pager's own order"
 
 
 @contextlib.contextmanager

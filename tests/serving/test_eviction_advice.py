@@ -17,7 +17,7 @@ from controller.selectors import RecencySelector
 from serving.chat_format import ChatFormat
 from serving.engine import Engine, EngineConfig
 from serving.launcher import ContextdProcess
-from tests.serving.engines import turn
+from tests.serving.engines import evicts_the_least_likely_of_the_window, turn
 
 CONFIG = EngineConfig(budget_tokens=2048, tail_tokens=256, max_new_tokens=1, evict_order="model")
 SYSTEM = {"role": "system", "content": "You are a coding agent. Be brief."}
@@ -54,16 +54,7 @@ def test_the_least_likely_of_the_oldest_pages_leave_first_and_the_accounting_hol
     for n in range(8):
         messages += file_turn(n)
         turn(engine, "e", messages)
-    # One eviction, made the way a prefill chunk makes room: of the window, the least likely leave.
-    pager = session.pager
-    incoming = pager.config.high_tokens - pager.hot_tokens + 1
-    window = pager.evictable()[:advice.config.window]
-    need = pager.pages_to_free(incoming, window)
-    assert 0 < need < len(window)
-    engine.mover.make_room(session, incoming)
-    evicted = [p for p in window if not pager.pages[p].resident]
-    assert set(evicted) == set(sorted(window, key=lambda p: advice.scores[p])[:need])
-    assert evicted != window[:need], "the scores happened to agree with the pager's own order"
+    evicts_the_least_likely_of_the_window(engine, session)
     counters = session.counters
     assert counters.controller_forward_tokens > 0
     assert counters.historical_forward_during_restore == 0

@@ -120,3 +120,20 @@ def test_scores_are_kept_under_one_focus_and_a_forward_fills_up_with_the_pages_t
     advice.order(pager, 128, table)
     # the window's one unscored page, then the oldest that may become evictable: 2 (leased), 6, 7
     assert table.calls[-1][0] == [5, 2, 6, 7]
+
+
+def test_a_forward_fills_up_only_with_pages_the_scorer_reads_cheaply() -> None:
+    """A controller model reads a page it has not read yet at a page's prefill: the fill-up takes
+    only the pages `cheap` names; the window's own pages are scored whatever they cost."""
+    pager = full_pager(16, tail=512)
+    table = Table({})
+    advice = advisor(window=4)
+    advice.scores = {1: -1.0, 2: -1.0, 3: -1.0}
+    advice.order(pager, 128, table, cheap=lambda pages: [p for p in pages if p % 2 == 0])
+    assert table.calls == [([4, 6, 8, 10], [50, 51, 52, 53, 54])]   # 4 unscored in the window; then cheap ones
+
+
+def test_a_window_the_scorer_could_not_score_is_not_ordered() -> None:
+    pager = full_pager(16)
+    advice = advisor(window=4)
+    assert advice.order(pager, 128, lambda pages, ids: {}) == []

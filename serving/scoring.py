@@ -1,0 +1,140 @@
+"""Query likelihood read by a separate controller model instead of the serving model.
+
+The serving model scores a page over the K/V it stored for it (`PageMover.score_pages`,
+`PageMover.score_held`): no forward over the page, but a forward of the serving model, and only
+when every layer is full attention (a sliding-window or recurrent layer's state is a stream that
+cannot be split per page). A controller model (`kv-elision serve --controller-model NAME`) lifts
+both limits: a small full-attention model reads each page's text on its own and scores the turn's
+words after it, whatever the serving model is (so the re-ranker and the eviction advice also run
+for hybrid and sliding-window models), at the controller's size instead of the serving model's.
+
+What it reads: a page's ids as the serving model holds them (the transcript's), decoded to text
+without special tokens and encoded by the controller's own tokenizer (its BOS where it adds one),
+cut at `max_page_tokens`; the question (the serving ids the policy chose) the same way, without
+special tokens. The controller prefills each page alone from position 0 (`Backend.prefill_alone`)
+and keeps its K/V in memory by content (an LRU over the serving ids, up to `cache_bytes`), so a
+page costs one prefill the first time and each later scoring only the question's tokens, in one
+forward over all candidates (`Backend.score_after_blocks`). The server has the controller read
+each full page once when it is stored, at the end of its turn (`PageMover.read_ahead`), so the
+advice and the re-ranker rarely wait for a page's read. Every token it forwards is counted as
+`controller_forward_tokens`; the serving model's cache, counters and transcript are never
+touched, so `historical_forward == 0` and the forward invariant stay the serving model's own.
+
+Dependency rules: backends, numpy and xxhash; serving.session for the session it reads.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from backends import Backend, Block, Tokenizer, UnsupportedModelError
+from serving.session import Session
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    cache_bytes: int = 512 << 20   # controller K/V kept for pages already read (SmolLM2 float32: 5.9 MB a page)
+    max_page_tokens: int = 512     # a page's text in the controller's tokens is cut here
+
+    def __post_init__(self) -> None:
+        if self.cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
+        if self.max_page_tokens < 1:
+            raise ValueError(f"max_page_tokens must be >= 1, got {self.max_page_tokens}")
+
+
+class ControllerScorer:
+    """One controller model shared by every session of a server; not thread-safe (the engine's
+    worker thread is its only caller)."""
+
+    def __init__(self, controller: Backend, serving_tokenizer: Tokenizer,
+                 config: ControllerConfig | None = None) -> None:
+        if controller.is_hybrid:
+            raise UnsupportedModelError(
+                f"the controller model {controller.model_name} has sliding-window or recurrent layers; it scores "
+                "pages apart in one forward, which needs every layer to be full attention")
+        self.controller = controller
+        self.serving_tokenizer = serving_tokenizer
+        self.config = config or ControllerConfig()
+        self._blocks: OrderedDict[bytes, Block] = OrderedDict()
+        self._bytes = 0
+
+    @property
+    def cached_pages(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._bytes
+
+    def score(self, session: Session, indices: list[int], token_ids: list[int]) -> tuple[dict[int, np.ndarray], int]:
+        """Per page index, log p of the question's tokens after the page (float64, one less than
+        the question's controller tokens), and the tokens the controller forwarded. A question of
+        fewer than two controller tokens scores nothing."""
+        question = self._encode(token_ids, special=False)
+        if len(question) < 2 or not indices:
+            return {}, 0
+        ids = session.transcript.ids
+        forwarded = 0
+        blocks = []
+        for index in indices:
+            page = session.pager.pages[index]
+            blk, prefilled = self._page_block(ids[page.token_start:page.token_end])
+            blocks.append(blk)
+            forwarded += prefilled
+        scores, scored = self.controller.score_after_blocks(blocks, question)
+        return dict(zip(indices, scores, strict=True)), forwarded + scored
+
+    def holding(self, session: Session, indices: list[int]) -> list[int]:
+        """Of these pages, those whose K/V the controller holds (scored at the question's cost)."""
+        ids, pages = session.transcript.ids, session.pager.pages
+        return [i for i in indices if _key(ids[pages[i].token_start:pages[i].token_end]) in self._blocks]
+
+    def read(self, session: Session, indices: list[int]) -> int:
+        """Make sure the controller holds these pages' K/V; the tokens it prefilled."""
+        ids = session.transcript.ids
+        pages = session.pager.pages
+        return sum(self._page_block(ids[pages[i].token_start:pages[i].token_end])[1] for i in indices)
+
+    def _page_block(self, serving_ids: Sequence[int]) -> tuple[Block, int]:
+        """The controller's K/V for a page's text, and the tokens prefilled to get it (0 when kept)."""
+        key = _key(serving_ids)
+        kept = self._blocks.get(key)
+        if kept is not None:
+            self._blocks.move_to_end(key)
+            return kept, 0
+        # The page's text with its special tokens when it has no other (never empty: 128 ids decode to something).
+        ids = (self._encode(serving_ids, special=True)
+               or self._encode_text(self.serving_tokenizer.decode([int(t) for t in serving_ids]) or " ", special=True))
+        ids = ids[:self.config.max_page_tokens]
+        blk = self.controller.prefill_alone(ids)
+        self._keep(key, blk)
+        return blk, len(ids)
+
+    def _keep(self, key: bytes, blk: Block) -> None:
+        self._blocks[key] = blk
+        self._bytes += blk.nbytes
+        while self._bytes > self.config.cache_bytes and self._blocks:
+            _, dropped = self._blocks.popitem(last=False)
+            self._bytes -= dropped.nbytes
+
+    def _encode(self, serving_ids: Sequence[int], special: bool) -> list[int]:
+        """Serving ids as the controller's tokens, through their text without special tokens (the
+        tokenizers may differ); [] when there is no such text."""
+        return self._encode_text(self.serving_tokenizer.decode([int(t) for t in serving_ids], skip_special_tokens=True),
+                                 special)
+
+    def _encode_text(self, text: str, special: bool) -> list[int]:
+        if not text:
+            return []
+        return [int(t) for t in self.controller.tokenizer.encode(text, add_special_tokens=special)]
+
+
+def _key(serving_ids: Sequence[int]) -> bytes:
+    """A page's content as the controller's memory knows it."""
+    return xxhash.xxh3_128_digest(np.asarray(serving_ids, dtype=np.int32).tobytes())
