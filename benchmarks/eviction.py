@@ -29,7 +29,7 @@ Each session runs on a contextd of its own (sessions share their opening: on one
 one would start as a branch of an earlier one).
 Per session: controller forward tokens (the advice's scoring), the advice's time per turn
 (p50 / p95 of the `advise` phase over turns that evicted), with `--controller-model` the time a
-turn's new pages took the controller to read (`read_ahead` phase, over turns that read any),
+turn's new pages took the controller to read after its answer (over turns that read any),
 `historical_forward` and whether
 model_forward_tokens == new_prefill_tokens + decoded_tokens held. Tuning seeds are
 harness.shapes.TUNING_SEEDS; the advice's defaults were set before any run and tuned on none.
@@ -57,7 +57,7 @@ from statistics import fmean
 from typing import Any
 
 from backends import Backend, load_backend
-from benchmarks.selectors import controller_scorer, locate, names_of, pages_over, seeds_of, token_spans
+from benchmarks.selectors import controller_backend, locate, names_of, pages_over, seeds_of, token_spans
 from benchmarks.stats import percentile, reliable, unreliable_warning
 from controller.eviction import EVICTION_ORDERS
 from harness.procfs import machine_cpu_seconds, other_cpu_share, process_cpu_seconds
@@ -116,7 +116,7 @@ def script(workload: Workload, budget: int, gap: float) -> list[Turn]:
 
 
 def measure_session(backend: Backend, workload: Workload, budget: int, gap: float, order: str,
-                    controller: ControllerScorer | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                    controller: Backend | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Drive one session on a contextd of its own (sessions of one run share their opening, and
     on one contextd a later session would start as a branch of an earlier one); one entry per
     answered question, and the session's own figures."""
@@ -133,11 +133,12 @@ def measure_session(backend: Backend, workload: Workload, budget: int, gap: floa
 
 
 def drive(backend: Backend, client: Any, workload: Workload, budget: int, gap: float, order: str,
-          controller: ControllerScorer | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+          controller: Backend | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     fresh = backend.fork()   # the engine empties it when the session comes in
     engine = Engine(fresh, ChatFormat(fresh.tokenizer), client,
                     EngineConfig(budget_tokens=budget, tail_tokens=512, max_new_tokens=1, evict_order=order),
-                    controller=controller if order == "model" else None)
+                    controller=ControllerScorer(controller, fresh.tokenizer)
+                    if controller is not None and order == "model" else None)
     session_id = f"{workload.shape}-{workload.seed}-{budget}-{order}"
     values = list(dict.fromkeys(q.answer for q in workload.questions))
     messages: list[dict[str, Any]] = []
@@ -155,8 +156,8 @@ def drive(backend: Backend, client: Any, workload: Workload, budget: int, gap: f
         assert session.last_turn is not None
         if session.last_turn.phases.get("advise", 0.0) > 0:
             advise_ms.append(session.last_turn.phases["advise"])
-        if session.last_turn.phases.get("read_ahead", 0.0) > 1.0:   # a controller model read pages
-            read_ms.append(session.last_turn.phases["read_ahead"])
+        if session.read_ahead_ms > 1.0:   # a controller model read pages
+            read_ms.append(session.read_ahead_ms)
         if turn.answers is None:
             continue
         reading = engine.readings.pop(session_id)
@@ -229,7 +230,7 @@ def run(shapes: Sequence[str], seeds: Sequence[int], budgets: Sequence[int], tok
     answers: dict[tuple[str, int], list[dict[str, Any]]] = {}
     advise: dict[tuple[str, int], list[float]] = {}
     backend = load_backend("torch", model, capacity=max(budgets) + 256)
-    controller = controller_scorer(controller_model, backend)
+    controller = controller_backend(controller_model)
     contextd_s = 0.0
     for budget, shape, seed in itertools.product(budgets, shapes, seeds):
         workload = make(shape, seed, tokens)

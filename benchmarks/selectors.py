@@ -131,13 +131,13 @@ def build(engine: Engine, session_id: str, workload: Workload) -> list[dict[str,
 
 
 def measure_session(backend: Backend, client: Any, workload: Workload, budget: int, chosen: Sequence[Selector],
-                    controller: ControllerScorer | None = None) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+                    controller: Backend | None = None) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     fresh = backend.fork()   # the engine empties it when the session comes in
     # The session is built with no selector: pages restored (and leased) while it is built would
     # take the room every question's restores need. Each selector is asked in `Engine.probe`.
     engine = Engine(fresh, ChatFormat(fresh.tokenizer), client,
                     EngineConfig(budget_tokens=budget, tail_tokens=512, max_new_tokens=1), RecencySelector(),
-                    controller)
+                    None if controller is None else ControllerScorer(controller, fresh.tokenizer))
     session_id = f"{workload.shape}-{workload.seed}-{budget}"
     started = time.perf_counter()
     messages = build(engine, session_id, workload)
@@ -195,11 +195,10 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def controller_scorer(name: str | None, backend: Backend) -> ControllerScorer | None:
-    """The separate controller model `name` scoring for `backend`'s sessions, or None for none."""
-    if name is None:
-        return None
-    return ControllerScorer(load_backend("torch", name, capacity=ControllerConfig.max_page_tokens), backend.tokenizer)
+def controller_backend(name: str | None) -> Backend | None:
+    """The separate controller model `name`, or None for none; each session gets a scorer of its
+    own over it (`ControllerScorer`), so no session finds pages another one read."""
+    return None if name is None else load_backend("torch", name, capacity=ControllerConfig.max_page_tokens)
 
 
 def names_of(parser: argparse.ArgumentParser, text: str, known: Sequence[str], what: str) -> list[str]:
@@ -228,7 +227,7 @@ def run(shapes: list[str], seeds: list[int], budgets: list[int], tokens: int, ch
     sessions: list[dict[str, Any]] = []
     try:
         backend = load_backend("torch", model, capacity=max(budgets) + 256)
-        controller = controller_scorer(controller_model, backend)
+        controller = controller_backend(controller_model)
         for budget in budgets:
             for shape in shapes:
                 for seed in seeds:

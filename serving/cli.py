@@ -79,6 +79,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.controller_model is not None and args.selector != "rerank" and args.evict_order != "model":
         raise ValueError("--controller-model scores pages for --selector rerank and --evict-order model; "
                          "with neither it would have nothing to do")
+    if args.controller_cache_mb < 0:
+        raise ValueError(f"--controller-cache-mb must be >= 0, got {args.controller_cache_mb}")
     if args.backend == "mlx":
         from backends.runtime import keep_torch_out
 

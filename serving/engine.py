@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from backends import Backend, Counters, DecodeStep
+from backends import Backend, BackendError, Counters, DecodeStep
 from backends.slots import pick_token
 from contextd import crashpoints
 from contextd.client import Client, pb
@@ -497,6 +497,20 @@ class Engine:
             # After the answer is out: the worker still holds its lock, so a reader of the
             # reading waits for it, and the answer did not wait for the scoring.
             self.readings[session.session_id] = watched.read()
+        self._read_ahead(session)
+
+    def _read_ahead(self, session: Session) -> None:
+        """After the answer is out, the controller model (if any) reads the pages this turn stored:
+        the client has its answer, and an agent runs its tool meanwhile; the worker still holds
+        its lock, so the next turn waits for the reading. Best effort: a page it cannot read now
+        is read when it is scored."""
+        reading = time.perf_counter()
+        try:
+            self.mover.read_ahead(session)
+        except (BackendError, ValueError) as exc:
+            log.warning("session %s: the controller model did not read this turn's pages ahead: %s",
+                        session.session_id, exc)
+        session.read_ahead_ms = (time.perf_counter() - reading) * 1e3
 
     def _branch(self, request: ChatRequest, fingerprint: Fingerprint) -> str:
         """Make a session contextd does not know a branch of the stored session whose pages its
@@ -780,9 +794,6 @@ class Engine:
         persisting = time.perf_counter()
         self.mover.persist(session, lambda: self._record(session))
         session.timed("persist", persisting)
-        reading = time.perf_counter()
-        self.mover.read_ahead(session)
-        session.timed("read_ahead", reading)
         elapsed_ms = (time.perf_counter() - started) * 1e3 - self.paused_ms.get(session.session_id, 0.0)
         session.last_turn = TurnTimings(total_ms=elapsed_ms + session.phase_ms["receive"],
                                         forward_ms=(after.forward_ns - before.forward_ns) / 1e6,

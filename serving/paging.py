@@ -146,7 +146,7 @@ class PageMover:
 
     def read_ahead(self, session: Session) -> None:
         """The controller model reads the full pages stored this turn (serving.scoring): each is
-        read once when it is written, at the end of its turn, so the eviction advice and the
+        read once, after the answer of the turn that wrote it, so the eviction advice and the
         re-ranker later forward only the question's tokens over it (a page the controller's memory
         let go is read again when scored). Counted as `controller_forward_tokens`."""
         if self.controller is None or not session.unread_pages:
@@ -504,6 +504,7 @@ class PageMover:
     def _truncate(self, session: Session, tokens: int) -> None:
         if session.eviction is not None:   # the page the cut is in, and every page after it
             session.eviction.forget_scores(range(tokens // PAGE_TOKENS, len(session.pager.pages)))
+        session.unread_pages = [i for i in session.unread_pages if i < tokens // PAGE_TOKENS]
         # Stored versions of pages the cut removes go once the record no longer names them.
         persisted = session.persisted
         for index in [i for i in persisted.page_ids if i * PAGE_TOKENS >= tokens]:

@@ -75,20 +75,24 @@ class ControllerScorer:
     def score(self, session: Session, indices: list[int], token_ids: list[int]) -> tuple[dict[int, np.ndarray], int]:
         """Per page index, log p of the question's tokens after the page (float64, one less than
         the question's controller tokens), and the tokens the controller forwarded. A question of
-        fewer than two controller tokens scores nothing."""
-        question = self._encode(token_ids, special=False)
+        fewer than two controller tokens scores nothing; a page with no text is left out."""
+        question = [t for t in self._encode(token_ids, special=False) if t < self.controller.vocab_size]
         if len(question) < 2 or not indices:
             return {}, 0
-        ids = session.transcript.ids
+        ids, pages = session.transcript.ids, session.pager.pages
         forwarded = 0
-        blocks = []
-        for index in indices:
-            page = session.pager.pages[index]
-            blk, prefilled = self._page_block(ids[page.token_start:page.token_end])
-            blocks.append(blk)
+        blocks: dict[int, Block] = {}
+        # The pages it holds first: reading the others could push them out of its memory.
+        for index in sorted(indices, key=lambda i: _key(ids[pages[i].token_start:pages[i].token_end])
+                            not in self._blocks):
+            blk, prefilled = self._page_block(ids[pages[index].token_start:pages[index].token_end])
             forwarded += prefilled
-        scores, scored = self.controller.score_after_blocks(blocks, question)
-        return dict(zip(indices, scores, strict=True)), forwarded + scored
+            if blk is not None:
+                blocks[index] = blk
+        if not blocks:
+            return {}, forwarded
+        scores, scored = self.controller.score_after_blocks(list(blocks.values()), question)
+        return dict(zip(blocks, scores, strict=True)), forwarded + scored
 
     def holding(self, session: Session, indices: list[int]) -> list[int]:
         """Of these pages, those whose K/V the controller holds (scored at the question's cost)."""
@@ -96,22 +100,28 @@ class ControllerScorer:
         return [i for i in indices if _key(ids[pages[i].token_start:pages[i].token_end]) in self._blocks]
 
     def read(self, session: Session, indices: list[int]) -> int:
-        """Make sure the controller holds these pages' K/V; the tokens it prefilled."""
+        """Have the controller hold these pages' K/V (none without memory for them); the tokens
+        it prefilled."""
+        if self.config.cache_bytes == 0:
+            return 0
         ids = session.transcript.ids
         pages = session.pager.pages
         return sum(self._page_block(ids[pages[i].token_start:pages[i].token_end])[1] for i in indices)
 
-    def _page_block(self, serving_ids: Sequence[int]) -> tuple[Block, int]:
-        """The controller's K/V for a page's text, and the tokens prefilled to get it (0 when kept)."""
+    def _page_block(self, serving_ids: Sequence[int]) -> tuple[Block | None, int]:
+        """The controller's K/V for a page's text, and the tokens prefilled to get it (0 when kept);
+        None for a page with no text the controller's tokenizer reads."""
         key = _key(serving_ids)
         kept = self._blocks.get(key)
         if kept is not None:
             self._blocks.move_to_end(key)
             return kept, 0
-        # The page's text with its special tokens when it has no other (never empty: 128 ids decode to something).
+        # The page's text with its special tokens when it has no other.
         ids = (self._encode(serving_ids, special=True)
-               or self._encode_text(self.serving_tokenizer.decode([int(t) for t in serving_ids]) or " ", special=True))
-        ids = ids[:self.config.max_page_tokens]
+               or self._encode_text(self.serving_tokenizer.decode([int(t) for t in serving_ids]), special=True))
+        ids = [t for t in ids if t < self.controller.vocab_size][:self.config.max_page_tokens]
+        if not ids:
+            return None, 0
         blk = self.controller.prefill_alone(ids)
         self._keep(key, blk)
         return blk, len(ids)

@@ -36,7 +36,7 @@ class SessionCounters:
     decoded_tokens: int = 0
     historical_forward_during_restore: int = 0
     refresh_forward_tokens: int = 0   # restored pages' tokens prefilled again (--refresh, off by default)
-    controller_forward_tokens: int = 0  # the selector's scoring forwards (scratch sessions; never history)
+    controller_forward_tokens: int = 0  # scoring forwards and a controller model's page reads (never history)
     restored_pages: int = 0
     evicted_pages: int = 0
     peak_attention_tokens: int = 0
@@ -104,9 +104,8 @@ class TurnTimings:
 # backend (nothing when it is there; a switch from another session, a recovery or a branch
 # otherwise); render, align and tokenize the request; the selector's decision; the eviction
 # advice (--evict-order model: its scoring forwards); payload writes and their records; restores
-# (reads, checks, inserts); the end-of-turn write-through; a controller model's first read of the
-# pages stored this turn (--controller-model).
-PHASES = ("receive", "activate", "prepare", "select", "advise", "store", "restore", "persist", "read_ahead")
+# (reads, checks, inserts); the end-of-turn write-through.
+PHASES = ("receive", "activate", "prepare", "select", "advise", "store", "restore", "persist")
 
 
 @dataclass(frozen=True)
@@ -160,6 +159,7 @@ class Session:
     restore_scores: dict[int, float] = field(default_factory=dict)  # page -> score that last brought it back
     render_memo: RenderMemo | None = None   # the last request's render, for rendering only what the next adds
     unread_pages: list[int] = field(default_factory=list)  # full pages stored this turn, for a controller to read
+    read_ahead_ms: float = 0.0  # the controller's reading of them after the last turn's answer was out
     eviction: EvictionAdvisor | None = None  # the model's eviction advice (--evict-order model), else the pager's order
 
     def timed(self, phase: str, started: float) -> None:

@@ -68,6 +68,7 @@ def stats(engine: Engine, session_id: str | None) -> dict[str, Any]:
             "kv_bytes_per_token": kv_bytes_per_token(backend), "last_selection": session.last_selection,
             "recovery_notes": session.recovery_notes,
             "last_turn": session.last_turn.as_dict() if session.last_turn else None,
+            "read_ahead_ms": round(session.read_ahead_ms, 2),
             "key_index_pages": len(key_index.pages) if key_index else 0,
             "key_index_bytes": key_index.nbytes if key_index else 0,
             "lexical_index_pages": len(lexical_index.pages) if lexical_index else 0,

@@ -122,7 +122,9 @@ def test_scoring_pages_apart_is_refused_at_start_for_a_model_that_cannot(tmp_pat
     (["--model", "tiny-llama", "--controller-model", "tiny-llama"], "nothing to do"),
     (["--model", "tiny-qwen3-next", "--evict-order", "model", "--controller-model", "tiny-qwen3-next"],
      "full attention"),
-    (["--model", "tiny-llama", "--selector", "rerank", "--controller-model", "no-such-model"], "no-such-model")])
+    (["--model", "tiny-llama", "--selector", "rerank", "--controller-model", "no-such-model"], "no-such-model"),
+    (["--model", "tiny-llama", "--selector", "rerank", "--controller-model", "tiny-llama",
+      "--controller-cache-mb", "-1"], "--controller-cache-mb must be >= 0")])
 def test_a_controller_model_that_cannot_serve_is_refused_at_start(tmp_path: Path, flags: list[str], says: str) -> None:
     run = subprocess.run([sys.executable, "-m", "serving.cli", "serve", *flags, "--root", str(tmp_path / "root"),
                           "--port", "0", "--budget", "2048"], capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -139,6 +141,8 @@ def test_a_controller_model_advises_evictions_for_a_hybrid_model_over_http(serve
     stats = server.stats("c")
     assert stats["counters"]["evicted_pages"] > 0
     assert stats["counters"]["controller_forward_tokens"] > 0
+    assert stats["last_turn"]["advise_ms"] > 0, stats["last_turn"]   # the advice ordered this turn's evictions
+    assert stats["read_ahead_ms"] > 0   # the controller read the pages the turn stored
     exact(stats)
 
 
