@@ -12,7 +12,7 @@ HELD_OUT_SEEDS.
 
     python -m benchmarks.selectors [--shapes all] [--seeds held-out|tuning|101,102]
         [--budgets 2048,4096] [--tokens 16000] [--selectors recency,attention,bm25,hybrid]
-        [--model smollm2-135m] [--ablation] [--controller-model NAME]
+        [--model smollm2-135m] [--ablation] [--controller-model NAME] [--controller-cache-mb 512]
 
 Selectors: recency (no advice), attention (the model's keys, controller.keyindex), bm25 (lexical
 rarity alone: the 8 best pages by BM25 that fit), hybrid (the default, controller.hybrid), rerank
@@ -131,13 +131,14 @@ def build(engine: Engine, session_id: str, workload: Workload) -> list[dict[str,
 
 
 def measure_session(backend: Backend, client: Any, workload: Workload, budget: int, chosen: Sequence[Selector],
-                    controller: Backend | None = None) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+                    controller: Backend | None = None, controller_config: ControllerConfig | None = None
+                    ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     fresh = backend.fork()   # the engine empties it when the session comes in
     # The session is built with no selector: pages restored (and leased) while it is built would
     # take the room every question's restores need. Each selector is asked in `Engine.probe`.
     engine = Engine(fresh, ChatFormat(fresh.tokenizer), client,
                     EngineConfig(budget_tokens=budget, tail_tokens=512, max_new_tokens=1), RecencySelector(),
-                    None if controller is None else ControllerScorer(controller, fresh.tokenizer))
+                    None if controller is None else ControllerScorer(controller, fresh.tokenizer, controller_config))
     session_id = f"{workload.shape}-{workload.seed}-{budget}"
     started = time.perf_counter()
     messages = build(engine, session_id, workload)
@@ -219,7 +220,8 @@ def seeds_of(text: str) -> list[int]:
 
 
 def run(shapes: list[str], seeds: list[int], budgets: list[int], tokens: int, chosen: list[Selector],
-        model: str = MODEL, log: Any = print, controller_model: str | None = None) -> dict[str, Any]:
+        model: str = MODEL, log: Any = print, controller_model: str | None = None,
+        controller_config: ControllerConfig | None = None) -> dict[str, Any]:
     base = Path(tempfile.mkdtemp(prefix="kvb-sel-", dir="/tmp"))
     daemon = ContextdProcess(base / "root", base / "run" / "c.sock", extra=["--reserve-bytes", "0"])
     client = daemon.start()
@@ -232,7 +234,8 @@ def run(shapes: list[str], seeds: list[int], budgets: list[int], tokens: int, ch
             for shape in shapes:
                 for seed in seeds:
                     workload = make(shape, seed, tokens)
-                    results, context = measure_session(backend, client, workload, budget, chosen, controller)
+                    results, context = measure_session(backend, client, workload, budget, chosen, controller,
+                                                       controller_config)
                     sessions.append({"shape": shape, "seed": seed, "budget": budget, **context})
                     for name, r in results.items():
                         rows.append(row(name, r, shape, seed, budget))
@@ -243,7 +246,9 @@ def run(shapes: list[str], seeds: list[int], budgets: list[int], tokens: int, ch
         daemon.stop()
         shutil.rmtree(base, ignore_errors=True)
     tuned = sorted(set(seeds) & set(TUNING_SEEDS))
-    return {"model": model, "controller_model": controller_model, "rows": rows, "summary": summarise(rows),
+    return {"model": model, "controller_model": controller_model,
+            "controller_cache_bytes": controller_config.cache_bytes if controller_config else None, "rows": rows,
+            "summary": summarise(rows),
             "sessions": sessions, "tokens": tokens,
             "tuning_seeds": tuned, "held_out_seeds": sorted(set(seeds) - set(TUNING_SEEDS))}
 
@@ -263,11 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--controller-model", default=None, metavar="NAME",
                         help="rerank scores with this separate model from the pages' text (serving.scoring) instead "
                              "of the serving model over their stored K/V")
+    parser.add_argument("--controller-cache-mb", type=int, default=ControllerConfig.cache_bytes >> 20, metavar="MB",
+                        help="the controller's memory for pages it read (as kv-elision serve's flag)")
     args = parser.parse_args(argv)
     shapes = names_of(parser, args.shapes, SHAPES, "shapes")
     chosen = selectors(names_of(parser, args.selectors, BASE_SELECTORS, "selectors"), args.ablation)
     result = run(shapes, seeds_of(args.seeds), [int(b) for b in args.budgets.split(",")], args.tokens, chosen,
-                 args.model, controller_model=args.controller_model)
+                 args.model, controller_model=args.controller_model,
+                 controller_config=ControllerConfig(cache_bytes=args.controller_cache_mb << 20))
     for name, budgets in result["summary"].items():
         for budget, entry in budgets.items():
             shapes_text = "  ".join(f"{shape} {rate:.2f}" for shape, rate in entry["by_shape"].items())
