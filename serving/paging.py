@@ -151,8 +151,7 @@ class PageMover:
         let go is read again when scored). Counted as `controller_forward_tokens`."""
         if self.controller is None or not session.unread_pages:
             return
-        pages = session.pager.pages
-        unread = sorted({i for i in session.unread_pages if i < len(pages) and pages[i].tokens == PAGE_TOKENS})
+        unread = sorted(set(session.unread_pages))   # full pages when stored; a cut drops those it rewrites
         session.unread_pages = []
         self.tally.count(session, controller_forward_tokens=self.controller.read(session, unread))
 

@@ -79,13 +79,13 @@ class ControllerScorer:
         question = [t for t in self._encode(token_ids, special=False) if t < self.controller.vocab_size]
         if len(question) < 2 or not indices:
             return {}, 0
-        ids, pages = session.transcript.ids, session.pager.pages
+        contents = {index: _page_ids(session, index) for index in indices}
+        keys = {index: _key(page_ids) for index, page_ids in contents.items()}
         forwarded = 0
         blocks: dict[int, Block] = {}
         # The pages it holds first: reading the others could push them out of its memory.
-        for index in sorted(indices, key=lambda i: _key(ids[pages[i].token_start:pages[i].token_end])
-                            not in self._blocks):
-            blk, prefilled = self._page_block(ids[pages[index].token_start:pages[index].token_end])
+        for index in sorted(indices, key=lambda i: keys[i] not in self._blocks):
+            blk, prefilled = self._page_block(contents[index], keys[index])
             forwarded += prefilled
             if blk is not None:
                 blocks[index] = blk
@@ -96,22 +96,19 @@ class ControllerScorer:
 
     def holding(self, session: Session, indices: list[int]) -> list[int]:
         """Of these pages, those whose K/V the controller holds (scored at the question's cost)."""
-        ids, pages = session.transcript.ids, session.pager.pages
-        return [i for i in indices if _key(ids[pages[i].token_start:pages[i].token_end]) in self._blocks]
+        return [i for i in indices if _key(_page_ids(session, i)) in self._blocks]
 
     def read(self, session: Session, indices: list[int]) -> int:
         """Have the controller hold these pages' K/V (none without memory for them); the tokens
         it prefilled."""
         if self.config.cache_bytes == 0:
             return 0
-        ids = session.transcript.ids
-        pages = session.pager.pages
-        return sum(self._page_block(ids[pages[i].token_start:pages[i].token_end])[1] for i in indices)
+        return sum(self._page_block(page_ids, _key(page_ids))[1]
+                   for page_ids in (_page_ids(session, i) for i in indices))
 
-    def _page_block(self, serving_ids: Sequence[int]) -> tuple[Block | None, int]:
-        """The controller's K/V for a page's text, and the tokens prefilled to get it (0 when kept);
-        None for a page with no text the controller's tokenizer reads."""
-        key = _key(serving_ids)
+    def _page_block(self, serving_ids: Sequence[int], key: bytes) -> tuple[Block | None, int]:
+        """The controller's K/V for a page's text (`key`: its `_key`), and the tokens prefilled to
+        get it (0 when kept); None for a page with no text the controller's tokenizer reads."""
         kept = self._blocks.get(key)
         if kept is not None:
             self._blocks.move_to_end(key)
@@ -143,6 +140,12 @@ class ControllerScorer:
         if not text:
             return []
         return [int(t) for t in self.controller.tokenizer.encode(text, add_special_tokens=special)]
+
+
+def _page_ids(session: Session, index: int) -> Sequence[int]:
+    """The serving ids a page holds (the transcript's)."""
+    page = session.pager.pages[index]
+    return session.transcript.ids[page.token_start:page.token_end]
 
 
 def _key(serving_ids: Sequence[int]) -> bytes:

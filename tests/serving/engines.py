@@ -22,6 +22,16 @@ def turn(engine: Engine, session: str, messages: list[dict[str, Any]]) -> TurnRe
     return final
 
 
+AGENT_SYSTEM = {"role": "system", "content": "You are a coding agent. Be brief."}
+
+
+def file_turn(n: int) -> list[dict[str, object]]:
+    """A tool loop's turn: the assistant reads a file, the tool answers (no user message)."""
+    call = {"id": f"call_{n}", "type": "function", "function": {"name": "read", "arguments": f'{{"path": "f{n}.py"}}'}}
+    return [{"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{n}", "content": f"# f{n}.py\n" + f"value_{n} = {n * 7}\n" * 40}]
+
+
 def evicts_the_least_likely_of_the_window(engine: Engine, session: Session) -> None:
     """One eviction, made the way a prefill chunk makes room: of the advice's window, exactly the
     least likely pages leave, and not the ones the pager's own order would have taken."""

@@ -15,10 +15,10 @@ from serving.engine import ChatRequest, Engine, EngineConfig
 from serving.launcher import ContextdProcess
 from serving.scoring import ControllerConfig, ControllerScorer
 from serving.session import Session
-from tests.serving.engines import evicts_the_least_likely_of_the_window, turn
+from tests.serving.engines import AGENT_SYSTEM as SYSTEM
+from tests.serving.engines import evicts_the_least_likely_of_the_window, file_turn, turn
 
 CONFIG = EngineConfig(budget_tokens=2048, tail_tokens=256, max_new_tokens=1, evict_order="model")
-SYSTEM = {"role": "system", "content": "You are a coding agent. Be brief."}
 ASK = {"role": "user", "content": "What does handler retry_limit do?"}
 
 
@@ -38,12 +38,6 @@ def engine_on(serving: Backend, contextd: ContextdProcess, scorer: ControllerSco
     fresh.reset()
     return Engine(fresh, ChatFormat(fresh.tokenizer), Client(contextd.socket, timeout=60.0), config,
                   RecencySelector(), scorer)
-
-
-def file_turn(n: int) -> list[dict[str, object]]:
-    call = {"id": f"call_{n}", "type": "function", "function": {"name": "read", "arguments": f'{{"path": "f{n}.py"}}'}}
-    return [{"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": f"call_{n}", "content": f"# f{n}.py\n" + f"value_{n} = {n * 7}\n" * 40}]
 
 
 def grown(engine: Engine, session_id: str, files: int) -> list[dict[str, object]]:

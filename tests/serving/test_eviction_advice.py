@@ -17,10 +17,10 @@ from controller.selectors import RecencySelector
 from serving.chat_format import ChatFormat
 from serving.engine import Engine, EngineConfig
 from serving.launcher import ContextdProcess
-from tests.serving.engines import evicts_the_least_likely_of_the_window, turn
+from tests.serving.engines import AGENT_SYSTEM as SYSTEM
+from tests.serving.engines import evicts_the_least_likely_of_the_window, file_turn, turn
 
 CONFIG = EngineConfig(budget_tokens=2048, tail_tokens=256, max_new_tokens=1, evict_order="model")
-SYSTEM = {"role": "system", "content": "You are a coding agent. Be brief."}
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +34,6 @@ def engine_on(backend: Backend, contextd: ContextdProcess, config: EngineConfig 
     # No restores: a restored page's lease would keep it out of the order this is about.
     return Engine(fresh, ChatFormat(fresh.tokenizer), Client(contextd.socket, timeout=60.0), config,
                   RecencySelector())
-
-
-def file_turn(n: int) -> list[dict[str, object]]:
-    """A tool loop's turn: the assistant reads a file, the tool answers (no user message)."""
-    call = {"id": f"call_{n}", "type": "function", "function": {"name": "read", "arguments": f'{{"path": "f{n}.py"}}'}}
-    return [{"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": f"call_{n}", "content": f"# f{n}.py\n" + f"value_{n} = {n * 7}\n" * 40}]
 
 
 def test_the_least_likely_of_the_oldest_pages_leave_first_and_the_accounting_holds(
