@@ -279,10 +279,10 @@ class BlockStream:
 
     def __init__(self, path: str | os.PathLike[str], checksum: str, size: int, *,
                  expect: LayerView | None = None, queue: blockfile.ReadQueue | None = None,
-                 landing: bool = False) -> None:
+                 landing: bool = False, read_here: bool = False) -> None:
         try:
             self._reader = blockfile.SectionReader(path, Block.MAGIC, checksum, size, queue,
-                                                   self._LANDING if landing else frozenset())
+                                                   self._LANDING if landing else frozenset(), read_here)
         except blockfile.ContainerError as e:
             raise CorruptPayloadError(str(e)) from None
         except FileNotFoundError:

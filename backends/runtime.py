@@ -676,7 +676,8 @@ class SlotBackend(abc.ABC):
             for i in chunk:
                 try:
                     streams[i] = BlockStream(files[i].path, files[i].checksum, files[i].size,
-                                             expect=self._rt.view, queue=self._reads, landing=True)
+                                             expect=self._rt.view, queue=self._reads, landing=True,
+                                             read_here=i == chunk[0])
                 except BlockFormatError as e:
                     results[i] = e
             for i in list(streams):

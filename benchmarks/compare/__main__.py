@@ -28,6 +28,7 @@ from benchmarks.compare.arms import (
     PI_DEFAULT_RESERVE,
     PI_OUTPUT_MARGIN,
     PI_REFERENCE_WINDOW,
+    RERANK,
     TRAINED_CONTEXTS,
     TRUNCATION,
     Arm,
@@ -69,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-threads", type=int, default=1,
                         help="llama-server -t (default 1: on a shared 2-core machine two llama.cpp threads spin-wait "
                              "against other processes; 0: llama.cpp's own default)")
+    parser.add_argument("--controller-model", default=None, choices=sorted(TRAINED_CONTEXTS),
+                        help="the rerank arm scores with this separate controller model (the server's "
+                             "--controller-model) instead of the serving model")
+    parser.add_argument("--controller-cache-mb", type=int, default=512,
+                        help="the controller model's page memory in MB (the server's --controller-cache-mb)")
     parser.add_argument("--turn-timeout", type=float, default=900.0)
     parser.add_argument("--out", default="bench-out/compare")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (servers' data, logs, prompts)")
@@ -89,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown arms {unknown}; choose from {','.join(ARM_KEYS)}")
     wanted = [ARM_KEYS[a] for a in keys]
+    if args.controller_model and RERANK not in wanted:
+        parser.error("--controller-model applies to the rerank arm only: add rerank to --arms")
+    if args.controller_cache_mb < 0:
+        parser.error("--controller-cache-mb cannot be negative")
     if not PI_BIN.exists():
         parser.error(f"Pi is not installed at {PI_BIN} (make, or cd extension && npm ci)")
 
@@ -102,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(resolve(args.model))
     reserve, keep = scaled_compaction(args.budget)
     settings = Settings(args.model, args.budget, args.max_tokens, args.tail_tokens, args.full_ctx, reserve, keep,
-                        args.turn_timeout, args.llama_threads)
+                        args.turn_timeout, args.llama_threads, args.controller_model, args.controller_cache_mb)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kv-compare-", dir="/tmp"))
@@ -231,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         "pi_keep_recent_tokens": keep, "tuning_seed": TUNING_SEED,
         "held_out_seeds": [x for x in seeds if x != TUNING_SEED],
         "sessions_per_seed": args.sessions,
+        "controller_model": args.controller_model,
         "scoring_prefill_tokens": sum(s.prefilled_tokens for s in scorers.values()),
         "other_processes_cpu_share": max(other) if other else None,
     }

@@ -68,6 +68,10 @@ class Settings:
     keep: int             # Pi's keepRecentTokens scaled to the budget
     timeout: float
     threads: int          # llama-server -t (0: llama.cpp's default)
+    # The rerank arm's separate controller model (`--controller-model`) and its page memory in
+    # MB; none: the serving model scores.
+    controller: str | None = None
+    controller_cache_mb: int = 512
 
 
 def scaled_compaction(budget: int) -> tuple[int, int]:
@@ -119,9 +123,11 @@ class KvArm(Arm):
         self.server: ServerProcess | None = None
 
     def start(self) -> None:
+        controller = ("--controller-model", self.s.controller, "--controller-cache-mb",
+                      str(self.s.controller_cache_mb)) if self.s.controller and self.name == RERANK else ()
         self.server = ServerProcess(root=self.work / "kv", model=self.s.model, budget=self.s.budget, extra=(
             "--max-new-tokens", str(self.s.max_tokens), "--tail-tokens", str(self.s.tail_tokens),
-            *self.flags)).start(timeout=600)
+            *self.flags, *controller)).start(timeout=600)
 
     def stop(self) -> None:
         if self.server is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +241,46 @@ def test_landed_keys_and_values_arrive_in_the_callers_buffers_checked_by_the_fil
     with BlockStream(paths[1], checksum(data), len(data), queue=queue, landing=True) as stream:
         with pytest.raises(ValueError, match="cannot land"):
             stream.land([np.empty(8, np.uint8).data], [np.empty_like(blk.values).data])
+
+
+def test_a_file_the_page_cache_holds_is_read_by_the_thread_that_opened_it(tmp_path: Path) -> None:
+    """`read_here`: a file just written (in the page cache) has its header read and checked
+    before the stream is returned, and its bulk is read by the caller as it asks for it, straight
+    to where it lands; no thread of the queue starts. The checksum is still checked by `finish`,
+    a bad header still raises at first use, and a stream closed unread ends."""
+    from backends.protocol import CorruptPayloadError
+
+    if not hasattr(os, "RWF_NOWAIT"):
+        pytest.skip("reads that never wait for the disk need RWF_NOWAIT (Linux)")
+    blk = big_block()
+    data = b"".join(blk.pieces())
+    path = tmp_path / "page.kv"
+    path.write_bytes(data)
+    queue = ReadQueue(1)
+    with BlockStream(path, checksum(data), len(data), queue=queue, landing=True, read_here=True) as stream:
+        np.testing.assert_array_equal(stream.small("token_ids"), blk.token_ids)
+        assert not stream.from_disk()
+        keys, values = np.full_like(blk.keys, np.nan), np.full_like(blk.values, np.nan)
+        assert stream.land([keys.data], [values.data]) == (True, True)
+        stream.arrived("keys", 1)
+        np.testing.assert_array_equal(keys[0], blk.keys[0])
+        assert np.isnan(values).all()   # not asked for yet: not read
+        stream.finish()
+        np.testing.assert_array_equal(keys, blk.keys)
+        np.testing.assert_array_equal(values, blk.values)
+    flipped = bytearray(data)
+    flipped[-100] ^= 1
+    path.write_bytes(bytes(flipped))
+    with BlockStream(path, checksum(data), len(data), queue=queue, read_here=True) as stream:
+        np.testing.assert_array_equal(stream.rows("keys", 0, 3), blk.keys)
+        with pytest.raises(CorruptPayloadError, match="checksum"):
+            stream.finish()
+    BlockStream(path, checksum(data), len(data), queue=queue, read_here=True).close()
+    path.write_bytes(bytes(len(data)))
+    with BlockStream(path, checksum(data), len(data), queue=queue, read_here=True) as stream, \
+            pytest.raises(CorruptPayloadError, match="magic"):
+        stream.small("token_ids")
+    assert queue._running == 0
 
 
 def test_a_reader_opened_for_landing_and_closed_before_land_ends(tmp_path: Path) -> None:
