@@ -71,6 +71,7 @@ class Selector(Protocol):
     name: str
     uses_key_index: bool      # the engine keeps a KeyIndex per session and passes the new tokens' keys
     uses_lexical_index: bool  # the engine keeps a LexicalIndex per session and passes the new tokens' ids
+    scores_pages: bool        # asks the host to score candidate pages apart (SelectionContext.scorer)
 
     def select(self, ctx: SelectionContext) -> Selection: ...
 
@@ -79,6 +80,7 @@ class RecencySelector:
     name = "recency"
     uses_key_index = False
     uses_lexical_index = False
+    scores_pages = False
 
     def select(self, ctx: SelectionContext) -> Selection:
         return Selection(None, 0.0, "default retention")
@@ -91,6 +93,7 @@ class AttentionSelector:
     name = "attention"
     uses_key_index = True
     uses_lexical_index = False
+    scores_pages = False
 
     def __init__(self, max_pages: int = 8) -> None:
         if max_pages < 1:
@@ -120,6 +123,7 @@ class HybridSelector:
     """Restores the cold pages that share the rarest terms with the incoming turn (controller.hybrid)."""
 
     uses_lexical_index = True
+    scores_pages = False
 
     def __init__(self, config: HybridConfig | None = None, name: str = "hybrid") -> None:
         self.config = config or HybridConfig()
@@ -178,6 +182,7 @@ class RerankSelector:
 
     uses_key_index = False
     uses_lexical_index = True
+    scores_pages = True
 
     def __init__(self, config: RerankConfig | None = None, hybrid: HybridConfig | None = None,
                  name: str = "rerank") -> None:

@@ -100,16 +100,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if daemon is not None:
             daemon.wait_started()
         controller = _controller(args, backend)
-        if args.selector == "rerank" and backend.is_hybrid and controller is None:
-            print(f"kv-elision: --selector rerank scores each candidate over its stored K/V in one forward, which "
-                  f"needs every layer to be full attention; {args.model} has sliding-window or recurrent layers "
-                  "(use --selector hybrid, or a full-attention --controller-model)", file=sys.stderr, flush=True)
-            return 2
-        if args.evict_order == "model" and backend.is_hybrid and controller is None:
-            print(f"kv-elision: --evict-order model scores pages in attention over their K/V in one forward, which "
-                  f"needs every layer to be full attention; {args.model} has sliding-window or recurrent layers "
-                  "(use --evict-order recency, or a full-attention --controller-model)", file=sys.stderr, flush=True)
-            return 2
         template = Path(args.chat_template).read_text() if args.chat_template else None
         engine = Engine(backend, ChatFormat(backend.tokenizer, template), client, config, _selector(args), controller)
         server = Server(engine, args.model, args.host, args.port, str(socket_path), args.api_key or None,

@@ -221,10 +221,16 @@ class Engine:
         self.contextd = contextd
         self.config = config
         self.selector: Selector = selector or RecencySelector()
-        if config.evict_order == "model" and backend.is_hybrid and controller is None:
-            raise ValueError("evict_order 'model' scores pages in attention apart, in one forward, which needs every "
-                             "layer to be full attention; this model has sliding-window or recurrent layers "
-                             "(a controller model can score them instead)")
+        if backend.is_hybrid and controller is None:
+            for asks, scoring, instead in (
+                    (self.selector.scores_pages, f"the {self.selector.name} selector scores each candidate",
+                     "--selector hybrid"),
+                    (config.evict_order == "model", "the eviction order 'model' scores the pages in attention",
+                     "--evict-order recency")):
+                if asks:
+                    raise ValueError(f"{scoring} apart, over the stored K/V, in one forward, which needs every layer "
+                                     "to be full attention; this model has sliding-window or recurrent layers "
+                                     f"(use {instead}, or a full-attention --controller-model)")
         self.tally = Tally()
         self.mover = PageMover(backend, contextd, self.tally, compress=config.compress_pages, controller=controller)
         self.recovery = Recovery(self.mover, contextd, self.tally, self._indexes)

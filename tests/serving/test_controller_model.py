@@ -86,8 +86,14 @@ def test_a_page_is_read_once_when_stored_and_scored_from_its_text_alone(serving:
 
 def test_on_a_hybrid_model_the_advice_orders_evictions_and_history_is_never_forwarded(
         serving: Backend, controller: Backend, contextd: ContextdProcess) -> None:
-    with pytest.raises(ValueError, match="controller model can score"):
+    with pytest.raises(ValueError, match="eviction order 'model'.*full-attention --controller-model"):
         engine_on(serving, contextd, None)
+    client = Client(contextd.socket)
+    try:
+        with pytest.raises(ValueError, match="rerank selector.*full-attention --controller-model"):
+            Engine(serving, ChatFormat(serving.tokenizer), client, EngineConfig(budget_tokens=2048), RerankSelector())
+    finally:
+        client.close()
     engine = engine_on(serving, contextd, ControllerScorer(controller, serving.tokenizer))
     grown(engine, "h", 8)
     session = engine.sessions["h"]
