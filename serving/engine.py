@@ -604,7 +604,7 @@ class Engine:
                                 key_index=session.key_index, room_tokens=session.pager.room(),
                                 lexical_index=session.lexical_index,
                                 incoming_ids=ids[len(ids) - min(new_tokens, INCOMING_IDS):],
-                                scorer=self.mover.cold_scorer(session))
+                                scorer=self.mover.scorer(session, held=False))
 
     def _apply_plan(self, session: Session, request: ChatRequest, new_tokens: int
                     ) -> tuple[list[int], bool]:

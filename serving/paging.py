@@ -126,23 +126,18 @@ class PageMover:
         advising = time.perf_counter()
         try:
             cheap = None if self.controller is None else functools.partial(self.controller.holding, session)
-            return advisor.order(session.pager, incoming, self.held_scorer(session), cheap)
+            return advisor.order(session.pager, incoming, self.scorer(session, held=True), cheap)
         finally:
             session.timed("advise", advising)
 
-    def cold_scorer(self, session: Session) -> Callable[[list[int], list[int]], dict[int, np.ndarray]]:
-        """How a selector scores this session's cold pages: by the controller model when the server
-        has one, else by the serving model over their stored K/V (`score_pages`)."""
+    def scorer(self, session: Session, *, held: bool) -> Callable[[list[int], list[int]], dict[int, np.ndarray]]:
+        """How this session's pages are scored: by the controller model when the server has one (a
+        page in attention and a cold one alike), else by the serving model over their K/V, as held
+        in attention (`held`: `score_held`, for the eviction advice) or as stored (`score_pages`,
+        for a selector's cold candidates)."""
         if self.controller is not None:
             return functools.partial(self.score_by_controller, session)
-        return functools.partial(self.score_pages, session)
-
-    def held_scorer(self, session: Session) -> Callable[[list[int], list[int]], dict[int, np.ndarray]]:
-        """How the eviction advice scores this session's pages in attention: by the controller model
-        when the server has one, else by the serving model over their K/V as held (`score_held`)."""
-        if self.controller is not None:
-            return functools.partial(self.score_by_controller, session)
-        return functools.partial(self.score_held, session)
+        return functools.partial(self.score_held if held else self.score_pages, session)
 
     def read_ahead(self, session: Session) -> None:
         """The controller model reads the full pages stored this turn (serving.scoring): each is
