@@ -335,9 +335,10 @@ class Engine:
     # ------------------------------------------------------------------ the turn
 
     def chat(self, request: ChatRequest) -> Generator[TurnEvent, int | None, None]:
-        """Run one turn; yield text deltas, then one final event with the result. Between two
-        events another session's turn may run (the server's worker), after which `resume` must
-        point the engine back at this one. An event's `decode` step takes the token sent back
+        """Run one turn; yield text deltas, then one final event with the result, then pauses
+        while the controller model reads ahead (`_read_ahead`). Between two events another
+        session's turn may run (the server's worker), after which `resume` must point the engine
+        back at this one. An event's `decode` step takes the token sent back
         (`Engine.decode_batch` ran it) or, when nothing is sent, runs in the turn; an exception
         thrown back (that forward failed) is raised where the turn would have decoded."""
         session_id = request.session_id
@@ -346,16 +347,17 @@ class Engine:
         steps = self._turn(request)
         answer: int | None = None
         failure: Exception | None = None
-        completed = False
+        answered = False   # the final event is out: its record ended the lease
         try:
             while True:
                 try:
                     event = steps.throw(failure) if failure is not None else steps.send(answer)
                 except StopIteration:
-                    completed = True
+                    answered = True
                     return
                 answer, failure = None, None
-                if event.final is None:   # the final answer's record ended the lease: renewing would take it again
+                answered = answered or event.final is not None
+                if not answered:   # renewing after the final record would take the lease again
                     self._renew(session_id)
                 paused = time.perf_counter()
                 try:
@@ -367,7 +369,7 @@ class Engine:
             steps.close()
             self.turning.discard(session_id)
             self.paused_ms.pop(session_id, None)
-            if self.held_at.pop(session_id, None) is not None and not completed:
+            if self.held_at.pop(session_id, None) is not None and not answered:
                 self._release(session_id)
 
     def decode_batch(self, steps: dict[str, DecodeStep]) -> list[int]:
@@ -503,20 +505,30 @@ class Engine:
             # After the answer is out: the worker still holds its lock, so a reader of the
             # reading waits for it, and the answer did not wait for the scoring.
             self.readings[session.session_id] = watched.read()
-        self._read_ahead(session)
+        yield from self._read_ahead(session)
 
-    def _read_ahead(self, session: Session) -> None:
-        """After the answer is out, the controller model (if any) reads the pages this turn stored:
-        the client has its answer, and an agent runs its tool meanwhile; the worker still holds
-        its lock, so the next turn waits for the reading. Best effort: a page it cannot read now
-        is read when it is scored."""
-        reading = time.perf_counter()
-        try:
-            self.mover.read_ahead(session)
-        except (BackendError, ValueError) as exc:
-            log.warning("session %s: the controller model did not read this turn's pages ahead: %s",
-                        session.session_id, exc)
-        session.read_ahead_ms = (time.perf_counter() - reading) * 1e3
+    def _read_ahead(self, session: Session) -> Generator[TurnEvent, int | None, None]:
+        """After the answer is out, the controller model (if any) reads the pages this turn stored,
+        one at a time with a pause after each: the client has its answer and an agent runs its
+        tool meanwhile; the session's next turn waits for the reading, but other sessions' turns
+        and the stats readers go between two pages (a turn that stored 60 pages would otherwise
+        hold the worker for the ~20 s of their reading). Best effort: a page it cannot read now is
+        read when it is scored."""
+        reading = 0.0
+        more = True
+        while more:
+            started = time.perf_counter()
+            try:
+                more = self.mover.read_ahead(session)
+            except (BackendError, ValueError) as exc:
+                log.warning("session %s: the controller model did not read this turn's pages ahead: %s",
+                            session.session_id, exc)
+                session.unread_pages = []
+                more = False
+            reading += time.perf_counter() - started
+            if more:
+                yield TurnEvent()
+        session.read_ahead_ms = reading * 1e3
 
     def _branch(self, request: ChatRequest, fingerprint: Fingerprint) -> str:
         """Make a session contextd does not know a branch of the stored session whose pages its

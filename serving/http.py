@@ -147,10 +147,11 @@ class Worker(threading.Thread):
                 busy.add(job.request.session_id)
 
     def _step(self, turn: _Turn) -> bool:
-        """Advance one turn by a step: to its next pause, sending the client the events before it
-        (and to its end once its final event is out, so what the turn leaves behind is there
-        before the lock is let go); False once it has ended. A pause with a decode step leaves
-        the turn waiting for `_decode` when batching is on. Pauses are never sent to the client."""
+        """Advance one turn by a step: to its next pause, sending the client the events before it;
+        False once it has ended. After its final event a turn only reads ahead for the controller
+        model, a page a step (what else it leaves behind is there before its first pause). A pause
+        with a decode step leaves the turn waiting for `_decode` when batching is on. Pauses are
+        never sent to the client."""
         job = turn.job
         if turn.decode is not None:
             return True
@@ -163,10 +164,6 @@ class Worker(threading.Thread):
                 event = turn.steps.throw(failure) if failure is not None else turn.steps.send(token)
                 while not event.pause:
                     job.events.put(event)
-                    if event.final is not None:
-                        for rest in turn.steps:
-                            job.events.put(rest)
-                        return False
                     event = next(turn.steps)
                 if self.engine.config.batch_decode:
                     turn.decode = event.decode

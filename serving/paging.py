@@ -139,16 +139,18 @@ class PageMover:
             return functools.partial(self.score_by_controller, session)
         return functools.partial(self.score_held if held else self.score_pages, session)
 
-    def read_ahead(self, session: Session) -> None:
-        """The controller model reads the full pages stored this turn (serving.scoring): each is
-        read once, after the answer of the turn that wrote it, so the eviction advice and the
-        re-ranker later forward only the question's tokens over it (a page the controller's memory
-        let go is read again when scored). Counted as `controller_forward_tokens`."""
+    def read_ahead(self, session: Session) -> bool:
+        """The controller model reads the next full page stored this turn (serving.scoring); whether
+        any is left. Each is read once, after the answer of the turn that wrote it, so the eviction
+        advice and the re-ranker later forward only the question's tokens over it (a page the
+        controller's memory let go is read again when scored). Counted as
+        `controller_forward_tokens`."""
         if self.controller is None or not session.unread_pages:
-            return
-        unread = sorted(set(session.unread_pages))   # full pages when stored; a cut drops those it rewrites
-        session.unread_pages = []
-        self.tally.count(session, controller_forward_tokens=self.controller.read(session, unread))
+            return False
+        # Full pages when stored; a cut drops those it rewrites.
+        page, *session.unread_pages = sorted(set(session.unread_pages))
+        self.tally.count(session, controller_forward_tokens=self.controller.read(session, [page]))
+        return bool(session.unread_pages)
 
     def score_by_controller(self, session: Session, indices: list[int], token_ids: list[int]
                             ) -> dict[int, np.ndarray]:

@@ -11,7 +11,7 @@ from backends import Backend, UnsupportedModelError, load_backend
 from contextd.client import Client
 from controller.selectors import RecencySelector, RerankSelector
 from serving.chat_format import ChatFormat
-from serving.engine import ChatRequest, Engine, EngineConfig
+from serving.engine import ChatRequest, Engine, EngineConfig, TurnEvent
 from serving.launcher import ContextdProcess
 from serving.scoring import ControllerConfig, ControllerScorer
 from serving.session import Session
@@ -82,6 +82,27 @@ def test_a_page_is_read_once_when_stored_and_scored_from_its_text_alone(serving:
     assert session.counters.controller_forward_tokens - before == len(pages) * len(question)
     _, fresh = ControllerScorer(controller, serving.tokenizer).score(session, pages, advice.focus)
     assert fresh > len(pages) * (len(question) + 100)
+
+
+def test_the_pages_a_turn_stored_are_read_after_its_answer_with_a_pause_between_two(
+        serving: Backend, controller: Backend, contextd: ContextdProcess) -> None:
+    """Read-ahead holds the worker one page at a time: after the final event, a pause follows
+    each page read but the last (the server's worker lets other sessions and stats readers in
+    there), and the turn ends once every page it stored is read."""
+    scorer = ControllerScorer(controller, serving.tokenizer)
+    engine = engine_on(serving, contextd, scorer)
+    messages = grown(engine, "p", 1) + file_turn(1) + file_turn(2)
+    unread = 0
+    after: list[TurnEvent] | None = None
+    for event in engine.chat(ChatRequest("p", messages)):
+        if event.final is not None:
+            unread, after = len(set(engine.sessions["p"].unread_pages)), []
+        elif after is not None:
+            after.append(event)
+    session = engine.sessions["p"]
+    assert unread >= 2 and after is not None
+    assert len(after) == unread - 1 and all(e.pause for e in after)
+    assert not session.unread_pages and session.read_ahead_ms > 0
 
 
 def test_on_a_hybrid_model_the_advice_orders_evictions_and_history_is_never_forwarded(
