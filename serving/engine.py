@@ -511,9 +511,9 @@ class Engine:
         """After the answer is out, the controller model (if any) reads the pages this turn stored,
         one at a time with a pause after each: the client has its answer and an agent runs its
         tool meanwhile; the session's next turn waits for the reading, but other sessions' turns
-        and the stats readers go between two pages (a turn that stored 60 pages would otherwise
-        hold the worker for the ~20 s of their reading). Best effort: a page it cannot read now is
-        read when it is scored."""
+        and the stats readers go between two pages (read at once, a turn that stored 60 pages
+        would hold the worker ~16 s here, at SmolLM2's ~470 tokens/s of prefill). Best effort: a
+        page it cannot read now is read when it is scored."""
         reading = 0.0
         more = True
         while more:
