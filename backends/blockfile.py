@@ -418,8 +418,8 @@ class SectionReader:
         self._landed_pieces: list[tuple[int, memoryview]] = []
         self._queue = queue
         # Whether the caller's thread reads the bulk, as it asks for it (`read_here`).
-        self._pulled = read_here and self._read_head_cached()
-        if self._pulled:
+        self.pulled = read_here and self._read_head_cached()
+        if self.pulled:
             return
         if queue is not None:
             queue.add(self)
@@ -635,7 +635,7 @@ class SectionReader:
         _, first, sections = self._wait_head()
         found = sections[section]
         end = first + (found.offset + found.nbytes if rows is None else found.rows_end(rows))
-        if self._pulled:
+        if self.pulled:
             self._pull(end)
         with self._cond:
             self._wanted = end
@@ -646,7 +646,7 @@ class SectionReader:
 
     def finish(self) -> None:
         """Wait for the whole file and verify its checksum."""
-        if self._pulled:
+        if self.pulled:
             self._pull(self._size)
         self._ended.wait()
         if self._error is not None:
@@ -659,7 +659,7 @@ class SectionReader:
     def close(self) -> None:
         with self._cond:
             self._stopped.set()
-        if self._pulled:   # no thread reads it
+        if self.pulled:   # no thread reads it
             self._ended.set()
         if self._queue is not None and self._queue.withdraw(self):
             self._fail(ContainerError("the file was closed before it was read"))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
@@ -320,16 +320,19 @@ class BlockStream:
         self._wait(section, None)
         return self._reader.array(section)
 
-    def from_disk(self) -> bool:
-        """Whether a read of this file so far waited for the disk (it is not all in the page
-        cache). A runtime lands the keys of only such files: keys copied into the slots just
-        before their rotation, while in the CPU's cache, rotate faster than keys another core
-        wrote there, and that outweighs the saved copy on a file the page cache serves (a warm
-        SmolLM2 page on the server's path, interleaved in one process: 8.91 ms copied against
-        11.05 landed; 8 cold pages 58.5 against 52.8 ms, 32 cold pages 221 against 201 ms).
-        Values, never rotated, land from any file (a warm page 10.99 -> 10.28 ms and 8.43 ->
-        7.81 ms in two interleaved runs: the restoring thread no longer copies them)."""
-        return self._reader.from_disk
+    def keys_land(self) -> bool:
+        """Whether a runtime should land this file's keys in its slots: a read of it so far
+        waited for the disk (it is not all in the page cache), or the inserting thread reads it
+        itself (`read_here`, its header was in the page cache). Keys another core copied out of
+        the page cache rotate slower than keys copied just before their rotation, in this CPU's
+        cache, and that outweighed the saved copy on a file the read queue serves from the page
+        cache (a warm SmolLM2 page on the server's path, interleaved in one process: 8.91 ms
+        copied against 11.05 landed; 8 cold pages 58.5 against 52.8 ms, 32 cold pages 221
+        against 201 ms). Keys the inserting thread reads land in its own cache: a warm page 7.24
+        -> 5.66 ms landed, a page restored warm again and again 5.22 -> 4.86 ms (20 interleaved
+        rounds). Values, never rotated, land from any file (a warm page 10.99 -> 10.28 ms and
+        8.43 -> 7.81 ms in two interleaved runs: the restoring thread no longer copies them)."""
+        return self._reader.from_disk or self._reader.pulled
 
     def land(self, keys: list[memoryview] | None, values: list[memoryview] | None) -> tuple[bool, bool]:
         """For a stream opened `landing`: read the keys and the values straight into these byte
@@ -644,14 +647,19 @@ class Backend(Protocol):
         unless the whole file verifies."""
         ...
 
-    def insert_block_files(self, files: Sequence[StoredBlock]) -> list[BlockFormatError | None]:
+    def insert_block_files(self, files: Sequence[StoredBlock],
+                           opened: Callable[[], object] | None = None) -> list[BlockFormatError | None]:
         """Insert several stored blocks in one page operation (`at` in ascending order, each counted
         in the held order before the call; blocks at the same place go in list order), with every
         file read ahead and in parallel and every held key re-anchored at most once. A block that
         fails its checks is left out and its error returned in its place (the others are placed
         as if it had never been asked for); a block of another model raises BlockMismatchError
         before anything is copied. Returns, per file, None (it went in) or its error. What went in
-        is in the slots only: a caller wanting a block's keys reads them (Block.read_layer_keys)."""
+        is in the slots only: a caller wanting a block's keys reads them (Block.read_layer_keys).
+
+        `opened`, if given, is called once, as soon as the first files are open and their first
+        reads asked for (before anything is placed), even when none could be opened: what the
+        caller does then overlaps the disk's first answer."""
         ...
 
     def score_after_blocks(self, blocks: Sequence[Block], token_ids: Sequence[int]) -> tuple[np.ndarray, int]:

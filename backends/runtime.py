@@ -107,7 +107,7 @@ class _Rows(Protocol):
     """Where a block's layers come from while it is placed: a stored file being read
     (`BlockStream`) or a block already in memory (`_HeldBlock`)."""
 
-    def from_disk(self) -> bool: ...
+    def keys_land(self) -> bool: ...
 
     def land(self, keys: list[memoryview] | None, values: list[memoryview] | None) -> tuple[bool, bool]: ...
 
@@ -129,7 +129,7 @@ class _HeldBlock:
     def __init__(self, block: Block) -> None:
         self.block = block
 
-    def from_disk(self) -> bool:
+    def keys_land(self) -> bool:
         return False
 
     def land(self, keys: list[memoryview] | None, values: list[memoryview] | None) -> tuple[bool, bool]:
@@ -654,18 +654,22 @@ class SlotBackend(abc.ABC):
         if error is not None:
             raise error
 
-    def insert_block_files(self, files: Sequence[StoredBlock]) -> list[BlockFormatError | None]:
+    def insert_block_files(self, files: Sequence[StoredBlock],
+                           opened: Callable[[], object] | None = None) -> list[BlockFormatError | None]:
         for f in files:
             self._check_insert_at(f.at)
         results: list[BlockFormatError | None] = [None] * len(files)
         inserted = 0
         with self._page_op():
             for chunk in _batches(files):
-                inserted += self._insert_files(files, chunk, inserted, results)
+                inserted += self._insert_files(files, chunk, inserted, results, opened)
+                opened = None
+        if opened is not None:   # no files
+            opened()
         return results
 
     def _insert_files(self, files: Sequence[StoredBlock], chunk: list[int], shift: int,
-                      results: list[BlockFormatError | None]) -> int:
+                      results: list[BlockFormatError | None], opened: Callable[[], object] | None) -> int:
         """One batch of `insert_block_files` (its `at`s moved on by the `shift` tokens inserted
         before it); returns the tokens inserted. Every file is opened at once, so their headers
         and token ids are read first; their bulk is read READ_THREADS files at a time, in the
@@ -680,6 +684,8 @@ class SlotBackend(abc.ABC):
                                              read_here=i == chunk[0])
                 except BlockFormatError as e:
                     results[i] = e
+            if opened is not None:
+                opened()
             for i in list(streams):
                 try:
                     files[i].check_tokens(streams[i].small("token_ids"))
@@ -699,7 +705,8 @@ class SlotBackend(abc.ABC):
         """Put blocks into free slots at the positions the batch plan gives them, layer group by
         layer group, keys first, then values (a streamed file is consumed in its on-disk order):
         landed there by the file's reader where the store allows (`SlotStore.landing`; then only
-        the keys' rotation is left) and the file is read from the disk, else copied; verify each,
+        the keys' rotation is left), keys only from a file read from the disk or by this thread
+        (`BlockStream.keys_land`), else copied; verify each,
         then commit the ones that verified and re-anchor each held key at most once. Until the
         commit the slots stay free, so a failure leaves no trace beyond zeroed free slots. An
         exact block must take its wanted positions as they are (a recovery puts each page back
@@ -727,12 +734,13 @@ class SlotBackend(abc.ABC):
         token_ids: dict[int, np.ndarray] = {}
         try:
             # All told first: each reader then reads its bulk straight into the slots. Values land
-            # wherever the store allows; keys only from a file read from the disk (BlockStream.from_disk).
+            # wherever the store allows; keys only from a file read from the disk or by this thread
+            # (BlockStream.keys_land).
             landings: dict[int, tuple[Landing, bool, bool]] = {}
             for i in live:
                 landing = st.landing(where[i])
                 if landing is not None:
-                    keys_land = incoming[i].source.from_disk()
+                    keys_land = incoming[i].source.keys_land()
                     landed = incoming[i].source.land(landing.keys if keys_land else None, landing.values)
                     landings[i] = (landing, *landed)
                 else:

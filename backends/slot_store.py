@@ -32,7 +32,8 @@ class Landing:
     """Where a stored block's file can land directly: the slot buffers' own memory, as byte
     buffers in a block's order ([layers, kv_heads, tokens, dim]) for its keys and values, and what
     completes the keys once a layer group has landed (their rotation to the block's positions).
-    Values land from any file; keys only from one read from the disk (BlockStream.from_disk).
+    Values land from any file; keys only from one read from the disk or by the inserting thread
+    (BlockStream.keys_land).
 
     Why: the reader's copy out of the page cache is then the only copy; reading into a buffer
     and copying from there into the slots cost the restoring thread ~1.1 ms of a warm SmolLM2

@@ -330,10 +330,16 @@ def _rotate_into(canon: torch.Tensor, out: torch.Tensor, inv_freq: torch.Tensor,
 
 def _byte_runs(buf: torch.Tensor, pieces: list[tuple[int, int, int]]) -> list[memoryview]:
     """buf[a, 0, h, first:end] as bytes for every layer a, head h and run (first, end, _) of
-    `pieces`, in that order: where a block's [layers, heads, tokens, dim] section lands."""
-    host = buf.view(torch.uint8).numpy()
-    return [host[a, 0, h, first:end].data for a in range(host.shape[0]) for h in range(host.shape[2])
-            for first, end, _ in pieces]
+    `pieces`, in that order: where a block's [layers, heads, tokens, dim] section lands. Sliced
+    out of one flat view of the (contiguous) buffer: a numpy view per run cost ~2.4 us, 0.44 ms
+    of a warm SmolLM2 page's ~5 ms restore for its 180 runs."""
+    assert buf.is_contiguous() and buf.shape[1] == 1
+    layers, _, heads, capacity, dim = buf.shape
+    flat = buf.view(torch.uint8).numpy().data.cast("B")
+    row = dim * buf.element_size()
+    spans = [(first * row, end * row) for first, end, _ in pieces]
+    return [flat[base + a:base + b] for base in range(0, layers * heads * capacity * row, capacity * row)
+            for a, b in spans]
 
 
 class _SlotStore(SlotStore):

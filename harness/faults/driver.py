@@ -79,8 +79,8 @@ class Driver:
         backend = self.engine.backend
         original = backend.insert_block_files
 
-        def insert(files: Any) -> Any:
-            results = original(files)
+        def insert(files: Any, opened: Any = None) -> Any:
+            results = original(files, opened)
             for stored, result in zip(files, results, strict=True):
                 if result is not None:
                     continue

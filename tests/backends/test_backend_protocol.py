@@ -239,8 +239,9 @@ def test_many_files_in_one_call_equal_inserting_them_one_by_one(models: Models, 
     """Five pages spread over a compacted session come back in one `insert_block_files` call: the
     same order, positions, rotated keys and logits as inserting the blocks one at a time (where
     each pushed every later key), and each moved key re-anchored once. With one file corrupt, the
-    others land as if it had never been asked for. Cold, the files are read from the disk, so on
-    torch on the CPU they land in the slots (`BlockStream.from_disk`)."""
+    others land as if it had never been asked for. On torch on the CPU the values land in the slots,
+    and the keys of files read from the disk (cold) or by the inserting thread (the first file of
+    a call whose header the page cache holds; `BlockStream.keys_land`)."""
     be = models.fresh("tiny-qwen3")
     be.prefill(models.tokens[:1000])
     pages = [(64 * i * 2 + 64, 64 * i * 2 + 128) for i in range(5)]  # 64, 192, 320, 448, 576 (+64)
@@ -274,13 +275,17 @@ def test_many_files_in_one_call_equal_inserting_them_one_by_one(models: Models, 
         # Which reads find a file out of the page cache is the kernel's business (a read right
         # after the drop sometimes finds it there still), so "cold" says so itself: every file
         # takes the path of one read from the disk.
-        monkeypatch.setattr(BlockStream, "from_disk", lambda stream: True)
+        monkeypatch.setattr(BlockStream, "keys_land", lambda stream: True)
+    opened: list[int] = []   # when the caller's hook ran: how many blocks had been told where to land
     results = batched.insert_block_files([StoredBlock(path, at, digest, size, block.token_ids)
-                                          for at, (block, path, digest, size) in zip(ats, files, strict=True)])
+                                          for at, (block, path, digest, size) in zip(ats, files, strict=True)],
+                                         opened=lambda: opened.append(len(landed)))
     assert results == [None] * 5
-    # Values land wherever the store allows (torch on the CPU); keys only from files read from the disk.
+    assert opened == [0]   # once, before anything was placed
+    # Values land wherever the store allows (torch on the CPU); keys only from files read from the
+    # disk or by this thread (the first, cached).
     lands = models.backend == "torch" and models.device == "cpu"
-    assert landed == [(cold and lands, lands)] * 5
+    assert landed == [(lands, lands)] + [(cold and lands, lands)] * 4
     np.testing.assert_array_equal(batched.positions(), one_by_one.positions())
     np.testing.assert_array_equal(batched.rotated_keys(), one_by_one.rotated_keys())
     assert batched.attention_tokens == one_by_one.attention_tokens == held + 5 * 64
@@ -305,6 +310,9 @@ def test_many_files_in_one_call_equal_inserting_them_one_by_one(models: Models, 
     np.testing.assert_array_equal(partial.positions(), without.positions())
     np.testing.assert_array_equal(partial.rotated_keys(), without.rotated_keys())
     assert [partial.decode() for _ in range(3)] == [without.decode() for _ in range(3)]
+    nothing: list[bool] = []
+    assert partial.insert_block_files([], opened=lambda: nothing.append(True)) == []
+    assert nothing == [True]
 
 
 def test_corrupt_or_foreign_bytes_are_refused(models: Models) -> None:

@@ -259,7 +259,7 @@ def test_a_file_the_page_cache_holds_is_read_by_the_thread_that_opened_it(tmp_pa
     queue = ReadQueue(1)
     with BlockStream(path, checksum(data), len(data), queue=queue, landing=True, read_here=True) as stream:
         np.testing.assert_array_equal(stream.small("token_ids"), blk.token_ids)
-        assert not stream.from_disk()
+        assert stream.keys_land()   # read by this thread, out of the page cache
         keys, values = np.full_like(blk.keys, np.nan), np.full_like(blk.values, np.nan)
         assert stream.land([keys.data], [values.data]) == (True, True)
         stream.arrived("keys", 1)
