@@ -147,8 +147,9 @@ class PageMover:
         `controller_forward_tokens`."""
         if self.controller is None or not session.unread_pages:
             return False
-        # Full pages when stored; a cut drops those it rewrites.
-        page, *session.unread_pages = sorted(set(session.unread_pages))
+        # Full pages when stored (a page stored again is listed again); a cut drops those it rewrites.
+        page = min(session.unread_pages)
+        session.unread_pages = [i for i in session.unread_pages if i != page]
         self.tally.count(session, controller_forward_tokens=self.controller.read(session, [page]))
         return bool(session.unread_pages)
 
