@@ -236,7 +236,7 @@ class PageMover:
                                                 restored_checksum=payload.checksum)
                              for index, payload in asked]
         until = pager.restore_lease_until()
-        commits: list[Pending[pb.WriteAck]] = []
+        commit: Pending[pb.WriteAck] | None = None
 
         def send_commit() -> None:
             """Sent once the files are open and their first reads asked for, and not waited for:
@@ -244,17 +244,17 @@ class PageMover:
             shared the interpreter lock with the copies, which it slowed by more than it saved (a
             warm SmolLM2 page: 9.3 ms with it on a thread, 7.0 ms waited for first, 5.8 ms sent
             like this)."""
+            nonlocal commit
             if changes:
-                commits.append(self.contextd.start_set_page_states(
+                commit = self.contextd.start_set_page_states(
                     session.session_id, changes,
-                    [pb.Lease(page_id=pager.pages[index].page_id, until_turn=until) for index, _ in asked]))
+                    [pb.Lease(page_id=pager.pages[index].page_id, until_turn=until) for index, _ in asked])
 
         try:
             results = self.backend.insert_block_files(files, opened=send_commit)
         except BaseException:
-            _settle(commits[0] if commits else None)
+            _settle(commit)
             raise
-        commit = commits[0] if commits else None
         went_in = [index for (index, _), result in zip(asked, results, strict=True) if result is None]
         try:
             _settle(commit)
