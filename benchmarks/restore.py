@@ -4,7 +4,8 @@
 
 Setup: a real contextd process and the real engine (SmolLM2 by default) read a session of
 `--tokens` tokens of real text with a `--budget`-token attention budget, so most pages are cold
-in the canonical store. Then, interleaved so both see the same machine state:
+in the canonical store. The process's heap is frozen once the model is loaded, as `kv-elision
+serve` does (serving.heap). Then, interleaved so both see the same machine state:
 
 - restore (`restore_ms`, the headline): the server's own restore, `PageMover.execute` with a
   decision that brings one cold page back: the manifest record is looked up by id in contextd,
@@ -57,6 +58,7 @@ from harness.corpus import SAMPLE_TEXT
 from harness.procfs import machine_cpu_seconds, other_cpu_share, process_cpu_seconds
 from serving.chat_format import ChatFormat
 from serving.engine import ChatRequest, Engine, EngineConfig
+from serving.heap import freeze_loaded_heap
 from serving.launcher import ContextdProcess
 from serving.paging import rewind
 from serving.session import Session
@@ -203,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         load_s = time.perf_counter() - t_load
         engine = Engine(backend, ChatFormat(backend.tokenizer), Client(daemon.socket), EngineConfig(
             budget_tokens=args.budget, max_new_tokens=1))
+        freeze_loaded_heap()   # as `kv-elision serve` does once it has loaded the model
         t_build = time.perf_counter()
         session, _ = build_session(engine, args.tokens)
         build_s = time.perf_counter() - t_build

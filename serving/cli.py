@@ -24,6 +24,7 @@ from contextd.paths import default_root, default_socket
 from controller.eviction import EVICTION_ORDERS
 from controller.selectors import SELECTORS, Selector, make_selector
 from serving.engine import PLACEMENTS, Engine, EngineConfig
+from serving.heap import freeze_loaded_heap
 from serving.launcher import ContextdProcess, spawn_tied_contextd
 from serving.scoring import ControllerConfig, ControllerScorer
 
@@ -104,6 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine = Engine(backend, ChatFormat(backend.tokenizer, template), client, config, _selector(args), controller)
         server = Server(engine, args.model, args.host, args.port, str(socket_path), args.api_key or None,
                         client_timeout=args.client_timeout)
+        freeze_loaded_heap()
         stop = threading.Event()
 
         def on_signal(signum: int, _frame: object) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from backends import Backend
 from serving.engine import Engine
+from serving.heap import heap_figures
 
 
 def kv_bytes_per_token(backend: Backend) -> int:
@@ -56,7 +57,8 @@ def stats(engine: Engine, session_id: str | None) -> dict[str, Any]:
         return {"counters": engine.totals.as_dict(), "sessions": sorted(engine.sessions),
                 "budget_tokens": engine.config.budget_tokens, "active_session": engine.active,
                 "resident_sessions": [s for s in engine.caches if s in engine.sessions],
-                "attention_tokens": backend.attention_tokens, "kv_bytes_per_token": kv_bytes_per_token(backend)}
+                "attention_tokens": backend.attention_tokens, "kv_bytes_per_token": kv_bytes_per_token(backend),
+                "heap": heap_figures()}
     session = engine.sessions[session_id]
     pager = session.pager
     key_index, lexical_index = session.key_index, session.lexical_index

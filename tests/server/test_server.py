@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from backends.models import load_tokenizer, resolve
+from serving.heap import FIRST_GENERATION_THRESHOLD
 from serving.launcher import ServerProcess
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. Be brief."}
@@ -58,6 +59,17 @@ def test_each_turn_prefills_only_the_new_messages(server_factory: Any, tokenizer
     assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
     assert counters["historical_forward_during_restore"] == 0
     assert counters["reprefilled_tokens"] == 0 and counters["rebuilds"] == 0
+
+
+def test_the_loaded_heap_is_frozen_so_no_collection_walks_the_model(server_factory: Any) -> None:
+    server: ServerProcess = server_factory("tiny-llama", 1024)
+    reply = server.chat([SYSTEM, {"role": "user", "content": "Read main.py and tell me what it does."}], session="g")
+    assert reply.status == 200, reply.body
+    heap = server.stats()["heap"]
+    # torch, transformers and the model's modules: tens of thousands of objects even for a tiny model
+    assert heap["frozen_objects"] > 10_000, heap
+    assert heap["thresholds"][0] == FIRST_GENERATION_THRESHOLD
+    assert len(heap["collections"]) == 3
 
 
 def test_fingerprint_mismatches_are_detected_and_nothing_mismatched_is_reused(server_factory: Any, tmp_path: Any
