@@ -532,8 +532,14 @@ class SectionReader:
             self._move_landed(0, self._got)
 
     def _move_landed(self, start: int, end: int) -> None:
-        """Copy the file's bytes [start, end), read into this reader's buffer, to where they land."""
-        for offset, buf in self._landed_pieces:
+        """Copy the file's bytes [start, end), read into this reader's buffer, to where they land.
+        Only the pieces that overlap are visited (found by bisection): a SmolLM2 page lands in 180
+        pieces, and a loop over all of them cost 0.12 ms of a ~4 ms warm restore."""
+        pieces = self._landed_pieces
+        for j in range(max(0, bisect.bisect_right(pieces, start, key=lambda p: p[0]) - 1), len(pieces)):
+            offset, buf = pieces[j]
+            if offset >= end:
+                break
             a, b = max(start, offset), min(end, offset + len(buf))
             if a < b:   # numpy copies without the interpreter lock; a memoryview assignment holds it
                 np.frombuffer(buf, np.uint8)[a - offset:b - offset] = np.frombuffer(self._mv[a:b], np.uint8)
