@@ -64,6 +64,7 @@ from harness.procfs import machine_cpu_seconds, other_cpu_share, process_cpu_sec
 from harness.shapes import SHAPES, TUNING_SEEDS, Question, Workload, approx_tokens, make
 from serving.chat_format import ChatFormat
 from serving.engine import ChatRequest, Engine, EngineConfig
+from serving.heap import freeze_loaded_heap
 from serving.launcher import ContextdProcess
 from serving.scoring import ControllerScorer
 
@@ -231,6 +232,7 @@ def run(shapes: Sequence[str], seeds: Sequence[int], budgets: Sequence[int], tok
     advise: dict[tuple[str, int], list[float]] = {}
     backend = load_backend("torch", model, capacity=max(budgets) + 256)
     controller = controller_backend(controller_model)
+    freeze_loaded_heap()   # as `kv-elision serve` does once its models are loaded
     contextd_s = 0.0
     for budget, shape, seed in itertools.product(budgets, shapes, seeds):
         workload = make(shape, seed, tokens)

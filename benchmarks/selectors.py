@@ -52,6 +52,7 @@ from controller.selectors import (
 from harness.shapes import DEFAULT_TOKENS, HELD_OUT_SEEDS, SHAPES, TUNING_SEEDS, Workload, make
 from serving.chat_format import ChatFormat
 from serving.engine import ChatRequest, Engine, EngineConfig
+from serving.heap import freeze_loaded_heap
 from serving.launcher import ContextdProcess
 from serving.scoring import ControllerConfig, ControllerScorer
 
@@ -230,6 +231,7 @@ def run(shapes: list[str], seeds: list[int], budgets: list[int], tokens: int, ch
     try:
         backend = load_backend("torch", model, capacity=max(budgets) + 256)
         controller = controller_backend(controller_model)
+        freeze_loaded_heap()   # as `kv-elision serve` does once its models are loaded
         for budget in budgets:
             for shape in shapes:
                 for seed in seeds:

@@ -49,6 +49,7 @@ from harness.procfs import machine_cpu_seconds, other_cpu_share, own_cpu_seconds
 from harness.rgw import Rgw, missing
 from serving.chat_format import ChatFormat
 from serving.engine import ChatRequest, Engine, EngineConfig, TurnResult
+from serving.heap import freeze_loaded_heap
 from serving.launcher import ContextdProcess
 from serving.paging import rewind
 
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(backend, ChatFormat(backend.tokenizer), client,
                         EngineConfig(budget_tokens=args.budget, max_new_tokens=1,
                                      tail_tokens=min(512, args.budget // 4)))
+        freeze_loaded_heap()   # as `kv-elision serve` does once it has loaded the model
         session, _ = build_session(engine, args.tokens)
         restorer = Restorer(engine, session, daemon.root / "store")
         restorer.timed(restorer.cold[-8:], cold=False)   # warm-up: the slot buffers grow once
