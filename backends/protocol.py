@@ -662,12 +662,14 @@ class Backend(Protocol):
         caller does then overlaps the disk's first answer."""
         ...
 
-    def score_after_blocks(self, blocks: Sequence[Block], token_ids: Sequence[int]) -> tuple[np.ndarray, int]:
+    def score_after_blocks(self, blocks: Sequence[Block], token_ids: Sequence[int],
+                           sink: Block | None = None) -> tuple[np.ndarray, int]:
         """How likely `token_ids` are right after each block, each block on its own: float64
         log p(token_ids[j] | block, token_ids[:j]) for j >= 1, [len(blocks), len(token_ids) - 1],
         and the tokens the scoring forward took. The blocks' exact K/V are the context (re-anchored
-        right before their copy of the tokens; no forward over their tokens), and all copies run
-        in one forward whose mask keeps each copy to its own block. This session's cache, counters
+        right before their copy of the tokens; no forward over their tokens), with `sink`, if
+        given, right before each block, and all copies run in one forward whose mask keeps each
+        copy to its own sink and block. This session's cache, counters
         and logits are untouched. Raises UnsupportedModelError for a model with sliding-window or
         recurrent layers (their state is a stream, not separable per block), BlockMismatchError
         for a block of another model, ValueError for fewer than two tokens or no block."""

@@ -402,14 +402,16 @@ class SlotBackend(abc.ABC):
             self._counters.new_prefill_tokens += len(chunk)
         return out
 
-    def score_after_blocks(self, blocks: Sequence[Block], token_ids: Sequence[int]) -> tuple[np.ndarray, int]:
+    def score_after_blocks(self, blocks: Sequence[Block], token_ids: Sequence[int],
+                           sink: Block | None = None) -> tuple[np.ndarray, int]:
         """Every block with its own copy of `token_ids` right after it, in one scratch session that
         shares the weights: copy i runs at positions lead + i*n .. (n tokens, `lead` the longest
-        block) and block i is re-anchored to the positions just before it, so every copy sees its
-        block at the distances a restore would give; the slot groups keep each copy's attention to
-        its own block and its own earlier tokens. One forward: on this 2-core CPU a SmolLM2 forward
-        costs ~110 ms whatever it holds, plus ~2 ms a token, so k copies in one forward cost about
-        a k-th of k forwards."""
+        block plus the sink) and block i is re-anchored to the positions just before it, with its
+        own copy of `sink` just before the block, so every copy sees its block at the distances a
+        restore would give; the slot groups keep each copy's attention to its sink, its own block
+        and its own earlier tokens. One forward: on this 2-core CPU a SmolLM2 forward costs ~110 ms
+        whatever it holds, plus ~2 ms a token, so k copies in one forward cost about a k-th of k
+        forwards."""
         rt = self._rt
         if rt.roles.window or rt.roles.recurrent:
             raise UnsupportedModelError(f"{rt.family}: scoring over separate blocks needs every layer to be full "
@@ -417,20 +419,26 @@ class SlotBackend(abc.ABC):
         ids = checked_token_ids(token_ids, rt.vocab_size)
         if len(ids) < 2 or not blocks:
             raise ValueError("scoring needs at least one block and at least two tokens")
-        for blk in blocks:
+        for blk in [*blocks] if sink is None else [sink, *blocks]:
             rt.view.require_same(blk.view)
         n, k = len(ids), len(blocks)
-        lead = max(blk.n_tokens for blk in blocks)
-        scratch = self._scoring_session(sum(blk.n_tokens for blk in blocks) + k * n, lead + k * n)
+        s = 0 if sink is None else sink.n_tokens
+        lead = max(blk.n_tokens for blk in blocks) + s
+        scratch = self._scoring_session(sum(blk.n_tokens for blk in blocks) + k * (s + n), lead + k * n)
         st = scratch._store
         held: list[np.ndarray] = []
         with scratch._page_op():
             for i, blk in enumerate(blocks):
-                positions = np.arange(lead + i * n - blk.n_tokens, lead + i * n, dtype=np.int64)
-                held.append(scratch._hold(blk.token_ids, positions))
-                for a0, a1 in st.layer_groups(blk.n_tokens):
-                    st.write_keys(held[-1], a0, a1, blk.keys[a0:a1], positions)
-                    st.write_values(held[-1], a0, a1, blk.values[a0:a1])
+                end = lead + i * n
+                parts = [(blk, end)] if sink is None else [(sink, end - blk.n_tokens), (blk, end)]
+                mine: list[np.ndarray] = []
+                for part, stop in parts:
+                    positions = np.arange(stop - part.n_tokens, stop, dtype=np.int64)
+                    mine.append(scratch._hold(part.token_ids, positions))
+                    for a0, a1 in st.layer_groups(part.n_tokens):
+                        st.write_keys(mine[-1], a0, a1, part.keys[a0:a1], positions)
+                        st.write_values(mine[-1], a0, a1, part.values[a0:a1])
+                held.append(np.concatenate(mine))
         positions = np.arange(lead, lead + k * n, dtype=np.int64)
         slots = scratch._hold(np.asarray(ids * k, dtype=np.int32), positions)
         groups = np.full(st.capacity, -1, dtype=np.int64)

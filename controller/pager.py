@@ -16,7 +16,8 @@ Rules, in the order they win:
   2. the ledger: the pages holding tool-call boundaries stay, the most recent first, up to
      `ledger_cap_fraction` of the budget;
   3. the recent tail (`tail_tokens`, and the open page being written) stays;
-  4. restored pages hold a lease for `lease_turns` turns;
+  4. restored pages hold a lease for `lease_turns` turns: the default retention does not take
+     them, and a later turn's restores may take only `lease_yield_tokens` of their room (`room`);
   5. above the high watermark, evict until at or under the low one: first in the order of a valid
      plan, then the default retention (oldest unpinned first).
 Beside the rules, the pager keeps the session's prefix chain (`PrefixChain`): a hash per full page
@@ -53,6 +54,7 @@ class PagerConfig:
     pin_cap_fraction: float = 0.25
     ledger_cap_fraction: float = 0.125
     lease_turns: int = 2
+    lease_yield_tokens: int = 2 * PAGE_TOKENS   # room earlier turns' restores give up to this turn's (see `room`)
 
     def __post_init__(self) -> None:
         if self.budget_tokens < 4 * PAGE_TOKENS:
@@ -61,8 +63,8 @@ class PagerConfig:
             raise ValueError("watermarks must satisfy 0 < low < high <= 1")
         if not 0.0 <= self.pin_cap_fraction <= 0.5 or not 0.0 <= self.ledger_cap_fraction <= 0.5:
             raise ValueError("pin and ledger caps are fractions of the budget in [0, 0.5]")
-        if self.tail_tokens < 0 or self.lease_turns < 0:
-            raise ValueError("tail_tokens and lease_turns must not be negative")
+        if self.tail_tokens < 0 or self.lease_turns < 0 or self.lease_yield_tokens < 0:
+            raise ValueError("tail_tokens, lease_turns and lease_yield_tokens must not be negative")
         reserved = (self.pin_cap_fraction + self.ledger_cap_fraction) * self.budget_tokens + self.tail_tokens
         if reserved + 2 * PAGE_TOKENS > self.low_watermark * self.budget_tokens:
             raise ValueError(
@@ -377,11 +379,11 @@ class Pager:
         cleaned = Plan(restore=restore, pin=pin, evict_first=evict_first)
         # Room the plan may fill: everything under the low watermark that protections do not hold.
         # A plan that brings nothing in (an eviction order alone) asks for no room.
-        held = sum(self.pages[i].tokens for i in self.protected() | set(pin) if self.pages[i].resident)
         want = self._brought_in(cleaned)
-        if want and held + want > self.config.low_tokens:
-            return Plan(), (f"plan asks for {want} tokens of restores and pins with {held} tokens already held; "
-                            f"the low watermark is {self.config.low_tokens}")
+        room = self.room(pin)
+        if want > room:
+            return Plan(), (f"plan asks for {want} tokens of restores and pins with room for {room} "
+                            f"under the low watermark of {self.config.low_tokens}")
         return cleaned, ""
 
     def _brought_in(self, plan: Plan) -> int:
@@ -394,10 +396,27 @@ class Pager:
         cleaned, rejected = self.validate(plan)
         return 0 if rejected else self._brought_in(cleaned)
 
-    def room(self) -> int:
-        """Tokens that restores may fill under the low watermark, next to what protections hold."""
-        held = sum(self.pages[i].tokens for i in self.protected() if self.pages[i].resident)
-        return max(0, self.config.low_tokens - held)
+    def room(self, pin: Iterable[int] = ()) -> int:
+        """Tokens that restores (and the pages `pin` names) may fill under the low watermark: what
+        the protections leave, and never less than `lease_yield_tokens` of the room that pages
+        restored on earlier turns hold. Their leases keep them from the default retention but
+        yield that much to a new question: holding all of it, they left a question asked right
+        after another no room and it brought nothing back (tests/server/test_selectors.py, seed
+        1's boilerplate at a budget of 1,536: 0 pages back at 2 of the hybrid's 6 questions, at 3
+        of the re-ranker's). Yielding all of it instead let every question fill the room, and
+        the view's extra pages cost answers (`make demo`: the right value ranked first 4 of 8
+        times against 8; docs/controller.md). `decide` evicts leased pages only once nothing
+        unprotected is left."""
+        pinned = set(pin)
+        this_turn = self.restore_lease_until()
+        unyielding = self._hard_protected() | self.plan_pins | pinned | {
+            i for i, until in self._leased.items() if until >= this_turn}
+        return max(self._free(self.protected() | pinned),
+                   min(self.config.lease_yield_tokens, self._free(unyielding)))
+
+    def _free(self, kept: set[int]) -> int:
+        """Tokens under the low watermark that the resident pages of `kept` leave."""
+        return max(0, self.config.low_tokens - sum(self.pages[i].tokens for i in kept if self.pages[i].resident))
 
     def decide(self, plan: Plan | None = None, incoming_tokens: int = 0) -> Decision:
         """Pages to evict and restore so that attention plus `incoming_tokens` fits the budget.

@@ -196,7 +196,7 @@ class RerankSelector:
         if unscored:
             return Selection(None, _ms(started), unscored)
         if len(groups) < 2:
-            return _restore_groups(groups, bm25, started, "one candidate, not scored")
+            return _restore_groups(groups, bm25, started, "one candidate, not scored" if groups else "")
         assert ctx.lexical_index is not None and ctx.incoming_ids is not None
         question = question_ids(ctx.incoming_ids, ctx.lexical_index.stop_ids.tolist(), self.config.question_tokens)
         if ctx.scorer is None or len(question) < 2:

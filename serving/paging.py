@@ -57,6 +57,14 @@ log = logging.getLogger("kv_elision.paging")
 # fill_resident): a round of contextd's object-store downloads (four at a time) and a bit more.
 FILL_PAGES = 8
 
+# The session's first held tokens that scoring puts before every page it reads (`_sink`). A small
+# model keeps much of its attention on the first tokens it saw (attention sinks; Xiao et al. 2023,
+# StreamingLLM, keep 4); a stored page's first token was computed mid-session and does not play that
+# part, so a page read alone skews its own score. With them, the re-ranker kept the hybrid's
+# paraphrase hits it had lost (seed 102: 7 -> 9 of 10 at budget 2,048, 8 -> 10 at 4,096;
+# docs/controller.md).
+SINK_TOKENS = 4
+
 
 class SnapshotSlot(StrEnum):
     """The recurrent snapshots a hybrid's session keeps in contextd, by slot name."""
@@ -170,9 +178,15 @@ class PageMover:
         pager = session.pager
         blocks = [self.backend.save_block(pager.logical_start(i), pager.logical_start(i) + pager.pages[i].tokens)
                   for i in indices]
-        scores, forwarded = self.backend.score_after_blocks(blocks, token_ids)
+        scores, forwarded = self.backend.score_after_blocks(blocks, token_ids, self._sink())
         self.tally.count(session, controller_forward_tokens=forwarded)
         return dict(zip(indices, scores, strict=True))
+
+    def _sink(self) -> Block | None:
+        """The first `SINK_TOKENS` tokens held (the live view's start, a pinned system prompt's when
+        there is one), as their K/V, for scoring to put before every page it reads."""
+        n = min(SINK_TOKENS, self.backend.attention_tokens)
+        return self.backend.save_block(0, n) if n else None
 
     def execute(self, session: Session, decision: Decision, scores: dict[int, float] | None = None) -> list[int]:
         """Store, evict, restore; return the pages that came back. Pages leave attention only once
@@ -349,7 +363,7 @@ class PageMover:
         if not blocks:
             return {}
         try:
-            scores, forwarded = self.backend.score_after_blocks(list(blocks.values()), token_ids)
+            scores, forwarded = self.backend.score_after_blocks(list(blocks.values()), token_ids, self._sink())
         except UnsupportedModelError as e:
             log.warning("session %s: pages not scored: %s", session.session_id, e)
             return {}

@@ -512,6 +512,30 @@ def test_scoring_after_blocks_equals_each_block_in_a_session_of_its_own(models: 
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
+def test_scoring_with_a_sink_equals_a_session_holding_the_sink_then_the_block(models: Models, model: str) -> None:
+    """With a sink, each copy must read what a session holding the sink, then its block, then the
+    tokens reads, at the same positions; the sink changes what the copies read."""
+    be = models.fresh(model)
+    be.prefill(models.tokens[:600])
+    sink, blocks = be.save_block(0, 4), [be.save_block(300, 428), be.save_block(500, 537)]
+    question = models.tokens[700:712]
+    scores, forwarded = be.score_after_blocks(blocks, question, sink)
+    plain, _ = be.score_after_blocks(blocks, question)
+    assert forwarded == 2 * len(question) and be.attention_tokens == 600
+    n, lead = len(question), 128 + 4
+    for i, blk in enumerate(blocks):
+        alone = models.fresh(model)
+        start = lead + i * n - blk.n_tokens
+        alone.insert_block(sink, 0, position=start - 4)
+        alone.insert_block(blk, 4, position=start)
+        steps = alone.prefill_logits(question)[:-1].astype(np.float64)
+        steps -= steps.max(axis=1, keepdims=True)
+        expected = steps[np.arange(n - 1), question[1:]] - np.log(np.exp(steps).sum(axis=1))
+        np.testing.assert_allclose(scores[i], expected, atol=2e-4)
+    assert np.abs(scores - plain).max() > 1e-3
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
 def test_a_block_prefilled_alone_is_a_fresh_sessions_and_leaves_the_session_as_it_was(models: Models,
                                                                                        model: str) -> None:
     be = models.fresh(model)

@@ -105,6 +105,36 @@ def test_restored_pages_hold_their_lease_then_become_evictable() -> None:
     assert pager.pages[target].state is PageState.COLD  # lease over: oldest-first retention took it
 
 
+def test_the_last_turns_restores_yield_some_of_their_room_to_this_turns() -> None:
+    """Last turn's restores hold their lease against the default retention (above), and yield
+    `lease_yield_tokens` of their room to this turn's restores: a question asked right after
+    another still brings its best page back, without taking all the room the last one took."""
+    pager = Pager(PagerConfig(budget_tokens=2048, lease_yield_tokens=2 * PAGE_TOKENS))
+    run_turn(pager, 6000)
+    pager.begin_turn()
+    fits = pager.room() // PAGE_TOKENS
+    cold = [p.index for p in pager.pages if p.state is PageState.COLD and p.tokens == PAGE_TOKENS]
+    first, second = cold[:fits], cold[fits:2 * fits]
+    assert fits >= 4 and len(second) == fits
+    decision = pager.decide(Plan(restore=first))
+    for i in decision.evict:
+        pager.pages[i].stored = True
+    pager.apply(decision)
+    assert pager.room() < PAGE_TOKENS
+    assert pager.validate(Plan(restore=second[:1]))[1]  # this turn's restores yield nothing
+    pager.begin_turn()
+    assert pager.room() == 2 * PAGE_TOKENS
+    assert "room for 256" in pager.validate(Plan(restore=second[:3]))[1]
+    decision = pager.decide(Plan(restore=second[:2]))
+    assert decision.plan_used and set(decision.evict) <= set(first)
+    pager.apply(decision)
+    assert all(pager.pages[i].state is PageState.HOT for i in second[:2])
+    assert pager.hot_tokens <= pager.config.high_tokens
+    for _ in range(2):   # their leases over, the room is all this turn's again
+        pager.begin_turn()
+    assert pager.room() // PAGE_TOKENS >= fits - 1
+
+
 def test_a_plan_naming_unknown_or_pinned_pages_changes_nothing_it_should_not() -> None:
     pager = Pager(PagerConfig(budget_tokens=2048))
     grow(pager, 256, pin=PinKind.TOOLS)
