@@ -347,9 +347,13 @@ class Pager:
 
     def protected(self) -> set[int]:
         """Everything the default retention must not evict now."""
+        return self._hard_protected() | self.plan_pins | set(self._live_leases())
+
+    def _live_leases(self) -> dict[int, int]:
+        """The leases still running (page -> lease_until_turn); those run out are dropped here."""
         for index in [i for i, until in self._leased.items() if until <= self.turn]:
             del self._leased[index]
-        return self._hard_protected() | self.plan_pins | set(self._leased)
+        return self._leased
 
     # ------------------------------------------------------------------ decisions
 
@@ -407,12 +411,12 @@ class Pager:
         the view's extra pages cost answers (`make demo`: the right value ranked first 4 of 8
         times against 8; docs/controller.md). `decide` evicts leased pages only once nothing
         unprotected is left."""
-        pinned = set(pin)
+        kept = self._hard_protected() | self.plan_pins | set(pin)
+        leases = self._live_leases()
         this_turn = self.restore_lease_until()
-        unyielding = self._hard_protected() | self.plan_pins | pinned | {
-            i for i, until in self._leased.items() if until >= this_turn}
-        return max(self._free(self.protected() | pinned),
-                   min(self.config.lease_yield_tokens, self._free(unyielding)))
+        restored_now = {i for i, until in leases.items() if until >= this_turn}
+        return max(self._free(kept | set(leases)),
+                   min(self.config.lease_yield_tokens, self._free(kept | restored_now)))
 
     def _free(self, kept: set[int]) -> int:
         """Tokens under the low watermark that the resident pages of `kept` leave."""
