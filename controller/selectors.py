@@ -206,7 +206,7 @@ class RerankSelector:
         per_token = ctx.scorer([group[0] for group in scored], question)
         if not per_token:
             return _restore_groups(groups, bm25, started, "unscored: none could be scored")
-        scores = {page: mean_logprob(lp) for page, lp in per_token.items()}
+        scores = {page: mean_logprob(lp, self.config.floor) for page, lp in per_token.items()}
         kept = set(keep_by_margin(scores, self.config.margin))
         likely = {page: scores[group[0]] for group in scored if group[0] in kept for page in group}
         rest = groups[self.config.candidates:]

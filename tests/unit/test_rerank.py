@@ -14,7 +14,7 @@ import pytest
 from contextd.wire import PageState, PinKind
 from controller.lexical import LexicalIndex
 from controller.pager import PAGE_TOKENS, Pager, PagerConfig
-from controller.rerank import RerankConfig, keep_by_margin, question_ids
+from controller.rerank import RerankConfig, keep_by_margin, mean_logprob, question_ids
 from controller.selectors import HybridSelector, RerankSelector, SelectionContext
 
 STOP = (1, 2)  # the chat template's own ids in these tests
@@ -31,8 +31,19 @@ def test_candidates_within_the_margin_of_the_best_are_kept_best_first() -> None:
     assert keep_by_margin({}, 1.0) == []
 
 
+def test_a_floor_keeps_one_unlikely_word_from_outweighing_the_rest() -> None:
+    """Seed 103's near-duplicate miss in small: the page that continues the question has one word
+    the question shares with another page at -17 nats; without a floor the other page wins."""
+    continues = np.array([-0.1, -0.2, -17.0, -0.1])
+    shares_wording = np.array([-1.5, -1.5, -1.5, -1.5])
+    assert mean_logprob(continues) < mean_logprob(shares_wording)
+    assert mean_logprob(continues, 4.0) == pytest.approx(-1.1)
+    assert mean_logprob(continues, 4.0) > mean_logprob(shares_wording, 4.0)
+    assert keep_by_margin({1: mean_logprob(continues, 4.0), 2: mean_logprob(shares_wording, 4.0)}, 0.3) == [1]
+
+
 @pytest.mark.parametrize("bad", [{"candidates": 0}, {"question_tokens": 1}, {"margin": -0.1},
-                                 {"margin": float("nan")}])
+                                 {"margin": float("nan")}, {"floor": 0.0}, {"floor": float("nan")}])
 def test_config_is_checked(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         RerankConfig(**bad)  # type: ignore[arg-type]
