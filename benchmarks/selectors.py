@@ -22,13 +22,14 @@ reads the model's weights, so it needs the real model, not tiny-llama). With
 JSON object: `rows` (per selector, shape, seed and budget: hit_rate, hits, questions, pages,
 precision, p50_ms, p95_ms, controller_forward_tokens), `sessions` (per session: its size, cold
 pages, and the serving session's `historical_forward` and whether model_forward_tokens ==
-new_prefill_tokens + decoded_tokens held) and `summary` (per selector and budget, by shape).
+new_prefill_tokens + decoded_tokens held), `summary` (per selector and budget, by shape) and
+`other_processes_cpu_share` with `reliable`: the decision times (p95 against the 250 ms budget) are
+the machine's as much as the selector's when other processes took more than a tenth of it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import tempfile
 import time
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from backends import Backend, load_backend
-from benchmarks.stats import percentile
+from benchmarks.stats import percentile, print_result
 from contextd.wire import PageState
 from controller.hybrid import HybridConfig
 from controller.pager import PAGE_TOKENS
@@ -49,6 +50,7 @@ from controller.selectors import (
     RerankSelector,
     Selector,
 )
+from harness.procfs import machine_cpu_seconds, other_cpu_share, own_cpu_seconds
 from harness.shapes import DEFAULT_TOKENS, HELD_OUT_SEEDS, SHAPES, TUNING_SEEDS, Workload, make
 from serving.chat_format import ChatFormat
 from serving.engine import ChatRequest, Engine, EngineConfig
@@ -275,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     shapes = names_of(parser, args.shapes, SHAPES, "shapes")
     chosen = selectors(names_of(parser, args.selectors, BASE_SELECTORS, "selectors"), args.ablation)
+    machine0, own0 = machine_cpu_seconds(), own_cpu_seconds()
     result = run(shapes, seeds_of(args.seeds), [int(b) for b in args.budgets.split(",")], args.tokens, chosen,
                  args.model, controller_model=args.controller_model,
                  controller_config=ControllerConfig(cache_bytes=args.controller_cache_mb << 20))
@@ -282,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         for budget, entry in budgets.items():
             shapes_text = "  ".join(f"{shape} {rate:.2f}" for shape, rate in entry["by_shape"].items())
             print(f"{name:<20} budget {budget:<5} {shapes_text}  p95 {entry['p95_ms']} ms")
-    print(json.dumps(result, ensure_ascii=False))
+    print_result(result, other_cpu_share(machine0, machine_cpu_seconds(), own_cpu_seconds() - own0))
     return 0
 
 
