@@ -12,7 +12,7 @@ HELD_OUT_SEEDS.
 
     python -m benchmarks.selectors [--shapes all] [--seeds held-out|tuning|101,102]
         [--budgets 2048,4096] [--tokens 16000] [--selectors recency,attention,bm25,hybrid]
-        [--model smollm2-135m] [--ablation] [--controller-model NAME] [--controller-cache-mb 512]
+        [--model smollm2-135m] [--ablation] [--controller-model NAME] [--controller-cache-mb 512] [--answers]
 
 Selectors: recency (no advice), attention (the model's keys, controller.keyindex), bm25 (lexical
 rarity alone: the 8 best pages by BM25 that fit), hybrid (the default, controller.hybrid), rerank
@@ -25,6 +25,17 @@ pages, and the serving session's `historical_forward` and whether model_forward_
 new_prefill_tokens + decoded_tokens held), `summary` (per selector and budget, by shape) and
 `other_processes_cpu_share` with `reliable`: the decision times (p95 against the 250 ms budget) are
 the machine's as much as the selector's when other processes took more than a tenth of it.
+
+With `--answers`, each counted question is also answered once per selector, from the same state:
+a branch of the built session (`Engine._branch`: the session's stored pages and resident set,
+no prefill of its history) takes the question in a real turn with that selector, and the answer's
+view is scored (`Engine.watch_answer`: the teacher-forced log p of every answer the workload
+plants, the right one's rank among them). Through Pi (benchmarks.compare) each arm writes its
+own answers, so two arms' sessions part at the first answer that differs and every later
+question compares different histories; here the two selectors' answers differ only by what they
+restored. Rows gain `answered`, `ranked_first`, `answer_logprob` (the sum over the questions, for
+pairing by session) and `answer_in_view`; the branch's own prefill (the built session's open last
+page and the question) is `branch_prefill_max` in `sessions`.
 """
 
 from __future__ import annotations
@@ -51,7 +62,7 @@ from controller.selectors import (
     Selector,
 )
 from harness.procfs import machine_cpu_seconds, other_cpu_share, own_cpu_seconds
-from harness.shapes import DEFAULT_TOKENS, HELD_OUT_SEEDS, SHAPES, TUNING_SEEDS, Workload, make
+from harness.shapes import DEFAULT_TOKENS, HELD_OUT_SEEDS, SHAPES, TUNING_SEEDS, Question, Workload, make
 from serving.chat_format import ChatFormat
 from serving.engine import ChatRequest, Engine, EngineConfig
 from serving.heap import freeze_loaded_heap
@@ -133,9 +144,47 @@ def build(engine: Engine, session_id: str, workload: Workload) -> list[dict[str,
     return [*messages, {"role": "assistant", "content": final.content}]
 
 
+def read_answers(engine: Engine, client: Any, parent: str, messages: list[dict[str, Any]], workload: Workload,
+                 counted: list[tuple[Question, Located]], chosen: Sequence[Selector],
+                 results: dict[str, dict[str, Any]]) -> int:
+    """Each counted question answered in a branch of `parent` per selector, its answer's view
+    scored against every answer the workload plants (see the module docstring); returns the most
+    tokens a branch prefilled. Each branch is dropped from the engine and from contextd before the
+    next: left stored, the next question's branch could start from it, with its restores."""
+    candidates = list(dict.fromkeys(q.answer for q in workload.questions))
+    serving_selector = engine.selector
+    prefilled = 0
+    try:
+        for n, (question, where) in enumerate(counted):
+            for k, selector in enumerate(chosen):
+                branch = f"{parent}-answer-{n}-{k}"
+                engine.selector = selector   # the engine's one selector, for this turn only
+                engine.watch_answer(branch, candidates)
+                final = None
+                request = ChatRequest(branch, [*messages, workload.question_message(question)], tools=workload.tools,
+                                      max_tokens=1)
+                for event in engine.chat(request):
+                    final = event.final or final
+                assert final is not None
+                prefilled = max(prefilled, final.prefilled_tokens)
+                reading = engine.readings.pop(branch)
+                engine.forget(branch)
+                client.delete_session(branch)
+                held = set(reading.resident_pages)
+                right = reading.logprobs[candidates.index(question.answer)]
+                r = results[selector.name]
+                r["answered"] += 1
+                r["ranked_first"] += int(right >= max(reading.logprobs))
+                r["answer_logprob"] += right
+                r["answer_in_view"] += int(all(pages <= held for pages in where.needed))
+    finally:
+        engine.selector = serving_selector
+    return prefilled
+
+
 def measure_session(backend: Backend, client: Any, workload: Workload, budget: int, chosen: Sequence[Selector],
-                    controller: Backend | None = None, controller_config: ControllerConfig | None = None
-                    ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+                    controller: Backend | None = None, controller_config: ControllerConfig | None = None,
+                    answers: bool = False) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     fresh = backend.fork()   # the engine empties it when the session comes in
     # The session is built with no selector: pages restored (and leased) while it is built would
     # take the room every question's restores need. Each selector is asked in `Engine.probe`.
@@ -149,12 +198,15 @@ def measure_session(backend: Backend, client: Any, workload: Workload, budget: i
     text, spans = token_spans(engine, session_id)
     located = locate(text, spans, workload)
     session = engine.sessions[session_id]
-    results = {s.name: {"hits": 0, "questions": 0, "pages": [], "useful": 0, "ms": [], "controller_tokens": 0}
+    results = {s.name: {"hits": 0, "questions": 0, "pages": [], "useful": 0, "ms": [], "controller_tokens": 0,
+                        "answered": 0, "ranked_first": 0, "answer_logprob": 0.0, "answer_in_view": 0}
                for s in chosen}
+    counted: list[tuple[Question, Located]] = []
     for question, where in zip(workload.questions, located, strict=True):
         cold = {p.index for p in session.pager.pages if p.state is PageState.COLD}
         if not any(pages & cold for pages in where.needed):
             continue  # nothing it needs has left attention: it does not test retrieval
+        counted.append((question, where))
         request = ChatRequest(session_id, [*messages, workload.question_message(question)], tools=workload.tools)
         for name, probe in engine.probe(request, list(chosen)).items():
             held = set(probe.resident) | set(probe.restore)
@@ -165,9 +217,13 @@ def measure_session(backend: Backend, client: Any, workload: Workload, budget: i
             r["useful"] += len(set(probe.restore) & where.touched)
             r["ms"].append(probe.decided_ms)
             r["controller_tokens"] += probe.controller_forward_tokens
-    counters = fresh.counters  # the serving session's own forwards; scoring ran on scratch sessions
-    context = {"session_tokens": session.transcript.tokens, "cold_pages": sum(
-        1 for p in session.pager.pages if p.state is PageState.COLD), "build_s": round(build_s, 1),
+    context: dict[str, Any] = {"session_tokens": session.transcript.tokens, "cold_pages": sum(
+        1 for p in session.pager.pages if p.state is PageState.COLD), "build_s": round(build_s, 1)}
+    if answers:
+        context["branch_prefill_max"] = read_answers(engine, client, session_id, messages, workload, counted,
+                                                     chosen, results)
+    counters = fresh.counters  # the serving sessions' own forwards; scoring ran on scratch sessions
+    context |= {
         "historical_forward": counters.historical_forward_during_restore,
         "forward_invariant": counters.model_forward_tokens == counters.new_prefill_tokens + counters.decoded_tokens}
     return results, context
@@ -181,21 +237,32 @@ def row(name: str, r: dict[str, Any], shape: str, seed: int, budget: int) -> dic
             "questions": r["questions"], "pages": round(restored / max(1, len(r["pages"])), 2),
             "precision": round(r["useful"] / restored, 3) if restored else 0.0,
             "p50_ms": round(percentile(ms, 50), 2), "p95_ms": round(percentile(ms, 95), 2),
-            "controller_forward_tokens": r["controller_tokens"]}
+            "controller_forward_tokens": r["controller_tokens"],
+            **({"answered": r["answered"], "ranked_first": r["ranked_first"],
+                "answer_logprob": round(r["answer_logprob"], 4), "answer_in_view": r["answer_in_view"]}
+               if r["answered"] else {})}
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per selector and budget: hits / questions by shape over the seeds run, and the worst p95."""
+    """Per selector and budget: hits / questions by shape over the seeds run, the worst p95, and
+    with answers read, the right answer ranked first and its mean log p over every shape."""
     out: dict[str, Any] = {}
     for r in rows:
         entry = out.setdefault(r["selector"], {}).setdefault(str(r["budget"]), {"by_shape": {}, "p95_ms": 0.0})
         hits, questions = entry["by_shape"].get(r["shape"], (0, 0))
         entry["by_shape"][r["shape"]] = (hits + r["hits"], questions + r["questions"])
         entry["p95_ms"] = max(entry["p95_ms"], r["p95_ms"])
+        if "answered" in r:
+            entry["answered"] = entry.get("answered", 0) + r["answered"]
+            entry["ranked_first"] = entry.get("ranked_first", 0) + r["ranked_first"]
+            entry["answer_logprob"] = entry.get("answer_logprob", 0.0) + r["answer_logprob"]
     for budgets in out.values():
         for entry in budgets.values():
             entry["by_shape"] = {shape: round(h / max(1, q), 3) for shape, (h, q) in entry["by_shape"].items()}
             entry["min_hit_rate"] = min(entry["by_shape"].values())
+            if entry.get("answered"):
+                entry["recall_at_1"] = round(entry["ranked_first"] / entry["answered"], 3)
+                entry["answer_logprob_mean"] = round(entry.pop("answer_logprob") / entry["answered"], 4)
     return out
 
 
@@ -224,7 +291,7 @@ def seeds_of(text: str) -> list[int]:
 
 def run(shapes: list[str], seeds: list[int], budgets: list[int], tokens: int, chosen: list[Selector],
         model: str = MODEL, log: Any = print, controller_model: str | None = None,
-        controller_config: ControllerConfig | None = None) -> dict[str, Any]:
+        controller_config: ControllerConfig | None = None, answers: bool = False) -> dict[str, Any]:
     base = Path(tempfile.mkdtemp(prefix="kvb-sel-", dir="/tmp"))
     daemon = ContextdProcess(base / "root", base / "run" / "c.sock", extra=["--reserve-bytes", "0"])
     client = daemon.start()
@@ -239,13 +306,15 @@ def run(shapes: list[str], seeds: list[int], budgets: list[int], tokens: int, ch
                 for seed in seeds:
                     workload = make(shape, seed, tokens)
                     results, context = measure_session(backend, client, workload, budget, chosen, controller,
-                                                       controller_config)
+                                                       controller_config, answers)
                     sessions.append({"shape": shape, "seed": seed, "budget": budget, **context})
                     for name, r in results.items():
                         rows.append(row(name, r, shape, seed, budget))
                         log(f"{shape:<15} seed {seed:<4} budget {budget:<5} {name:<20} "
                             f"{r['hits']:>2}/{r['questions']:<2} pages {rows[-1]['pages']:<5} "
-                            f"precision {rows[-1]['precision']:<5} p95 {rows[-1]['p95_ms']} ms")
+                            f"precision {rows[-1]['precision']:<5} p95 {rows[-1]['p95_ms']} ms"
+                            + (f" answers {r['ranked_first']}/{r['answered']} first, log p "
+                               f"{r['answer_logprob'] / r['answered']:.2f}" if r["answered"] else ""))
     finally:
         daemon.stop()
         shutil.rmtree(base, ignore_errors=True)
@@ -274,17 +343,22 @@ def main(argv: list[str] | None = None) -> int:
                              "of the serving model over their stored K/V")
     parser.add_argument("--controller-cache-mb", type=int, default=ControllerConfig.cache_bytes >> 20, metavar="MB",
                         help="the controller's memory for pages it read (as kv-elision serve's flag)")
+    parser.add_argument("--answers", action="store_true",
+                        help="also answer each counted question once per selector from the same state and score "
+                             "the answer's view (the right answer's rank and log p among the workload's answers)")
     args = parser.parse_args(argv)
     shapes = names_of(parser, args.shapes, SHAPES, "shapes")
     chosen = selectors(names_of(parser, args.selectors, BASE_SELECTORS, "selectors"), args.ablation)
     machine0, own0 = machine_cpu_seconds(), own_cpu_seconds()
     result = run(shapes, seeds_of(args.seeds), [int(b) for b in args.budgets.split(",")], args.tokens, chosen,
                  args.model, controller_model=args.controller_model,
-                 controller_config=ControllerConfig(cache_bytes=args.controller_cache_mb << 20))
+                 controller_config=ControllerConfig(cache_bytes=args.controller_cache_mb << 20), answers=args.answers)
     for name, budgets in result["summary"].items():
         for budget, entry in budgets.items():
             shapes_text = "  ".join(f"{shape} {rate:.2f}" for shape, rate in entry["by_shape"].items())
-            print(f"{name:<20} budget {budget:<5} {shapes_text}  p95 {entry['p95_ms']} ms")
+            answered = (f"  answers recall@1 {entry['recall_at_1']} log p {entry['answer_logprob_mean']}"
+                        if entry.get("answered") else "")
+            print(f"{name:<20} budget {budget:<5} {shapes_text}  p95 {entry['p95_ms']} ms{answered}")
     print_result(result, other_cpu_share(machine0, machine_cpu_seconds(), own_cpu_seconds() - own0))
     return 0
 

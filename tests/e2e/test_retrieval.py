@@ -47,3 +47,26 @@ def test_the_default_selector_finds_what_each_shape_of_session_needs_on_an_untun
         assert hybrid["hit_rate"] >= 0.8, hybrid
         assert hybrid["hits"] >= bm25["hits"], (hybrid, bm25)
         assert hybrid["p95_ms"] <= 100, hybrid
+
+
+def test_answers_are_read_per_selector_from_a_branch_of_the_same_state() -> None:
+    """`--answers`: each counted question answered once per selector in a branch of the built
+    session. The branch prefills only the question and the open last page (never the history),
+    the hybrid's view holds the fact exactly where its probe found it, and recency's never does:
+    asked right after the hybrid's branch of the same question, it would hold the fact if that
+    branch, left stored, had become the next one's parent."""
+    run = subprocess.run([sys.executable, "-m", "benchmarks.selectors", "--seeds", "1", "--shapes", "prose,code",
+                          "--budgets", "2048", "--tokens", "3000", "--model", "tiny-llama",
+                          "--selectors", "hybrid,recency", "--answers"], cwd=REPO, capture_output=True, text=True,
+                         timeout=1800)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    for row in result["rows"]:
+        assert row["questions"] >= 3 and row["answered"] == row["questions"], row
+        assert row["ranked_first"] <= row["answered"] and row["answer_logprob"] < 0, row
+        assert row["answer_in_view"] == (row["hits"] if row["selector"] == "hybrid" else 0), row
+    for session in result["sessions"]:
+        assert 0 < session["branch_prefill_max"] < 2 * 128, session
+        assert session["historical_forward"] == 0 and session["forward_invariant"], session
+    for budgets in result["summary"].values():
+        assert 0 <= budgets["2048"]["recall_at_1"] <= 1, budgets
