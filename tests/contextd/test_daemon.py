@@ -151,7 +151,7 @@ def test_four_watchers_see_consistent_snapshots_while_10000_pages_commit(daemon:
     seen: list[list[pb.StatusReply]] = [[] for _ in range(4)]
     errors: list[str] = []
     done = threading.Event()
-    ready = threading.Barrier(5)
+    ready = threading.Barrier(5, timeout=120)   # a reader whose stream failed first must not hang the test
 
     def reader(slot: int) -> None:
         with Client(daemon.socket) as own:
@@ -195,6 +195,7 @@ def test_kill9_during_batches_keeps_every_acknowledged_batch_and_no_half_batch(d
     assert client is not None
     client.open_session("k")
     acked: list[int] = []
+    failed: list[BaseException] = []
     batch = 64
     stop = threading.Event()
 
@@ -204,14 +205,19 @@ def test_kill9_during_batches_keeps_every_acknowledged_batch_and_no_half_batch(d
             while not stop.is_set():
                 try:
                     own.upsert_pages("k", pages(f"b{b:05d}-", batch))
-                except Exception:  # the daemon died under us: this batch was never acknowledged
+                except Exception as e:  # the daemon died under us: this batch was never acknowledged
+                    failed.append(e)
                     return
                 acked.append(b)
                 b += 1
 
     t = threading.Thread(target=writer)
     t.start()
+    # A writer that failed before the kill would leave this loop waiting forever (stop 48's CI hang
+    # may have been one): it ends with the writer's error instead.
+    deadline = time.monotonic() + 120
     while len(acked) < 30:
+        assert t.is_alive() and time.monotonic() < deadline, f"the writer stopped at {len(acked)} batches: {failed}"
         time.sleep(0.01)
     daemon.kill9()
     stop.set()
