@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import select
 import subprocess
 import sys
 import time
+from typing import IO
 
 from contextd.client import pb
 from contextd.wire import PageState, PinKind
@@ -50,14 +52,24 @@ def test_watch_prints_one_line_per_change(daemon: ContextdProcess) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "contextd.cli", "watch", "--socket", str(daemon.socket)],
                             cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    first = proc.stdout.readline()
-    assert "alpha: hot 5 cold 1 pinned 1 | attn 640/4096 | restored 1 this turn, 3 in all" in first
-    client = daemon.client
-    assert client is not None
-    client.set_pins("alpha", add=[("p2", PinKind.TOOLS)])
-    second = proc.stdout.readline()
-    assert "hot 5 cold 1 pinned 2" in second
-    stop_process(proc, timeout=10)
+    try:
+        first = _line_within(proc.stdout, 30)
+        assert "alpha: hot 5 cold 1 pinned 1 | attn 640/4096 | restored 1 this turn, 3 in all" in first
+        client = daemon.client
+        assert client is not None
+        client.set_pins("alpha", add=[("p2", PinKind.TOOLS)])
+        second = _line_within(proc.stdout, 30)
+        assert "hot 5 cold 1 pinned 2" in second
+    finally:
+        stop_process(proc, timeout=10)
+
+
+def _line_within(stream: IO[str], seconds: float) -> str:
+    """The next line `watch` prints, or a failure after `seconds`: a watcher that stays silent must
+    not hold the test (and CI) open."""
+    ready, _, _ = select.select([stream], [], [], seconds)
+    assert ready, f"contextd watch printed nothing in {seconds} s"
+    return stream.readline()
 
 
 def test_gc_removes_orphans_but_not_referenced_payloads(daemon: ContextdProcess) -> None:

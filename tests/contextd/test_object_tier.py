@@ -239,7 +239,7 @@ def test_a_root_moves_to_the_object_store_at_start_and_keeps_to_it(daemon_factor
     client.open_session("s", model_id="m")
     record = store_payload(client, "s", page(1), data(1))
     local.proc.terminate()
-    local.proc.wait()
+    local.proc.wait(timeout=120)
     # the same root with an object store: its payloads go up before it serves
     moved = ContextdProcess(root=local.root, socket=local.socket,
                             extra=["--reserve-bytes", "0", "--object-store", s3.config.url, "--object-endpoint",

@@ -605,10 +605,12 @@ def _installed(pis: PiFactory, how: str) -> tuple[Path, Path, list[str]]:
         source = str(EXTENSION_DIR)
     else:
         packed = json.loads(subprocess.run(["npm", "pack", "--json", "--pack-destination", str(agent_dir.parent)],
-                                           cwd=EXTENSION_DIR, check=True, capture_output=True, text=True).stdout)
+                                           cwd=EXTENSION_DIR, check=True, capture_output=True, text=True,
+                                           timeout=300).stdout)
         source = f"npm:{PACKAGE}@file:{agent_dir.parent / packed[0]['filename']}"
     subprocess.run([str(PI_BIN), "install", source], cwd=cwd, env=env, check=True, capture_output=True, timeout=300)
-    listed = subprocess.run([str(PI_BIN), "list"], cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout
+    listed = subprocess.run([str(PI_BIN), "list"], cwd=cwd, env=env, check=True, capture_output=True, text=True,
+                            timeout=300).stdout
     assert source in listed, listed
     if how == "tarball":
         installed = agent_dir / "npm" / "node_modules" / PACKAGE
