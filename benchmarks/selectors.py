@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from backends import Backend, load_backend
+from benchmarks.answers import rank_of
 from benchmarks.stats import percentile, print_result
 from contextd.wire import PageState
 from controller.hybrid import HybridConfig
@@ -64,7 +65,7 @@ from controller.selectors import (
 from harness.procfs import machine_cpu_seconds, other_cpu_share, own_cpu_seconds
 from harness.shapes import DEFAULT_TOKENS, HELD_OUT_SEEDS, SHAPES, TUNING_SEEDS, Question, Workload, make
 from serving.chat_format import ChatFormat
-from serving.engine import ChatRequest, Engine, EngineConfig
+from serving.engine import ChatRequest, Engine, EngineConfig, TurnResult
 from serving.heap import freeze_loaded_heap
 from serving.launcher import ContextdProcess
 from serving.scoring import ControllerConfig, ControllerScorer
@@ -134,13 +135,19 @@ def locate(text: str, spans: list[tuple[int, int]], workload: Workload) -> list[
     return out
 
 
+def turn(engine: Engine, request: ChatRequest) -> TurnResult:
+    """Run one turn to its end and return what it reports."""
+    final = None
+    for event in engine.chat(request):
+        final = event.final or final
+    assert final is not None
+    return final
+
+
 def build(engine: Engine, session_id: str, workload: Workload) -> list[dict[str, Any]]:
     """The whole session in one request (one token generated), as a client resuming it would send it."""
     messages = workload.messages()
-    final = None
-    for event in engine.chat(ChatRequest(session_id, list(messages), tools=workload.tools, max_tokens=1)):
-        final = event.final or final
-    assert final is not None
+    final = turn(engine, ChatRequest(session_id, list(messages), tools=workload.tools, max_tokens=1))
     return [*messages, {"role": "assistant", "content": final.content}]
 
 
@@ -160,22 +167,18 @@ def read_answers(engine: Engine, client: Any, parent: str, messages: list[dict[s
                 branch = f"{parent}-answer-{n}-{k}"
                 engine.selector = selector   # the engine's one selector, for this turn only
                 engine.watch_answer(branch, candidates)
-                final = None
-                request = ChatRequest(branch, [*messages, workload.question_message(question)], tools=workload.tools,
-                                      max_tokens=1)
-                for event in engine.chat(request):
-                    final = event.final or final
-                assert final is not None
+                final = turn(engine, ChatRequest(branch, [*messages, workload.question_message(question)],
+                                                 tools=workload.tools, max_tokens=1))
                 prefilled = max(prefilled, final.prefilled_tokens)
                 reading = engine.readings.pop(branch)
                 engine.forget(branch)
                 client.delete_session(branch)
                 held = set(reading.resident_pages)
-                right = reading.logprobs[candidates.index(question.answer)]
+                right = candidates.index(question.answer)
                 r = results[selector.name]
                 r["answered"] += 1
-                r["ranked_first"] += int(right >= max(reading.logprobs))
-                r["answer_logprob"] += right
+                r["ranked_first"] += int(rank_of(reading.logprobs, right) == 1)   # ties against it, as compare's
+                r["answer_logprob"] += reading.logprobs[right]
                 r["answer_in_view"] += int(all(pages <= held for pages in where.needed))
     finally:
         engine.selector = serving_selector
