@@ -339,8 +339,9 @@ class ReadQueue:
             if self._idle:
                 self._cond.notify()
             elif self._running < self.workers:
+                thread = threading.Thread(target=self._work, name="kv-read-queue", daemon=True)
+                thread.start()   # a thread that cannot start raises here, not counted as running
                 self._running += 1
-                threading.Thread(target=self._work, name="kv-read-queue", daemon=True).start()
 
     def withdraw(self, reader: SectionReader) -> bool:
         """Take a reader no worker has begun on off the queue; whether it was waiting there."""
@@ -665,8 +666,13 @@ class SectionReader:
             raise ContainerError("checksum mismatch (corrupted payload)")
 
     def close(self) -> None:
+        """Stop reading and release the file once no thread touches it. Whoever still waits on
+        this reader (`wait`, `header`) gets an error instead of waiting for bytes that will not come."""
         with self._cond:
             self._stopped.set()
+            if self._error is None and self._got < self._size:
+                self._error = ContainerError("the file was closed before it was read")
+            self._cond.notify_all()
         if self.pulled:   # no thread reads it
             self._ended.set()
         if self._queue is not None and self._queue.withdraw(self):

@@ -892,12 +892,15 @@ class Engine:
 
     def forget(self, session_id: str) -> None:
         """After a failed turn of `session_id` its cache's state is unknown: empty that cache (no
-        other session's) and drop the session from memory; its next turn reloads from contextd."""
+        other session's) and drop the session from memory; its next turn reloads from contextd.
+        A cache that cannot be emptied is not kept as a spare (a fork replaces it when needed)."""
         self.sessions.pop(session_id, None)
         cache = self.caches.pop(session_id, None)
-        if cache is not None:
-            self._use(cache)
-            self.mover.empty()
-            self.spare_caches.append(cache)
-        if self.active == session_id or cache is not None:
-            self.active = None
+        try:
+            if cache is not None:
+                self._use(cache)
+                self.mover.empty()
+                self.spare_caches.append(cache)
+        finally:
+            if self.active == session_id or cache is not None:
+                self.active = None

@@ -94,26 +94,52 @@ class Worker(threading.Thread):
         self.engine = engine
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.lock = threading.Lock()  # held during a step; stats readers take it briefly between steps
+        self.failure: BaseException | None = None  # why the loop ended early, when it did
 
     def submit(self, request: ChatRequest) -> _Job:
+        if self.failure is not None:
+            raise self.stopped()
         job = _Job(request, queue.Queue(), threading.Event())
         request.cancelled = job.gone.is_set
         self.jobs.put(job)
         return job
 
+    def stopped(self) -> RequestError:
+        """The answer to a turn that no worker will run: the server is stopping, or its loop failed."""
+        if self.failure is None:
+            return RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is stopping")
+        return RequestError(HTTPStatus.SERVICE_UNAVAILABLE,
+                            f"the server's worker stopped ({type(self.failure).__name__}: {self.failure}); "
+                            "restart the server", "worker_stopped")
+
     def run(self) -> None:
+        """Serve turns until told to stop. A failure of the loop itself (not of one turn: `_step`
+        answers those) ends the worker, but never silently: every turn queued or running is
+        answered, later ones are refused (`submit`, `_next`) and /health says so, so neither a
+        client nor a supervisor waits on a thread that is gone."""
         waiting: deque[_Job] = deque()
         running: list[_Turn] = []
+        try:
+            self._serve(waiting, running)
+        except BaseException as exc:  # noqa: BLE001 - recorded and answered to every waiting client
+            self.failure = exc
+            log.critical("the worker stopped; turns are refused until the server restarts", exc_info=True)
+            stopped = self.stopped()
+            for job in [*(turn.job for turn in running), *waiting, *self._take(block=False)]:
+                if job is not None:
+                    job.events.put(stopped)
+
+    def _serve(self, waiting: deque[_Job], running: list[_Turn]) -> None:
         while True:
             arrived = self._take(block=not running and not waiting)
             waiting.extend(job for job in arrived if job is not None)
             if None in arrived:   # the server is stopping
-                for turn in running:
-                    turn.steps.close()
-                stopping = RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is stopping")
+                stopping = self.stopped()
                 for left in [*(turn.job for turn in running), *waiting, *self._take(block=False)]:
                     if left is not None:
                         left.events.put(stopping)
+                for turn in running:
+                    turn.steps.close()
                 return
             self._admit(waiting, running)
             for turn in list(running):
@@ -174,10 +200,19 @@ class Worker(threading.Thread):
                 error = error_for(exc)
                 if error.kind == "server_error":
                     log.exception("turn failed")
-                if not isinstance(exc, TranscriptError):
-                    self.engine.forget(job.request.session_id)   # its next turn starts from the last durable state
                 job.events.put(error)
+                if not isinstance(exc, TranscriptError):
+                    self._forget(job.request.session_id)
                 return False
+
+    def _forget(self, session_id: str) -> None:
+        """Drop a failed turn's session from memory, so that its next turn starts from the last
+        durable state. Emptying its cache can fail too (the backend that failed the turn): the
+        worker then logs it and serves on, since the session is dropped before its cache is."""
+        try:
+            self.engine.forget(session_id)
+        except Exception:  # noqa: BLE001 - the worker must outlive any one turn
+            log.exception("session %s: emptying its cache after the failed turn failed too", session_id)
 
     def _decode(self, running: list[_Turn]) -> None:
         """The round's waiting decode steps, in one forward: each turn takes its token, or the
@@ -392,7 +427,10 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
             try:
                 if url.path != "/health":
                     self._authorize()
-                if url.path == "/health":
+                if url.path == "/health" and worker.failure is not None:
+                    error = worker.stopped()
+                    self._json(error.status, {"status": "worker_stopped", "model": model_id, "error": str(error)})
+                elif url.path == "/health":
                     self._json(HTTPStatus.OK, {"status": "ok", "model": model_id, "contextd_socket": contextd_socket,
                                                "queued_turns": worker.jobs.qsize()})
                 elif url.path == "/v1/models":
@@ -489,13 +527,13 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                 request, stream, include_usage = parse_chat(self._body(session_header(self.headers)), self.headers,
                                                             model_id)
                 request.received_ms = (time.perf_counter() - receiving) * 1e3
+                job = worker.submit(request)
             except RequestError as exc:
                 self._error(exc)
                 return
             except ValueError:
                 self._error(RequestError(HTTPStatus.BAD_REQUEST, "bad Content-Length"))
                 return
-            job = worker.submit(request)
             if stream:
                 self._stream(request, job, include_usage)
             else:
@@ -524,7 +562,8 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                 try:
                     return job.events.get(timeout=CLIENT_POLL_S)
                 except queue.Empty:
-                    pass
+                    if not worker.is_alive() and job.events.empty():   # submitted as it stopped
+                        return worker.stopped()
 
         def _wait_prepared(self, job: _Job) -> Prepared | RequestError:
             """The first event of a turn: the prompt is in (or the turn failed before it was)."""

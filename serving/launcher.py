@@ -48,11 +48,14 @@ def _die_with_parent() -> None:
         ctypes.CDLL(libc_name, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+KILLED_WAIT_S = 30.0  # a killed process is gone at once, unless it is stuck in the kernel
+
+
 def stop_process(proc: subprocess.Popen[Any], timeout: float = 60.0, *, read_output: bool = False) -> str:
     """End this one process, by its pid: SIGTERM, wait up to `timeout` s, SIGKILL if it does not
     go. With `read_output`, its stdout pipe is read while it goes (a full pipe cannot hold it up)
     and returned; without, the caller reads its output or it goes elsewhere, and "" is returned."""
-    def finish(wait_s: float | None) -> str:
+    def finish(wait_s: float) -> str:
         if read_output:
             return str(proc.communicate(timeout=wait_s)[0] or "")
         proc.wait(timeout=wait_s)
@@ -64,7 +67,11 @@ def stop_process(proc: subprocess.Popen[Any], timeout: float = 60.0, *, read_out
         return finish(timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        return finish(None)
+    try:
+        return finish(KILLED_WAIT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"process {proc.pid} (or a child holding its output) did not end "
+                           f"{KILLED_WAIT_S:.0f} s after SIGKILL") from None
 
 
 def wait_healthy(proc: subprocess.Popen[Any], healthy: Callable[[], bool], timeout: float, name: str,

@@ -213,8 +213,8 @@ def test_kill9_mid_turn_then_restart_continues_from_contextd(server_factory: Any
         headers={"X-KV-Session": "k", "Content-Type": "application/json"})
     stream = conn.getresponse()
     assert stream.status == 200
-    while b'"content"' not in stream.readline():
-        pass
+    while b'"content"' not in (line := stream.readline()):
+        assert line, "the stream ended before its first token"
     server.kill9()
     conn.close()
     server.start()
@@ -272,8 +272,8 @@ def test_a_client_that_leaves_ends_its_turn_and_the_next_turn_is_served(server_f
                  headers={"X-KV-Session": "gone", "Content-Type": "application/json"})
     stream = conn.getresponse()
     assert stream.status == 200
-    while b'"content"' not in stream.readline():
-        pass
+    while b'"content"' not in (line := stream.readline()):
+        assert line, "the stream ended before its first token"
     stream.close()  # the response holds the socket open too
     conn.close()
     # Not streaming: the client sends the request and hangs up while the answer is being decoded.
