@@ -300,6 +300,36 @@ def read_rows(path: str | os.PathLike[str], magic: bytes, section: str, start: i
     return local.rows(memoryview(data), start, stop)
 
 
+class _Pieces:
+    """Where each of a file's bytes is read to: buffers that cover the file's bytes in order, the
+    first from offset 0, each from where the one before it ends (a reader's own buffer, or the
+    slots its sections land in)."""
+
+    __slots__ = ("starts", "bufs")
+
+    def __init__(self, pieces: list[tuple[int, memoryview]]) -> None:
+        kept = [(offset, buf) for offset, buf in pieces if len(buf)]
+        self.starts = [offset for offset, _ in kept]
+        self.bufs = [buf for _, buf in kept]
+
+    def between(self, start: int, end: int) -> list[memoryview]:
+        """The buffers for the file's bytes [start, end), in order: the whole pieces inside it as
+        they are, cut only at the two ends. Cutting every piece in a Python loop, twice a read
+        (for the read, then again for its hash), cost a SmolLM2 page, whose file lands in 180
+        pieces, 0.3 ms warm and 0.5 ms cold (120 restores each, the two alternated in one
+        process on a 6,000-token session: 3.73 -> 3.44 ms warm, 5.74 -> 5.27 ms cold)."""
+        first = max(0, bisect.bisect_right(self.starts, start) - 1)
+        stop = bisect.bisect_left(self.starts, end)
+        out = self.bufs[first:stop]
+        if out:
+            last_start = self.starts[stop - 1]
+            if last_start + len(out[-1]) > end:
+                out[-1] = out[-1][:end - last_start]
+            if self.starts[first] < start:
+                out[0] = out[0][start - self.starts[first]:]
+        return out
+
+
 def _overlapping(pieces: list[tuple[int, memoryview]], start: int, end: int) -> Iterator[tuple[int, memoryview]]:
     """The non-empty (file offset, buffer) pieces, sorted by offset, that hold any of the file's
     bytes [start, end), in order; the first is found by bisection."""
@@ -425,7 +455,7 @@ class SectionReader:
         self.from_disk = self._nowait is None
         # Where each byte of the file goes: (file offset, buffer) pieces in file order; all of it
         # into this reader's buffer until `land` replaces them.
-        self._pieces: list[tuple[int, memoryview]] = [(0, self._mv)]
+        self._pieces = _Pieces([(0, self._mv)])
         self._landing = landing
         self._landed: frozenset[str] | None = None if landing else frozenset()
         self._landed_pieces: list[tuple[int, memoryview]] = []
@@ -539,7 +569,7 @@ class SectionReader:
         with self._cond:
             # What was read already moves where it goes; a read in flight now is moved by the
             # reader once it returns (`_read`).
-            self._pieces = pieces
+            self._pieces = _Pieces(pieces)
             self._landed = frozenset(targets)
             self._landed_pieces = landed
             self._move_landed(0, self._got)
@@ -552,12 +582,6 @@ class SectionReader:
             a, b = max(start, offset), min(end, offset + len(buf))
             # numpy copies without the interpreter lock; a memoryview assignment holds it
             np.frombuffer(buf, np.uint8)[a - offset:b - offset] = np.frombuffer(self._mv[a:b], np.uint8)
-
-    @staticmethod
-    def _requests(pieces: list[tuple[int, memoryview]], got: int, upto: int) -> list[memoryview]:
-        """The buffers of `pieces` for the file's bytes [got, upto), in order."""
-        return [buf[max(0, got - offset):min(len(buf), upto - offset)]
-                for offset, buf in _overlapping(pieces, got, upto)]
 
     def _fail(self, error: BaseException) -> None:
         with self._cond:
@@ -575,10 +599,12 @@ class SectionReader:
         while got < upto and not self._stopped.is_set():
             pieces = self._pieces
             n = 0
+            asked = 0
             if self._nowait is not None:
+                asked = min(upto, got + _CACHED_CHUNK_BYTES) - got
+                requests = pieces.between(got, got + asked)
                 try:
-                    n = os.preadv(fd, self._requests(pieces, got, min(upto, got + _CACHED_CHUNK_BYTES)), got,
-                                  self._nowait)
+                    n = os.preadv(fd, requests, got, self._nowait)
                 except BlockingIOError:
                     n = 0
                 except OSError:
@@ -588,11 +614,14 @@ class SectionReader:
                 self.from_disk = True
                 if not wait:
                     return
-                n = os.preadv(fd, self._requests(pieces, got, min(upto, got + IO_CHUNK_BYTES)), got)
+                asked = min(upto, got + IO_CHUNK_BYTES) - got
+                requests = pieces.between(got, got + asked)
+                n = os.preadv(fd, requests, got)
                 if not n:
                     raise ContainerError("file is shorter than its header says" if self._head is None
                                          else "file shrank while reading")
-            read = self._requests(pieces, got, got + n)
+            # A whole request read (the usual case) hashes the buffers it was read into as they are.
+            read = requests if n == asked else pieces.between(got, got + n)
             for buf in read:
                 self._hasher.update(buf)
             # Publish progress, but wake the consumer only once what it waits for is here.

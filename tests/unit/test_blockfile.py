@@ -299,3 +299,26 @@ def test_a_reader_opened_for_landing_and_closed_before_land_ends(tmp_path: Path)
         assert stream.land([keys.data], [np.empty_like(blk.values).data]) == (True, True)
         stream.finish()
         np.testing.assert_array_equal(keys, blk.keys)
+
+
+def test_the_buffers_for_a_byte_range_are_exactly_those_bytes_cut_only_at_its_ends() -> None:
+    from backends.blockfile import _Pieces
+
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        sizes = rng.integers(0, 40, size=int(rng.integers(1, 12)))
+        total = int(sizes.sum())
+        if not total:
+            continue
+        file = rng.integers(0, 256, size=total, dtype=np.uint8)
+        buffers, at = [], 0
+        for size in sizes:   # each piece a copy of its bytes, some empty
+            buffers.append((at, memoryview(file[at:at + int(size)].copy()).cast("B")))
+            at += int(size)
+        pieces = _Pieces(buffers)
+        start = int(rng.integers(0, total))
+        end = int(rng.integers(start + 1, total + 1))
+        got = pieces.between(start, end)
+        assert b"".join(bytes(b) for b in got) == file[start:end].tobytes()
+        assert all(len(b) for b in got)
+        assert all(any(b is piece for piece in pieces.bufs) for b in got[1:-1]), "a piece inside the range was cut"
