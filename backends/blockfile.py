@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 import os
 import struct
 import threading
@@ -301,23 +302,25 @@ def read_rows(path: str | os.PathLike[str], magic: bytes, section: str, start: i
 
 
 class _Pieces:
-    """Where each of a file's bytes is read to: buffers that cover the file's bytes in order, the
-    first from offset 0, each from where the one before it ends (a reader's own buffer, or the
-    slots its sections land in)."""
+    """Buffers that hold a file's bytes, in file order, each from a file offset: all of the file
+    (a reader's `_pieces`, each from where the one before ends) or only the sections that land in
+    the caller's buffers (`_landed_pieces`). Empty buffers are left out."""
 
     __slots__ = ("starts", "bufs")
 
-    def __init__(self, pieces: list[tuple[int, memoryview]]) -> None:
-        kept = [(offset, buf) for offset, buf in pieces if len(buf)]
-        self.starts = [offset for offset, _ in kept]
-        self.bufs = [buf for _, buf in kept]
+    def __init__(self, starts: list[int], bufs: list[memoryview]) -> None:
+        if not all(map(len, bufs)):
+            starts, bufs = [o for o, b in zip(starts, bufs, strict=True) if len(b)], [b for b in bufs if len(b)]
+        self.starts = starts
+        self.bufs = bufs
 
     def between(self, start: int, end: int) -> list[memoryview]:
-        """The buffers for the file's bytes [start, end), in order: the whole pieces inside it as
-        they are, cut only at the two ends. Cutting every piece in a Python loop, twice a read
-        (for the read, then again for its hash), cost a SmolLM2 page, whose file lands in 180
-        pieces, 0.3 ms warm and 0.5 ms cold (120 restores each, the two alternated in one
-        process on a 6,000-token session: 3.73 -> 3.44 ms warm, 5.74 -> 5.27 ms cold)."""
+        """The buffers for the file's bytes [start, end) of pieces that cover the file, in order:
+        the whole pieces inside it as they are, cut only at the two ends. Cutting every piece in
+        a Python loop, twice a read (for the read, then again for its hash), cost a SmolLM2 page,
+        whose file lands in 180 pieces, 0.3 ms warm and 0.5 ms cold (120 restores each, the two
+        alternated in one process on a 6,000-token session: 3.73 -> 3.44 ms warm, 5.74 -> 5.27
+        ms cold)."""
         first = max(0, bisect.bisect_right(self.starts, start) - 1)
         stop = bisect.bisect_left(self.starts, end)
         out = self.bufs[first:stop]
@@ -329,16 +332,15 @@ class _Pieces:
                 out[0] = out[0][start - self.starts[first]:]
         return out
 
-
-def _overlapping(pieces: list[tuple[int, memoryview]], start: int, end: int) -> Iterator[tuple[int, memoryview]]:
-    """The non-empty (file offset, buffer) pieces, sorted by offset, that hold any of the file's
-    bytes [start, end), in order; the first is found by bisection."""
-    for j in range(max(0, bisect.bisect_right(pieces, start, key=lambda p: p[0]) - 1), len(pieces)):
-        offset, buf = pieces[j]
-        if offset >= end:
-            return
-        if len(buf) and offset + len(buf) > start:
-            yield offset, buf
+    def overlapping(self, start: int, end: int) -> Iterator[tuple[int, memoryview]]:
+        """The (file offset, buffer) pieces that hold any of the file's bytes [start, end), in
+        order, whether or not the pieces cover the file; the first is found by bisection."""
+        for j in range(max(0, bisect.bisect_right(self.starts, start) - 1), len(self.starts)):
+            offset, buf = self.starts[j], self.bufs[j]
+            if offset >= end:
+                return
+            if offset + len(buf) > start:
+                yield offset, buf
 
 
 class ReadQueue:
@@ -455,10 +457,10 @@ class SectionReader:
         self.from_disk = self._nowait is None
         # Where each byte of the file goes: (file offset, buffer) pieces in file order; all of it
         # into this reader's buffer until `land` replaces them.
-        self._pieces = _Pieces([(0, self._mv)])
+        self._pieces = _Pieces([0], [self._mv])
         self._landing = landing
         self._landed: frozenset[str] | None = None if landing else frozenset()
-        self._landed_pieces: list[tuple[int, memoryview]] = []
+        self._landed_pieces = _Pieces([], [])
         self._queue = queue
         # Whether the caller's thread reads the bulk, as it asks for it (`read_here`).
         self.pulled = read_here and self._read_head_cached()
@@ -546,39 +548,46 @@ class SectionReader:
         _, start, sections = self._wait_head()
         if self._landed is not None:
             raise RuntimeError("land() was already called")
-        pieces: list[tuple[int, memoryview]] = []
-        landed: list[tuple[int, memoryview]] = []
+        starts: list[int] = []
+        bufs: list[memoryview] = []
+        landed_starts: list[int] = []
+        landed: list[memoryview] = []
         at = 0
         for name in sorted(targets, key=lambda n: sections[n].offset):
             if name not in self._landing:
                 raise ValueError(f"section {name!r} was not opened for landing")
             found = sections[name]
-            bufs = [memoryview(b).cast("B") for b in targets[name]]
-            if found.frames is not None or sum(len(b) for b in bufs) != found.nbytes:
-                raise ValueError(f"section {name!r} cannot land in {sum(len(b) for b in bufs)} bytes")
+            given = [memoryview(b).cast("B") for b in targets[name]]
+            lengths = list(map(len, given))
+            if found.frames is not None or sum(lengths) != found.nbytes:
+                raise ValueError(f"section {name!r} cannot land in {sum(lengths)} bytes")
             first = start + found.offset
             if at < first:
-                pieces.append((at, self._mv[at:first]))
-            for b in bufs:
-                landed.append((first, b))
-                pieces.append((first, b))
-                first += len(b)
-            at = first
+                starts.append(at)
+                bufs.append(self._mv[at:first])
+            if given:
+                offsets = list(itertools.accumulate(lengths[:-1], initial=first))
+                starts += offsets
+                bufs += given
+                landed_starts += offsets
+                landed += given
+            at = first + found.nbytes
         if at < self._size:
-            pieces.append((at, self._mv[at:]))
+            starts.append(at)
+            bufs.append(self._mv[at:])
         with self._cond:
             # What was read already moves where it goes; a read in flight now is moved by the
             # reader once it returns (`_read`).
-            self._pieces = _Pieces(pieces)
+            self._pieces = _Pieces(starts, bufs)
             self._landed = frozenset(targets)
-            self._landed_pieces = landed
+            self._landed_pieces = _Pieces(landed_starts, landed)
             self._move_landed(0, self._got)
 
     def _move_landed(self, start: int, end: int) -> None:
         """Copy the file's bytes [start, end), read into this reader's buffer, to where they land
         (only the landed pieces that overlap them: a SmolLM2 page lands in 180, and a loop over
         all of them cost 0.12 ms of a ~4 ms warm restore)."""
-        for offset, buf in _overlapping(self._landed_pieces, start, end):
+        for offset, buf in self._landed_pieces.overlapping(start, end):
             a, b = max(start, offset), min(end, offset + len(buf))
             # numpy copies without the interpreter lock; a memoryview assignment holds it
             np.frombuffer(buf, np.uint8)[a - offset:b - offset] = np.frombuffer(self._mv[a:b], np.uint8)

@@ -301,7 +301,7 @@ def test_a_reader_opened_for_landing_and_closed_before_land_ends(tmp_path: Path)
         np.testing.assert_array_equal(keys, blk.keys)
 
 
-def test_the_buffers_for_a_byte_range_are_exactly_those_bytes_cut_only_at_its_ends() -> None:
+def test_the_buffers_for_a_byte_range_are_exactly_its_bytes_cut_only_at_its_ends_and_overlaps_are_found() -> None:
     from backends.blockfile import _Pieces
 
     rng = np.random.default_rng(3)
@@ -311,14 +311,19 @@ def test_the_buffers_for_a_byte_range_are_exactly_those_bytes_cut_only_at_its_en
         if not total:
             continue
         file = rng.integers(0, 256, size=total, dtype=np.uint8)
-        buffers, at = [], 0
+        starts, buffers, at = [], [], 0
         for size in sizes:   # each piece a copy of its bytes, some empty
-            buffers.append((at, memoryview(file[at:at + int(size)].copy()).cast("B")))
+            starts.append(at)
+            buffers.append(memoryview(file[at:at + int(size)].copy()).cast("B"))
             at += int(size)
-        pieces = _Pieces(buffers)
+        pieces = _Pieces(starts, buffers)
         start = int(rng.integers(0, total))
         end = int(rng.integers(start + 1, total + 1))
         got = pieces.between(start, end)
         assert b"".join(bytes(b) for b in got) == file[start:end].tobytes()
         assert all(len(b) for b in got)
         assert all(any(b is piece for piece in pieces.bufs) for b in got[1:-1]), "a piece inside the range was cut"
+        some = _Pieces(starts[::2], buffers[::2])   # pieces with gaps between them, as landed sections are
+        expected = [(o, b) for o, b in zip(starts[::2], buffers[::2], strict=True)
+                    if len(b) and o < end and o + len(b) > start]
+        assert [(o, bytes(b)) for o, b in some.overlapping(start, end)] == [(o, bytes(b)) for o, b in expected]
