@@ -371,8 +371,11 @@ class ReadQueue:
             if self._idle:
                 self._cond.notify()
             elif self._running < self.workers:
-                thread = threading.Thread(target=self._work, name="kv-read-queue", daemon=True)
-                thread.start()   # a thread that cannot start raises here, not counted as running
+                try:
+                    threading.Thread(target=self._work, name="kv-read-queue", daemon=True).start()
+                except BaseException:   # no thread: the reader is not left queued for one
+                    self._heads.remove(reader)
+                    raise
                 self._running += 1
 
     def withdraw(self, reader: SectionReader) -> bool:
@@ -466,10 +469,14 @@ class SectionReader:
         self.pulled = read_here and self._read_head_cached()
         if self.pulled:
             return
-        if queue is not None:
-            queue.add(self)
-        else:
-            threading.Thread(target=self._run, name="kv-section-reader", daemon=True).start()
+        try:
+            if queue is not None:
+                queue.add(self)
+            else:
+                threading.Thread(target=self._run, name="kv-section-reader", daemon=True).start()
+        except BaseException:   # no thread will read it
+            self._file.close()
+            raise
 
     def _read_head_cached(self) -> bool:
         """Read the header here, on the opening thread, if the page cache holds it; whether it

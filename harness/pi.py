@@ -134,7 +134,11 @@ class Pi:
             try:
                 self.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                stop_process(self.proc, timeout=15)
+                try:
+                    stop_process(self.proc, timeout=15)
+                finally:
+                    self.reader.join(timeout=5)
+                return
         self.reader.join(timeout=5)
 
 

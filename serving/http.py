@@ -104,6 +104,17 @@ class Worker(threading.Thread):
         self.jobs.put(job)
         return job
 
+    def next_event(self, job: _Job, wait_s: float) -> TurnEvent | RequestError | None:
+        """The job's next event within `wait_s` seconds, else None; once the worker is gone and
+        nothing is left for the job (it was submitted as the worker stopped), the answer no
+        worker will send."""
+        try:
+            return job.events.get(timeout=wait_s)
+        except queue.Empty:
+            if not self.is_alive() and job.events.empty():
+                return self.stopped()
+            return None
+
     def stopped(self) -> RequestError:
         """The answer to a turn that no worker will run: the server is stopping, or its loop failed."""
         if self.failure is None:
@@ -134,12 +145,15 @@ class Worker(threading.Thread):
             arrived = self._take(block=not running and not waiting)
             waiting.extend(job for job in arrived if job is not None)
             if None in arrived:   # the server is stopping
+                for turn in running:   # first: closing a turn releases its session's lease
+                    try:
+                        turn.steps.close()
+                    except Exception:  # noqa: BLE001 - every other turn is still closed and answered
+                        log.exception("session %s: ending its turn at shutdown failed", turn.job.request.session_id)
                 stopping = self.stopped()
                 for left in [*(turn.job for turn in running), *waiting, *self._take(block=False)]:
                     if left is not None:
                         left.events.put(stopping)
-                for turn in running:
-                    turn.steps.close()
                 return
             self._admit(waiting, running)
             for turn in list(running):
@@ -559,11 +573,9 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                     if not job.gone.is_set() and self._client_gone():
                         log.info("client left session %s; ending its turn", job.request.session_id)
                         job.gone.set()
-                try:
-                    return job.events.get(timeout=CLIENT_POLL_S)
-                except queue.Empty:
-                    if not worker.is_alive() and job.events.empty():   # submitted as it stopped
-                        return worker.stopped()
+                event = worker.next_event(job, CLIENT_POLL_S)
+                if event is not None:
+                    return event
 
         def _wait_prepared(self, job: _Job) -> Prepared | RequestError:
             """The first event of a turn: the prompt is in (or the turn failed before it was)."""
@@ -660,8 +672,8 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                 log.info("client left session %s mid-stream; ending its turn", request.session_id)
                 job.gone.set()
                 while not finished:
-                    event = job.events.get()
-                    finished = isinstance(event, RequestError) or event.final is not None
+                    left = worker.next_event(job, CLIENT_POLL_S)
+                    finished = left is not None and (isinstance(left, RequestError) or left.final is not None)
 
     return Handler
 

@@ -291,11 +291,13 @@ class ServerProcess:
         self.proc.wait()
 
     def stop(self) -> None:
-        """End the server, then its contextd."""
-        if self.proc is not None:
-            stop_process(self.proc)
-        if self.contextd is not None:
-            self.contextd.stop()
+        """End the server, then its contextd (also when the server would not end)."""
+        try:
+            if self.proc is not None:
+                stop_process(self.proc)
+        finally:
+            if self.contextd is not None:
+                self.contextd.stop()
 
 
 def spawn_tied_contextd(root: Path, socket_path: Path) -> ContextdProcess:

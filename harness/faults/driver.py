@@ -98,9 +98,14 @@ class Driver:
         from serving.engine import ChatRequest
         from serving.http import RequestError
 
-        job = self.worker.submit(ChatRequest(self.sid, messages))
+        try:
+            job = self.worker.submit(ChatRequest(self.sid, messages))
+        except RequestError as refused:   # the worker has stopped
+            return int(refused.status), f"{refused.kind}: {refused}"
         while True:
-            event = job.events.get()
+            event = self.worker.next_event(job, 1.0)
+            if event is None:
+                continue
             if isinstance(event, RequestError):
                 return int(event.status), f"{event.kind}: {event}"
             if event.final is not None:

@@ -327,3 +327,29 @@ def test_the_buffers_for_a_byte_range_are_exactly_its_bytes_cut_only_at_its_ends
         expected = [(o, b) for o, b in zip(starts[::2], buffers[::2], strict=True)
                     if len(b) and o < end and o + len(b) > start]
         assert [(o, bytes(b)) for o, b in some.overlapping(start, end)] == [(o, bytes(b)) for o, b in expected]
+
+
+def test_a_reader_whose_thread_cannot_start_is_neither_queued_nor_left_open(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from backends.blockfile import SectionReader
+
+    data = b"".join(block().pieces())
+    path = tmp_path / "page.kv"
+    path.write_bytes(data)
+
+    def open_on_it() -> int:
+        return sum(1 for fd in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{fd}") == str(path))
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    queue = ReadQueue(workers=1)
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    for reads in (queue, None):   # the queue's thread, or a thread of its own
+        with pytest.raises(RuntimeError, match="can't start"):
+            SectionReader(path, Block.MAGIC, checksum(data), len(data), reads)
+        assert open_on_it() == 0, "the file was left open"
+    monkeypatch.undo()
+    assert queue._running == 0 and not queue._heads, "the reader was left queued for a thread that never started"
