@@ -128,18 +128,16 @@ class Pi:
         return sent, list(zip(self.arrived[start:], self.events[start:], strict=True))
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()  # Pi shuts down (session_shutdown) at the end of its input
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
+        try:
+            if self.proc.poll() is None:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()  # Pi shuts down (session_shutdown) at the end of its input
                 try:
+                    self.proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
                     stop_process(self.proc, timeout=15)
-                finally:
-                    self.reader.join(timeout=5)
-                return
-        self.reader.join(timeout=5)
+        finally:
+            self.reader.join(timeout=5)
 
 
 def assistant_text(message: dict[str, Any]) -> str:

@@ -126,7 +126,7 @@ class Worker(threading.Thread):
     def run(self) -> None:
         """Serve turns until told to stop. A failure of the loop itself (not of one turn: `_step`
         answers those) ends the worker, but never silently: every turn queued or running is
-        answered, later ones are refused (`submit`, `_next`) and /health says so, so neither a
+        answered, later ones are refused (`submit`, `next_event`) and /health says so, so neither a
         client nor a supervisor waits on a thread that is gone."""
         waiting: deque[_Job] = deque()
         running: list[_Turn] = []
@@ -135,10 +135,14 @@ class Worker(threading.Thread):
         except BaseException as exc:  # noqa: BLE001 - recorded and answered to every waiting client
             self.failure = exc
             log.critical("the worker stopped; turns are refused until the server restarts", exc_info=True)
-            stopped = self.stopped()
-            for job in [*(turn.job for turn in running), *waiting, *self._take(block=False)]:
-                if job is not None:
-                    job.events.put(stopped)
+            self._answer_all(waiting, running)
+
+    def _answer_all(self, waiting: deque[_Job], running: list[_Turn]) -> None:
+        """Tell every turn running, waiting or still queued that no worker will run it (`stopped`)."""
+        stopped = self.stopped()
+        for job in [*(turn.job for turn in running), *waiting, *self._take(block=False)]:
+            if job is not None:
+                job.events.put(stopped)
 
     def _serve(self, waiting: deque[_Job], running: list[_Turn]) -> None:
         while True:
@@ -150,10 +154,7 @@ class Worker(threading.Thread):
                         turn.steps.close()
                     except Exception:  # noqa: BLE001 - every other turn is still closed and answered
                         log.exception("session %s: ending its turn at shutdown failed", turn.job.request.session_id)
-                stopping = self.stopped()
-                for left in [*(turn.job for turn in running), *waiting, *self._take(block=False)]:
-                    if left is not None:
-                        left.events.put(stopping)
+                self._answer_all(waiting, running)
                 return
             self._admit(waiting, running)
             for turn in list(running):
