@@ -27,7 +27,7 @@ new_prefill_tokens + decoded_tokens held), `summary` (per selector and budget, b
 the machine's as much as the selector's when other processes took more than a tenth of it.
 
 With `--answers`, each counted question is also answered once per selector, from the same state:
-a branch of the built session (`Engine._branch`: the session's stored pages and resident set,
+a branch of the built session (`Engine.answer_in_branches`: the session's stored pages and resident set,
 no prefill of its history) takes the question in a real turn with that selector, and the answer's
 view is scored (`Engine.watch_answer`: the teacher-forced log p of every answer the workload
 plants, the right one's rank among them). Through Pi (benchmarks.compare) each arm writes its
@@ -151,37 +151,25 @@ def build(engine: Engine, session_id: str, workload: Workload) -> list[dict[str,
     return [*messages, {"role": "assistant", "content": final.content}]
 
 
-def read_answers(engine: Engine, client: Any, parent: str, messages: list[dict[str, Any]], workload: Workload,
+def read_answers(engine: Engine, parent: str, messages: list[dict[str, Any]], workload: Workload,
                  counted: list[tuple[Question, Located]], chosen: Sequence[Selector],
                  results: dict[str, dict[str, Any]]) -> int:
-    """Each counted question answered in a branch of `parent` per selector, its answer's view
-    scored against every answer the workload plants (see the module docstring); returns the most
-    tokens a branch prefilled. Each branch is dropped from the engine and from contextd before the
-    next: left stored, the next question's branch could start from it, with its restores."""
+    """Each counted question answered in a branch of `parent` per selector
+    (`Engine.answer_in_branches`), its answer's view scored against every answer the workload
+    plants (see the module docstring); returns the most tokens a branch prefilled."""
     candidates = list(dict.fromkeys(q.answer for q in workload.questions))
-    serving_selector = engine.selector
     prefilled = 0
-    try:
-        for n, (question, where) in enumerate(counted):
-            for k, selector in enumerate(chosen):
-                branch = f"{parent}-answer-{n}-{k}"
-                engine.selector = selector   # the engine's one selector, for this turn only
-                engine.watch_answer(branch, candidates)
-                final = turn(engine, ChatRequest(branch, [*messages, workload.question_message(question)],
-                                                 tools=workload.tools, max_tokens=1))
-                prefilled = max(prefilled, final.prefilled_tokens)
-                reading = engine.readings.pop(branch)
-                engine.forget(branch)
-                client.delete_session(branch)
-                held = set(reading.resident_pages)
-                right = candidates.index(question.answer)
-                r = results[selector.name]
-                r["answered"] += 1
-                r["ranked_first"] += int(rank_of(reading.logprobs, right) == 1)   # ties against it, as compare's
-                r["answer_logprob"] += reading.logprobs[right]
-                r["answer_in_view"] += int(all(pages <= held for pages in where.needed))
-    finally:
-        engine.selector = serving_selector
+    for question, where in counted:
+        request = ChatRequest(parent, [*messages, workload.question_message(question)], tools=workload.tools)
+        for name, (reading, tokens) in engine.answer_in_branches(request, candidates, chosen).items():
+            prefilled = max(prefilled, tokens)
+            held = set(reading.resident_pages)
+            right = candidates.index(question.answer)
+            r = results[name]
+            r["answered"] += 1
+            r["ranked_first"] += int(rank_of(reading.logprobs, right) == 1)   # ties against it, as compare's
+            r["answer_logprob"] += reading.logprobs[right]
+            r["answer_in_view"] += int(all(pages <= held for pages in where.needed))
     return prefilled
 
 
@@ -223,7 +211,7 @@ def measure_session(backend: Backend, client: Any, workload: Workload, budget: i
     context: dict[str, Any] = {"session_tokens": session.transcript.tokens, "cold_pages": sum(
         1 for p in session.pager.pages if p.state is PageState.COLD), "build_s": round(build_s, 1)}
     if answers:
-        context["branch_prefill_max"] = read_answers(engine, client, session_id, messages, workload, counted,
+        context["branch_prefill_max"] = read_answers(engine, session_id, messages, workload, counted,
                                                      chosen, results)
     counters = fresh.counters  # the serving sessions' own forwards; scoring ran on scratch sessions
     context |= {

@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -223,13 +223,15 @@ def _ms(started: float) -> float:
 SELECTORS = ("hybrid", "rerank", "attention", "recency")
 
 
-def make_selector(name: str, **kw: Any) -> Selector:
+def make_selector(name: str, max_pages: int = 8) -> Selector:
+    """The selector `name` with its defaults; `max_pages`: the most cold pages it brings back in a
+    turn (`--restore-pages`; recency restores none)."""
     if name == "recency":
         return RecencySelector()
     if name == "hybrid":
-        return HybridSelector(HybridConfig(**kw))
+        return HybridSelector(HybridConfig(max_pages=max_pages))
     if name == "rerank":
-        return RerankSelector(hybrid=HybridConfig(**kw))
+        return RerankSelector(hybrid=HybridConfig(max_pages=max_pages))
     if name == "attention":
-        return AttentionSelector(**kw)
+        return AttentionSelector(max_pages=max_pages)
     raise ValueError(f"unknown selector {name!r}: use one of {', '.join(SELECTORS)}")

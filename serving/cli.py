@@ -22,7 +22,7 @@ from contextd.client import Client
 from contextd.errors import DaemonUnavailable
 from contextd.paths import default_root, default_socket
 from controller.eviction import EVICTION_ORDERS
-from controller.selectors import SELECTORS, Selector, make_selector
+from controller.selectors import SELECTORS, make_selector
 from serving.engine import PLACEMENTS, Engine, EngineConfig
 from serving.heap import freeze_loaded_heap
 from serving.launcher import ContextdProcess, spawn_tied_contextd
@@ -52,13 +52,6 @@ def _connect_or_spawn_contextd(root: Path, socket_path: Path) -> tuple[Client, C
     assert daemon.proc is not None and daemon.client is not None
     log.info("starting contextd (pid %d) on %s", daemon.proc.pid, socket_path)
     return daemon.client, daemon
-
-
-def _selector(args: argparse.Namespace) -> Selector:
-    options = {"attention": {"max_pages": args.restore_pages},
-               "hybrid": {"max_pages": args.restore_pages},
-               "rerank": {"max_pages": args.restore_pages}}.get(args.selector, {})
-    return make_selector(args.selector, **options)
 
 
 def _controller(args: argparse.Namespace, backend: Backend) -> ControllerScorer | None:
@@ -102,9 +95,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             daemon.wait_started()
         controller = _controller(args, backend)
         template = Path(args.chat_template).read_text() if args.chat_template else None
-        engine = Engine(backend, ChatFormat(backend.tokenizer, template), client, config, _selector(args), controller)
+        engine = Engine(backend, ChatFormat(backend.tokenizer, template), client, config,
+                        make_selector(args.selector, args.restore_pages), controller)
         server = Server(engine, args.model, args.host, args.port, str(socket_path), args.api_key or None,
-                        client_timeout=args.client_timeout)
+                        client_timeout=args.client_timeout, restore_pages=args.restore_pages)
         freeze_loaded_heap()
         stop = threading.Event()
 

@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -242,6 +242,8 @@ class Engine:
         self.paused_ms: dict[str, float] = {}          # per turn in progress: time other turns ran meanwhile
         self.watched: dict[str, list[str]] = {}        # session -> candidate answers to score at its next turn
         self.readings: dict[str, ViewReading] = {}     # session -> what its last watched turn's answer read
+        self.watched_branches: dict[str, list[Selector]] = {}          # session -> selectors for its next turn
+        self.branch_readings: dict[str, dict[str, ViewReading]] = {}   # session -> selector -> its branch's reading
         self.held_at: dict[str, float] = {}            # per turn in progress: when its lease was last renewed
         self.stop_ids = chat_format.stop_ids
 
@@ -342,6 +344,9 @@ class Engine:
         (`Engine.decode_batch` ran it) or, when nothing is sent, runs in the turn; an exception
         thrown back (that forward failed) is raised where the turn would have decoded."""
         session_id = request.session_id
+        branches = self.watched_branches.pop(session_id, [])
+        if branches:
+            self.branch_readings[session_id] = self._read_branches(request, branches)
         self.turning.add(session_id)
         self.paused_ms[session_id] = 0.0
         steps = self._turn(request)
@@ -655,14 +660,70 @@ class Engine:
 
     # ------------------------------------------------------------------ reading answers
 
-    def watch_answer(self, session_id: str, candidates: list[str]) -> None:
+    def watch_answer(self, session_id: str, candidates: list[str], branches: Sequence[Selector] = ()) -> None:
         """At `session_id`'s next turn, once the answer's opener is in, score each candidate answer
         over the exact cache the answer is decoded from (serving.likelihood); `readings` keeps
         the result. For measuring what the model reads (benchmarks.answers); the turn itself
-        answers exactly as it would unwatched."""
+        answers exactly as it would unwatched. With `branches`, the same request is first answered
+        once per selector in a branch of the session (`answer_in_branches`), before the turn
+        itself; `branch_readings` keeps those readings."""
         if not 0 < len(candidates) <= MAX_WATCHED_CANDIDATES or not all(c.strip() for c in candidates):
             raise ValueError(f"give 1 to {MAX_WATCHED_CANDIDATES} non-blank candidate answers")
+        names = [selector.name for selector in branches]
+        if len(set(names)) < len(names):
+            raise ValueError(f"each selector answers in one branch: {', '.join(names)} names one twice")
         self.watched[session_id] = list(candidates)
+        self.watched_branches[session_id] = list(branches)
+
+    def answer_in_branches(self, request: ChatRequest, candidates: list[str], selectors: Sequence[Selector]
+                           ) -> dict[str, tuple[ViewReading, int]]:
+        """`request` (a next turn of the stored session `request.session_id`) answered once per
+        selector, each time in a new branch of that session as its last turn left it: contextd's
+        copy of its record and pages, with the session's leases copied too (a branch starts
+        without leases, and they decide what may leave), brought back as after a restart (no
+        prefill of history). The answer is one token long, that selector chooses the restores, and
+        the answer's view is scored against `candidates`. Each branch is dropped from memory and
+        from contextd before the next, so every selector starts from the same state and the
+        session itself is untouched. Returns the reading and the tokens prefilled, per selector.
+
+        Why: two sessions that each write their own answers part at the first answer that
+        differs, and every later question then compares two histories; through Pi most of the
+        difference between two selectors' answers came from that, not from their choices
+        (docs/controller.md, "Answers from the same state")."""
+        serving = self.selector
+        out: dict[str, tuple[ViewReading, int]] = {}
+        try:
+            for k, selector in enumerate(selectors):
+                branch = f"{request.session_id}-branch-{k}"
+                self.selector = selector   # the engine's one selector, for this turn only
+                self.watch_answer(branch, candidates)
+                try:
+                    self.contextd.branch_session(branch, request.session_id)
+                    self.contextd.set_leases(branch, add=self.contextd.query_leases(request.session_id))
+                    final: TurnResult | None = None
+                    for event in self.chat(dataclasses.replace(request, session_id=branch, max_tokens=1,
+                                                               plan=None, cancelled=None)):
+                        final = event.final or final
+                    assert final is not None
+                    out[selector.name] = (self.readings.pop(branch), final.prefilled_tokens)
+                finally:
+                    self.watched.pop(branch, None)
+                    self.readings.pop(branch, None)
+                    self.forget(branch)
+                    self.contextd.delete_session(branch)
+        finally:
+            self.selector = serving
+        return out
+
+    def _read_branches(self, request: ChatRequest, selectors: list[Selector]) -> dict[str, ViewReading]:
+        """`answer_in_branches` for a watched turn, before the turn itself. If a branch fails, that is
+        logged, the turn has no branch readings, and it runs as it would have."""
+        try:
+            return {name: reading for name, (reading, _) in
+                    self.answer_in_branches(request, self.watched[request.session_id], selectors).items()}
+        except (BackendError, ContextdError, TranscriptError, ValueError) as exc:
+            log.warning("session %s: its turn was not answered in branches: %s", request.session_id, exc)
+            return {}
 
     def _capture_answer_view(self, session: Session, restored: list[int]) -> ViewCapture | None:
         candidates = self.watched.pop(session.session_id, None)

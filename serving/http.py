@@ -7,8 +7,11 @@ Routes:
   GET  /v1/kv/pages?session=ID[&text=1]   every page: state, token range, the turn it last moved,
                               the score that brought it back; with text=1 (loopback clients only) its text
   POST /v1/kv/score             {"session": ID, "candidates": [...]}: score those answers (teacher-forced
-                              log-probabilities) over the cache the session's next answer is read from
-  GET  /v1/kv/score?session=ID  what the last watched turn read: the scores and its view (loopback only)
+                              log-probabilities) over the cache the session's next answer is read from;
+                              with "branches": [selector names], that turn is first answered once per
+                              selector in a branch of the session, from the same state (loopback only)
+  GET  /v1/kv/score?session=ID  what the last watched turn read: the scores and its view, and each
+                              branch's under "branches" (loopback only)
   GET  /health
 
 Request threads parse and validate; the single worker runs turns in arrival order and streams
@@ -23,7 +26,8 @@ headers say what the server did: `X-KV-Session`, `X-KV-Prefilled-Tokens`, and `X
 `X-KV-Sampled` with a reason when it had to.
 
 Bad requests get a 4xx with an OpenAI-style error body; nothing a client sends crashes the worker.
-Depends on serving.engine, serving.request_body, serving.transcript and contextd.errors.
+Depends on serving.engine, serving.request_body, serving.transcript, controller.selectors and
+contextd.errors.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from urllib.parse import parse_qs, urlparse
 
 from backends import DecodeStep
 from contextd.errors import ContextdError, DaemonUnavailable, SessionHeld, StoreFull, TierUnavailable
+from controller.selectors import SELECTORS, make_selector
 from serving import views
 from serving.engine import ChatRequest, Engine, Prepared, TurnEvent, TurnResult
 from serving.request_body import BodyParser
@@ -388,7 +393,8 @@ class _ContentFilter:
 
 
 def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_tokens: int,
-                 contextd_socket: str, api_key: str | None, client_timeout: float) -> type[BaseHTTPRequestHandler]:
+                 contextd_socket: str, api_key: str | None, client_timeout: float,
+                 restore_pages: int) -> type[BaseHTTPRequestHandler]:
     expected = f"Bearer {api_key}".encode() if api_key else None
     bodies = BodyParser()
 
@@ -498,10 +504,11 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
             self._loopback_only("what a session's answer read")
             with worker.lock:
                 reading = worker.engine.readings.get(session)
+                branches = worker.engine.branch_readings.get(session, {})
             if reading is None:
                 raise RequestError(HTTPStatus.NOT_FOUND, f"no watched turn of session {session!r} has run yet",
                                    "reading_not_found")
-            return reading.as_dict()
+            return {**reading.as_dict(), "branches": {name: r.as_dict() for name, r in branches.items()}}
 
         def _watch(self, body: Any) -> None:
             if not isinstance(body, dict) or not isinstance(body.get("session"), str) or not body["session"]:
@@ -509,10 +516,15 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
             candidates = body.get("candidates")
             if not isinstance(candidates, list) or not all(isinstance(c, str) for c in candidates):
                 raise RequestError(HTTPStatus.BAD_REQUEST, "candidates must be a list of strings")
+            names = body.get("branches", [])
+            if not isinstance(names, list) or not all(isinstance(n, str) and n in SELECTORS for n in names):
+                raise RequestError(HTTPStatus.BAD_REQUEST,
+                                   f"branches must be a list of selector names: {', '.join(SELECTORS)}")
             self._loopback_only("scoring a session's answers")
             with worker.lock:
                 try:
-                    worker.engine.watch_answer(body["session"], candidates)
+                    worker.engine.watch_answer(body["session"], candidates,
+                                               [make_selector(name, restore_pages) for name in names])
                 except ValueError as exc:
                     raise RequestError(HTTPStatus.BAD_REQUEST, str(exc)) from None
             self._json(HTTPStatus.ACCEPTED, {"session": body["session"], "watching": len(candidates)})
@@ -689,12 +701,13 @@ class Server:
     """The HTTP server and its worker, started and stopped together."""
 
     def __init__(self, engine: Engine, model_id: str, host: str, port: int, contextd_socket: str,
-                 api_key: str | None = None, client_timeout: float = 30.0) -> None:
+                 api_key: str | None = None, client_timeout: float = 30.0, restore_pages: int = 8) -> None:
+        """`restore_pages`: the most pages a selector a watch names for its branches restores."""
         if client_timeout <= 0:
             raise ValueError(f"client_timeout must be positive seconds, not {client_timeout}")
         self.worker = Worker(engine)
         handler = make_handler(self.worker, model_id, engine.config.budget_tokens, engine.config.max_new_tokens,
-                               contextd_socket, api_key, client_timeout)
+                               contextd_socket, api_key, client_timeout, restore_pages)
         self.http = _Listener((host, port), handler)
         self.http.daemon_threads = True
 

@@ -30,13 +30,22 @@ counters: kv-elision's new_prefill_tokens, llama.cpp's prompt_tokens_total), com
 time, time to first token per turn as Pi's RPC stream shows it (p50, p95).
 
     python -m benchmarks.compare [--quick] [--seeds 7,11] [--budget 1024] [--files 12] [--diagnose]
-                                 [--out bench-out/compare]
+                                 [--branches hybrid,rerank] [--out bench-out/compare]
 
 --diagnose replays, for every kv-elision turn, the tokens resident after it through a fresh
 prefill and compares the answers (slow: one torch prefill per turn).
 
+--branches hybrid,rerank answers every question of a kv-elision arm also once per selector, each
+in a branch of the session as the turn before left it (`POST /v1/kv/score` with `branches`), and
+scores those answers' views like the arm's own: arms named "<arm> / branch: <selector>" (no
+greedy answer: a branch answers one token), and `paired_branches`, each later selector minus the
+first on the same held-out questions, with intervals from resampling whole sessions. Two arms
+that each write their own answers part at the first answer that differs, and every later
+question then compares two histories; branches of one session compare the selectors' choices
+alone. A branch with the arm's own selector reads what the arm's turn reads.
+
 Writes a markdown table, bench-out/compare/compare.png and bench-out/compare/turns.json; the last line is one
 JSON object: {"arms": {name: {correct, facts, in_view, prompt_tokens, wall_s, ttft_p50_ms,
-ttft_p95_ms, compactions}}, "seeds": {...}, ...}. llama-server is located or built once by
+ttft_p95_ms, compactions}}, "seeds": {...}, "paired_branches": {...}, ...}. llama-server is located or built once by
 benchmarks/llamacpp.py (`make compare` does that first).
 """

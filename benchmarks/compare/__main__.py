@@ -41,7 +41,8 @@ from benchmarks.compare.arms import (
 )
 from benchmarks.compare.play import HELD_OUT_SEEDS, SESSION_DIRS, TUNING_SEED, ArmResult, run_arm, slug
 from benchmarks.compare.report import budget_reason, combine, likelihood_table, plot, question_table, table
-from benchmarks.compare.scoring import replay_views, score_and_tell
+from benchmarks.compare.scoring import branch_arm, replay_views, score_and_tell
+from controller.selectors import SELECTORS
 from harness.fact_script import Script, make_script
 from harness.pi import PI_BIN
 
@@ -75,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
                              "--controller-model) instead of the serving model")
     parser.add_argument("--controller-cache-mb", type=int, default=512,
                         help="the controller model's page memory in MB (the server's --controller-cache-mb)")
+    parser.add_argument("--branches", default="",
+                        help="comma-separated selectors that also answer every question of a kv-elision arm, each "
+                             "in a branch of the session from the state before the question (paired: the session's "
+                             "history is the same for all of them), e.g. hybrid,rerank")
     parser.add_argument("--turn-timeout", type=float, default=900.0)
     parser.add_argument("--out", default="bench-out/compare")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (servers' data, logs, prompts)")
@@ -97,6 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [ARM_KEYS[a] for a in keys]
     if args.controller_model and RERANK not in wanted:
         parser.error("--controller-model applies to the rerank arm only: add rerank to --arms")
+    branches = tuple(b.strip() for b in args.branches.split(",") if b.strip())
+    if set(branches) - set(SELECTORS) or len(set(branches)) < len(branches):
+        parser.error(f"--branches names each selector once, from: {','.join(SELECTORS)}")
+    if branches and not any(name in KV_ARMS for name in wanted):
+        parser.error("--branches answers the questions of a kv-elision arm: add one to --arms")
     if args.controller_cache_mb < 0:
         parser.error("--controller-cache-mb cannot be negative")
     if not PI_BIN.exists():
@@ -112,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(resolve(args.model))
     reserve, keep = scaled_compaction(args.budget)
     settings = Settings(args.model, args.budget, args.max_tokens, args.tail_tokens, args.full_ctx, reserve, keep,
-                        args.turn_timeout, args.llama_threads, args.controller_model, args.controller_cache_mb)
+                        args.turn_timeout, args.llama_threads, args.controller_model, args.controller_cache_mb,
+                        branches)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kv-compare-", dir="/tmp"))
@@ -230,6 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     if by_likelihood:
         print("\n### Answers by likelihood (held-out seeds; the tuning seed apart)\n")
         print(likelihood_table(by_likelihood))
+    pairs: dict[str, dict[str, Any]] = {}
+    for name in [n for n in wanted if n in KV_ARMS]:
+        for selector in branches[1:]:
+            base_arm, other_arm = branch_arm(name, branches[0]), branch_arm(name, selector)
+            pairs[f"{other_arm} - {base_arm}"] = answers.paired(scored, base_arm, other_arm, {TUNING_SEED})
+    for pair, figures in pairs.items():
+        print(f"paired, held out, {pair}: {json.dumps(figures)}")
     summary = {
         "arms": arms,
         "seeds": {str(seed): {f"{r.arm} [{r.session}]": (r.summary() if r.turns else {"status": r.status})
@@ -242,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         "held_out_seeds": [x for x in seeds if x != TUNING_SEED],
         "sessions_per_seed": args.sessions,
         "controller_model": args.controller_model,
+        "branches": list(branches), "paired_branches": pairs,
         "scoring_prefill_tokens": sum(s.prefilled_tokens for s in scorers.values()),
         "other_processes_cpu_share": max(other) if other else None,
     }

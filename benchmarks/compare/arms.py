@@ -72,6 +72,9 @@ class Settings:
     # MB; none: the serving model scores.
     controller: str | None = None
     controller_cache_mb: int = 512
+    # Selectors that also answer every question of a kv-elision arm, each in a branch of the
+    # session from the state before the question (`Engine.answer_in_branches`).
+    branches: tuple[str, ...] = ()
 
 
 def scaled_compaction(budget: int) -> tuple[int, int]:
@@ -125,9 +128,11 @@ class KvArm(Arm):
     def start(self) -> None:
         controller = ("--controller-model", self.s.controller, "--controller-cache-mb",
                       str(self.s.controller_cache_mb)) if self.s.controller and self.name == RERANK else ()
+        # A second cache for the branches, so the session's own stays as its turns left it.
+        branching = ("--resident-sessions", "2") if self.s.branches else ()
         self.server = ServerProcess(root=self.work / "kv", model=self.s.model, budget=self.s.budget, extra=(
             "--max-new-tokens", str(self.s.max_tokens), "--tail-tokens", str(self.s.tail_tokens),
-            *self.flags, *controller)).start(timeout=600)
+            *self.flags, *controller, *branching)).start(timeout=600)
 
     def stop(self) -> None:
         if self.server is not None:
@@ -198,10 +203,11 @@ class KvArm(Arm):
         return self.server.stats(session_id)
 
     def watch(self, session_id: str, candidates: list[str]) -> None:
-        """Have the server score `candidates` over the cache its next answer is read from."""
+        """Have the server score `candidates` over the cache its next answer is read from, and over
+        each branch's that the settings name."""
         assert self.server is not None
-        reply = self.server.request("POST", "/v1/kv/score", {"session": session_id, "candidates": candidates},
-                                    timeout=60.0)
+        reply = self.server.request("POST", "/v1/kv/score", {"session": session_id, "candidates": candidates,
+                                                             "branches": list(self.s.branches)}, timeout=60.0)
         if reply.status != 202:
             raise RuntimeError(f"the server refused to watch the answer: {reply.status} {reply.body}")
 

@@ -62,6 +62,7 @@ class Turn:
     session: str = ""             # which of the seed's sessions (SESSION_DIRS)
     answer_rank: int | None = None       # the right value's likelihood rank among the planted values
     answer_logprob: float | None = None  # its teacher-forced log-probability
+    branch_ranks: dict[str, int] = field(default_factory=dict)   # the same, answered in a branch per selector
 
 
 @dataclass
@@ -196,6 +197,8 @@ def run_arm(arm: Arm, script: Script, work: Path, log: Callable[[str], None], ca
                     right = values.index(step.fact.code)
                     turn.answer_logprob = round(reading["logprobs"][right], 3)
                     turn.answer_rank = answers.rank_of(reading["logprobs"], right)
+                    turn.branch_ranks = {name: answers.rank_of(branch["logprobs"], right)
+                                         for name, branch in reading["branches"].items()}
             if isinstance(arm, KvArm):
                 turn.resident = arm.residency(session_id)
                 if capture:
@@ -235,6 +238,8 @@ def turn_line(t: Turn) -> str:
         extra = f" | {'CORRECT' if t.correct else 'wrong'} ({t.fact}) view={'yes' if t.in_view else 'no'} [{t.view}]"
         if t.answer_rank is not None:
             extra += f" rank {t.answer_rank} logp {t.answer_logprob}"
+        if t.branch_ranks:
+            extra += " branches: " + ", ".join(f"{name} rank {rank}" for name, rank in t.branch_ranks.items())
         if t.selection:
             extra += f" sel: {t.selection}"
         if t.resident:

@@ -48,6 +48,10 @@ def score_result(result: ArmResult, script: Script, scorers: dict[str, answers.V
         reading = result.readings.get(turn.step)
         if reading is not None:
             scored(result.arm, role, turn, reading["logprobs"], bool(turn.correct), len(reading["view_ids"]))
+            for name, branch in reading["branches"].items():
+                # A branch answers one token: its greedy answer is not read, only its likelihoods.
+                scored(branch_arm(result.arm, name), "branch", turn, branch["logprobs"], False,
+                       len(branch["view_ids"]))
             if role != "default":
                 continue
             span = answers.find_span(reading["transcript_ids"], fact_needle(turn.fact), scorer.format.decode)
@@ -61,6 +65,11 @@ def score_result(result: ArmResult, script: Script, scorers: dict[str, answers.V
             view = scorer_for(result.arm)
             scored(result.arm, role, turn, view.score(ids, candidates(turn)), bool(turn.correct), len(ids))
     return out
+
+
+def branch_arm(arm: str, selector: str) -> str:
+    """The name under which a kv-elision arm's questions answered in branches by `selector` are scored."""
+    return f"{arm} / branch: {selector}"
 
 
 def score_and_tell(result: ArmResult, script: Script, model: str, capacity: int,

@@ -3,8 +3,10 @@
 The real Pi 1.6 plays a short session against `kv-elision serve` as shipped; before each question
 the benchmark asks the server to score every planted value over the cache the answer is read
 from, then scores the reference views (full, fresh, recency, removed) afresh with the same
-weights. The run is a subprocess: the figures are what the benchmark prints, and SmolLM2-135M's
-answers are not asserted, only that every arm has them, per role, on held-out seeds.
+weights, and (`--branches`) the question answered in a branch of the session per selector. The
+run is a subprocess: the figures are what the benchmark prints, and SmolLM2-135M's answers are
+not asserted, only that every arm has them, per role, on held-out seeds, and that the branch with
+the arm's own selector reads what the arm read.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ PI_BIN = REPO / "extension" / "node_modules" / ".bin" / "pi"
 def test_compare_reports_answers_by_likelihood_per_role(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.compare", "--quick", "--seeds", "11", "--files", "3", "--questions", "1",
-         "--max-tokens", "8", "--greedy-tokens", "4", "--arms", "hybrid", "--out", str(tmp_path)],
+         "--max-tokens", "8", "--greedy-tokens", "4", "--arms", "hybrid", "--branches", "hybrid,recency",
+         "--out", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     summary = json.loads([line for line in run.stdout.splitlines() if line.strip()][-1])
     arms = summary["arms"]
     roles = {name: figures["role"] for name, figures in arms.items()}
-    assert sorted(roles.values()) == ["default", "fresh", "full", "recency", "removed"]
+    assert sorted(roles.values()) == ["branch", "branch", "default", "fresh", "full", "recency", "removed"]
     for figures in arms.values():
         held_out = figures["held_out"]
         assert held_out["questions"] == 1 and held_out["sessions"] == 1 and held_out["seeds"] == [11]
@@ -44,3 +47,8 @@ def test_compare_reports_answers_by_likelihood_per_role(tmp_path: Path) -> None:
     final = next(iter(summary["kv_final"]["11"].values()))
     assert final["forward"] == final["prompt"] + final["decoded"] and final["historical"] == 0
     assert "### Answers by likelihood" in run.stdout
+    same = arms["kv-elision / hybrid / branch: hybrid"]["held_out"]
+    assert same["recall_at_1"] == default["held_out"]["recall_at_1"]
+    assert same["answer_logprob_mean"] == pytest.approx(default["held_out"]["answer_logprob_mean"], abs=1e-3)
+    pair = summary["paired_branches"]["kv-elision / hybrid / branch: recency - kv-elision / hybrid / branch: hybrid"]
+    assert pair["questions"] == 1 and pair["gained"] + pair["lost"] <= 1

@@ -318,6 +318,10 @@ def test_a_watched_answer_is_scored_over_the_cache_it_is_read_from(server_factor
            (server.request("POST", route, {"session": "s", "candidates": "1234"}), 400, "list of strings"),
            (server.request("POST", route, {"session": "s", "candidates": []}), 400, "candidate answers"),
            (server.request("POST", route, {"session": "s", "candidates": [" "]}), 400, "candidate answers"),
+           (server.request("POST", route, {"session": "s", "candidates": ["1"], "branches": ["bm25"]}), 400,
+            "selector names"),
+           (server.request("POST", route, {"session": "s", "candidates": ["1"], "branches": "hybrid"}), 400,
+            "selector names"),
            (server.request("GET", route), 400, "which session"),
            (server.request("GET", route + "?session=s"), 404, "no watched turn")]
     for reply, status, text in bad:
@@ -335,6 +339,19 @@ def test_a_watched_answer_is_scored_over_the_cache_it_is_read_from(server_factor
     assert reading["view_ids"] == reading["transcript_ids"], "a short session holds everything in view"
     assert answer.body["kv"]["model_forward_tokens"] == plain.body["kv"]["model_forward_tokens"]
     assert server.get(route + "?session=plain").status == 404
+    assert reading["branches"] == {}
+    # The next turn answered first in a branch per selector, from the session as it stands.
+    messages += [answer.body["choices"][0]["message"], {"role": "user", "content": "What is the vault code?"}]
+    watched = server.request("POST", route, {"session": "s", "candidates": ["4821", "1111"],
+                                             "branches": ["hybrid", "recency"]})
+    assert watched.status == 202
+    assert server.chat(messages, session="s").body["choices"][0]["message"] == \
+        server.chat(messages, session="plain").body["choices"][0]["message"]
+    reading = server.get(route + "?session=s").body
+    assert set(reading["branches"]) == {"hybrid", "recency"}
+    for branch in reading["branches"].values():
+        assert branch["view_ids"] == reading["view_ids"], "nothing is cold: every branch holds the whole session"
+        assert branch["logprobs"] == pytest.approx(reading["logprobs"], abs=1e-3)
 
 
 def test_a_server_started_alone_starts_its_own_contextd_which_ends_with_it(tmp_path: Any) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from backends import Backend, load_backend
 from contextd.client import Client
-from controller.selectors import HybridSelector
+from controller.selectors import HybridSelector, RecencySelector
 from serving.chat_format import ChatFormat
 from serving.engine import Engine, EngineConfig
 from serving.launcher import ContextdProcess
@@ -142,6 +142,42 @@ def test_a_watched_turn_answers_as_an_unwatched_one_and_its_reading_describes_th
     assert len(reading.view_ids) <= CONFIG.budget_tokens
     with pytest.raises(ValueError):
         watched.watch_answer("w", [])
+
+
+def test_a_turn_answered_in_branches_reads_as_the_turn_itself_and_leaves_the_session_alone(
+        backend: Backend, contextd: ContextdProcess) -> None:
+    """A branch with the session's own selector reads what the session's turn then reads (same
+    view, same scores): it starts from the session as its last turn left it, leases included (a
+    question asked before leaves restored pages leased). Recency's branch restores nothing. The
+    turn answers as in an engine that never branched, and no branch is left in memory or in
+    contextd."""
+    codes = [str(1000 + 111 * n) for n in range(len(FACTS))]
+    branching, plain = engine_on(backend, contextd), engine_on(backend, contextd)
+    asked = session_messages(branching, "b")
+    assert session_messages(plain, "n") == asked
+    earlier = turn(branching, "b", asked)
+    assert turn(plain, "n", asked).content == earlier.content
+    asked = [*asked, {"role": "assistant", "content": earlier.content},
+             {"role": "user", "content": "And what is the quasar code?"}]
+    assert any(p.lease_until_turn for p in branching.sessions["b"].pager.pages), "the first question leases pages"
+    with pytest.raises(ValueError, match="twice"):
+        branching.watch_answer("b", codes, [HybridSelector(), HybridSelector()])
+    branching.watch_answer("b", codes, [HybridSelector(), RecencySelector()])
+    answer = turn(branching, "b", asked)
+    assert answer.content == turn(plain, "n", asked).content
+    assert answer.counters.model_forward_tokens == answer.counters.new_prefill_tokens + answer.counters.decoded_tokens
+    own, branches = branching.readings["b"], branching.branch_readings["b"]
+    assert set(branches) == {"hybrid", "recency"}
+    same = branches["hybrid"]
+    assert own.restored_pages, "the question must bring a page back for this test to mean anything"
+    assert (same.view_ids, same.view_positions, same.restored_pages) == (own.view_ids, own.view_positions,
+                                                                         own.restored_pages)
+    assert same.logprobs == pytest.approx(own.logprobs, abs=1e-3)
+    assert branches["recency"].restored_pages == []
+    assert set(branching.sessions) == {"b"} and not branching.watched_branches
+    with Client(contextd.socket) as client:
+        assert {s.session_id for s in client.list_sessions()} >= {"b", "n"}
+        assert not [s.session_id for s in client.list_sessions() if s.session_id.startswith("b-branch")]
 
 
 def test_placement_puts_restored_pages_before_the_question_and_ends_the_turn_in_timeline_order(
