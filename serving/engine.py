@@ -344,9 +344,8 @@ class Engine:
         (`Engine.decode_batch` ran it) or, when nothing is sent, runs in the turn; an exception
         thrown back (that forward failed) is raised where the turn would have decoded."""
         session_id = request.session_id
-        branches = self.watched_branches.pop(session_id, [])
-        if branches:
-            self.branch_readings[session_id] = self._read_branches(request, branches)
+        if session_id in self.watched:   # its branches' readings go with the turn's own
+            self.branch_readings[session_id] = self._read_branches(request, self.watched_branches.pop(session_id))
         self.turning.add(session_id)
         self.paused_ms[session_id] = 0.0
         steps = self._turn(request)
@@ -696,9 +695,9 @@ class Engine:
             for k, selector in enumerate(selectors):
                 branch = f"{request.session_id}-branch-{k}"
                 self.selector = selector   # the engine's one selector, for this turn only
+                self.contextd.branch_session(branch, request.session_id)
                 self.watch_answer(branch, candidates)
                 try:
-                    self.contextd.branch_session(branch, request.session_id)
                     self.contextd.set_leases(branch, add=self.contextd.query_leases(request.session_id))
                     final: TurnResult | None = None
                     for event in self.chat(dataclasses.replace(request, session_id=branch, max_tokens=1,
@@ -709,6 +708,7 @@ class Engine:
                 finally:
                     self.watched.pop(branch, None)
                     self.readings.pop(branch, None)
+                    self.branch_readings.pop(branch, None)
                     self.forget(branch)
                     self.contextd.delete_session(branch)
         finally:
@@ -718,6 +718,8 @@ class Engine:
     def _read_branches(self, request: ChatRequest, selectors: list[Selector]) -> dict[str, ViewReading]:
         """`answer_in_branches` for a watched turn, before the turn itself. If a branch fails, that is
         logged, the turn has no branch readings, and it runs as it would have."""
+        if not selectors:
+            return {}
         try:
             return {name: reading for name, (reading, _) in
                     self.answer_in_branches(request, self.watched[request.session_id], selectors).items()}

@@ -175,9 +175,28 @@ def test_a_turn_answered_in_branches_reads_as_the_turn_itself_and_leaves_the_ses
     assert same.logprobs == pytest.approx(own.logprobs, abs=1e-3)
     assert branches["recency"].restored_pages == []
     assert set(branching.sessions) == {"b"} and not branching.watched_branches
+    # A later watched turn without branches has none: not the last branched turn's.
+    branching.watch_answer("b", codes)
+    turn(branching, "b", [*asked, {"role": "assistant", "content": answer.content},
+                          {"role": "user", "content": "And the walnut code?"}])
+    assert branching.branch_readings["b"] == {} and branching.readings["b"] is not own
     with Client(contextd.socket) as client:
         assert {s.session_id for s in client.list_sessions()} >= {"b", "n"}
         assert not [s.session_id for s in client.list_sessions() if s.session_id.startswith("b-branch")]
+
+
+def test_a_first_turn_has_no_branches_and_runs_as_it_would_have(backend: Backend, contextd: ContextdProcess,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A session contextd does not know yet has no state to branch from: said in the log, and the
+    turn itself is answered and read as without branches."""
+    engine = engine_on(backend, contextd)
+    engine.watch_answer("first", ["1000", "1111"], [HybridSelector()])
+    messages = [{"role": "system", "content": "Remember every code."}, {"role": "user", "content": "Hello."}]
+    with caplog.at_level("WARNING", logger="kv_elision.engine"):
+        assert turn(engine, "first", messages).content
+    assert "not answered in branches" in caplog.text
+    assert engine.branch_readings["first"] == {} and engine.readings["first"].candidates == ["1000", "1111"]
+    assert set(engine.sessions) == {"first"}
 
 
 def test_placement_puts_restored_pages_before_the_question_and_ends_the_turn_in_timeline_order(
