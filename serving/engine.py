@@ -28,9 +28,11 @@ recovery / session / transcript / chat_format / likelihood.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -220,17 +222,9 @@ class Engine:
         self.format = chat_format
         self.contextd = contextd
         self.config = config
+        self.controller = controller
         self.selector: Selector = selector or RecencySelector()
-        if backend.is_hybrid and controller is None:
-            for asks, scoring, instead in (
-                    (self.selector.scores_pages, f"the {self.selector.name} selector scores each candidate",
-                     "--selector hybrid"),
-                    (config.evict_order == "model", "the eviction order 'model' scores the pages in attention",
-                     "--evict-order recency")):
-                if asks:
-                    raise ValueError(f"{scoring} apart, over the stored K/V, in one forward, which needs every layer "
-                                     "to be full attention; this model has sliding-window or recurrent layers "
-                                     f"(use {instead}, or a full-attention --controller-model)")
+        self._check_scoring(self.selector)
         self.tally = Tally()
         self.mover = PageMover(backend, contextd, self.tally, compress=config.compress_pages, controller=controller)
         self.recovery = Recovery(self.mover, contextd, self.tally, self._indexes)
@@ -246,6 +240,20 @@ class Engine:
         self.branch_readings: dict[str, dict[str, ViewReading]] = {}   # session -> selector -> its branch's reading
         self.held_at: dict[str, float] = {}            # per turn in progress: when its lease was last renewed
         self.stop_ids = chat_format.stop_ids
+
+    def _check_scoring(self, selector: Selector) -> None:
+        """Refuse what must score pages apart over their stored K/V (one forward, so every layer
+        full attention) on a model with sliding-window or recurrent layers and no controller model."""
+        if not self.backend.is_hybrid or self.controller is not None:
+            return
+        for asks, scoring, instead in (
+                (selector.scores_pages, f"the {selector.name} selector scores each candidate", "--selector hybrid"),
+                (self.config.evict_order == "model", "the eviction order 'model' scores the pages in attention",
+                 "--evict-order recency")):
+            if asks:
+                raise ValueError(f"{scoring} apart, over the stored K/V, in one forward, which needs every layer "
+                                 "to be full attention; this model has sliding-window or recurrent layers "
+                                 f"(use {instead}, or a full-attention --controller-model)")
 
     @property
     def totals(self) -> SessionCounters:
@@ -344,11 +352,11 @@ class Engine:
         (`Engine.decode_batch` ran it) or, when nothing is sent, runs in the turn; an exception
         thrown back (that forward failed) is raised where the turn would have decoded."""
         session_id = request.session_id
-        if session_id in self.watched:   # its branches' readings go with the turn's own
-            self.branch_readings[session_id] = self._read_branches(request, self.watched_branches.pop(session_id))
+        # Before the turn marks its session busy: a branch may need the session's cache.
+        branches = self._read_branches(request) if session_id in self.watched else {}
         self.turning.add(session_id)
         self.paused_ms[session_id] = 0.0
-        steps = self._turn(request)
+        steps = self._turn(request, branches)
         answer: int | None = None
         failure: Exception | None = None
         answered = False   # the final event is out: its record ended the lease
@@ -422,7 +430,10 @@ class Engine:
         except ContextdError as exc:
             log.info("session %s: its failed turn's lease was not released (%s)", session_id, exc)
 
-    def _turn(self, request: ChatRequest) -> Generator[TurnEvent, int | None, None]:
+    def _turn(self, request: ChatRequest, branches: dict[str, ViewReading]
+              ) -> Generator[TurnEvent, int | None, None]:
+        """One turn (`chat`); `branches`: what its request read answered in branches, published
+        with the turn's own reading."""
         started = time.perf_counter()
         fingerprint = self.format.fingerprint(request.tools, request.thinking)
         known = self.sessions.get(request.session_id)
@@ -509,6 +520,7 @@ class Engine:
             # After the answer is out: the worker still holds its lock, so a reader of the
             # reading waits for it, and the answer did not wait for the scoring.
             self.readings[session.session_id] = watched.read()
+            self.branch_readings[session.session_id] = branches
         yield from self._read_ahead(session)
 
     def _read_ahead(self, session: Session) -> Generator[TurnEvent, int | None, None]:
@@ -663,16 +675,21 @@ class Engine:
         """At `session_id`'s next turn, once the answer's opener is in, score each candidate answer
         over the exact cache the answer is decoded from (serving.likelihood); `readings` keeps
         the result. For measuring what the model reads (benchmarks.answers); the turn itself
-        answers exactly as it would unwatched. With `branches`, the same request is first answered
-        once per selector in a branch of the session (`answer_in_branches`), before the turn
-        itself; `branch_readings` keeps those readings."""
+        answers as it would unwatched. With `branches`, the same request is first answered once
+        per selector in a branch of the session (`answer_in_branches`), before the turn itself;
+        `branch_readings` keeps those readings, published with the turn's own."""
         if not 0 < len(candidates) <= MAX_WATCHED_CANDIDATES or not all(c.strip() for c in candidates):
             raise ValueError(f"give 1 to {MAX_WATCHED_CANDIDATES} non-blank candidate answers")
-        names = [selector.name for selector in branches]
-        if len(set(names)) < len(names):
-            raise ValueError(f"each selector answers in one branch: {', '.join(names)} names one twice")
+        self._check_branches(branches)
         self.watched[session_id] = list(candidates)
         self.watched_branches[session_id] = list(branches)
+
+    def _check_branches(self, selectors: Sequence[Selector]) -> None:
+        names = [selector.name for selector in selectors]
+        if len(set(names)) < len(names):
+            raise ValueError(f"each selector answers in one branch: {', '.join(names)} names one twice")
+        for selector in selectors:
+            self._check_scoring(selector)
 
     def answer_in_branches(self, request: ChatRequest, candidates: list[str], selectors: Sequence[Selector]
                            ) -> dict[str, tuple[ViewReading, int]]:
@@ -680,51 +697,62 @@ class Engine:
         selector, each time in a new branch of that session as its last turn left it: contextd's
         copy of its record and pages, with the session's leases copied too (a branch starts
         without leases, and they decide what may leave), brought back as after a restart (no
-        prefill of history). The answer is one token long, that selector chooses the restores, and
-        the answer's view is scored against `candidates`. Each branch is dropped from memory and
-        from contextd before the next, so every selector starts from the same state and the
-        session itself is untouched. Returns the reading and the tokens prefilled, per selector.
+        prefill of history). The answer is one token long, that selector chooses the restores
+        (a plan the request carries is not used), and the answer's view is scored against
+        `candidates`. Each branch is dropped from memory and from contextd before the next, so
+        every selector starts from the same state; the branches' forwards and page moves are
+        left out of the server's totals. Returns the reading and the tokens prefilled, per selector.
 
         Why: two sessions that each write their own answers part at the first answer that
         differs, and every later question then compares two histories; through Pi most of the
         difference between two selectors' answers came from that, not from their choices
-        (docs/controller.md, "Answers from the same state")."""
-        serving = self.selector
+        (docs/controller.md, "Answers from the same state through Pi"). With the session's own
+        selector (built alike) a branch reads what the session's turn then reads, unless the
+        eviction order is the model's: a branch's eviction focus starts from this request.
+        With one resident session, each branch takes the session's cache, and its turn brings
+        the session back from the store (exact, at the cost of those restores)."""
+        self._check_branches(selectors)
+        serving, totals = self.selector, copy.deepcopy(self.tally.totals)
         out: dict[str, tuple[ViewReading, int]] = {}
         try:
-            for k, selector in enumerate(selectors):
-                branch = f"{request.session_id}-branch-{k}"
-                self.selector = selector   # the engine's one selector, for this turn only
+            for selector in selectors:
+                branch = f"{request.session_id}-branch-{uuid.uuid4().hex[:12]}"
                 self.contextd.branch_session(branch, request.session_id)
-                self.watch_answer(branch, candidates)
                 try:
                     self.contextd.set_leases(branch, add=self.contextd.query_leases(request.session_id))
+                    self.selector = selector   # the engine's one selector, for this turn only
+                    self.watch_answer(branch, candidates)
                     final: TurnResult | None = None
                     for event in self.chat(dataclasses.replace(request, session_id=branch, max_tokens=1,
                                                                plan=None, cancelled=None)):
                         final = event.final or final
-                    assert final is not None
-                    out[selector.name] = (self.readings.pop(branch), final.prefilled_tokens)
+                    if final is None or branch not in self.readings:
+                        raise RuntimeError(f"the branch of {request.session_id} answered nothing")
+                    out[selector.name] = (self.readings[branch], final.prefilled_tokens)
                 finally:
-                    self.watched.pop(branch, None)
-                    self.readings.pop(branch, None)
-                    self.branch_readings.pop(branch, None)
-                    self.forget(branch)
-                    self.contextd.delete_session(branch)
+                    for kept in (self.watched, self.watched_branches, self.readings, self.branch_readings):
+                        kept.pop(branch, None)
+                    try:
+                        self.forget(branch)
+                    finally:
+                        self.contextd.delete_session(branch)
         finally:
             self.selector = serving
+            self.tally.totals = totals
         return out
 
-    def _read_branches(self, request: ChatRequest, selectors: list[Selector]) -> dict[str, ViewReading]:
-        """`answer_in_branches` for a watched turn, before the turn itself. If a branch fails, that is
-        logged, the turn has no branch readings, and it runs as it would have."""
+    def _read_branches(self, request: ChatRequest) -> dict[str, ViewReading]:
+        """`answer_in_branches` for a watched turn, before the turn itself. It only measures: if a
+        branch fails, that is logged, the turn has no branch readings, and it runs as it would
+        have (a branch left in contextd is its own session, deleted or not)."""
+        selectors = self.watched_branches.pop(request.session_id, [])
         if not selectors:
             return {}
         try:
             return {name: reading for name, (reading, _) in
                     self.answer_in_branches(request, self.watched[request.session_id], selectors).items()}
-        except (BackendError, ContextdError, TranscriptError, ValueError) as exc:
-            log.warning("session %s: its turn was not answered in branches: %s", request.session_id, exc)
+        except Exception:  # noqa: BLE001 - a measurement never fails the turn it measures
+            log.warning("session %s: its turn was not answered in branches", request.session_id, exc_info=True)
             return {}
 
     def _capture_answer_view(self, session: Session, restored: list[int]) -> ViewCapture | None:

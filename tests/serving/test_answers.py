@@ -17,7 +17,7 @@ import pytest
 
 from backends import Backend, load_backend
 from contextd.client import Client
-from controller.selectors import HybridSelector, RecencySelector
+from controller.selectors import HybridSelector, RecencySelector, RerankSelector, Selection, SelectionContext
 from serving.chat_format import ChatFormat
 from serving.engine import Engine, EngineConfig
 from serving.launcher import ContextdProcess
@@ -165,6 +165,7 @@ def test_a_turn_answered_in_branches_reads_as_the_turn_itself_and_leaves_the_ses
     branching.watch_answer("b", codes, [HybridSelector(), RecencySelector()])
     answer = turn(branching, "b", asked)
     assert answer.content == turn(plain, "n", asked).content
+    assert branching.totals.decoded_tokens == plain.totals.decoded_tokens, "the branches' answers are not the server's"
     assert answer.counters.model_forward_tokens == answer.counters.new_prefill_tokens + answer.counters.decoded_tokens
     own, branches = branching.readings["b"], branching.branch_readings["b"]
     assert set(branches) == {"hybrid", "recency"}
@@ -183,6 +184,39 @@ def test_a_turn_answered_in_branches_reads_as_the_turn_itself_and_leaves_the_ses
     with Client(contextd.socket) as client:
         assert {s.session_id for s in client.list_sessions()} >= {"b", "n"}
         assert not [s.session_id for s in client.list_sessions() if s.session_id.startswith("b-branch")]
+
+
+class FailingSelector(HybridSelector):
+    def __init__(self) -> None:
+        super().__init__(name="failing")
+
+    def select(self, ctx: SelectionContext) -> Selection:
+        raise RuntimeError("this selector fails")
+
+
+def test_a_branch_that_fails_leaves_the_turn_and_the_engine_as_they_were(
+        backend: Backend, contextd: ContextdProcess, caplog: pytest.LogCaptureFixture) -> None:
+    codes = [str(1000 + 111 * n) for n in range(len(FACTS))]
+    engine = engine_on(backend, contextd)
+    asked = session_messages(engine, "f")
+    serving = engine.selector
+    engine.watch_answer("f", codes, [FailingSelector()])
+    with caplog.at_level("WARNING", logger="kv_elision.engine"):
+        assert turn(engine, "f", asked).content
+    assert "this selector fails" in caplog.text
+    assert engine.selector is serving and engine.branch_readings["f"] == {} and engine.readings["f"].candidates == codes
+    assert set(engine.sessions) == {"f"}
+    with Client(contextd.socket) as client:
+        assert not [s.session_id for s in client.list_sessions() if s.session_id.startswith("f-branch")]
+
+
+def test_a_branch_that_cannot_score_on_this_model_is_refused_when_watched(contextd: ContextdProcess) -> None:
+    hybrid = load_backend("torch", "tiny-qwen3-next", capacity=CONFIG.budget_tokens + 256)
+    engine = Engine(hybrid, ChatFormat(hybrid.tokenizer), Client(contextd.socket, timeout=60.0), CONFIG,
+                    HybridSelector())
+    with pytest.raises(ValueError, match="sliding-window or recurrent"):
+        engine.watch_answer("q", ["1"], [RerankSelector()])
+    assert "q" not in engine.watched
 
 
 def test_a_first_turn_has_no_branches_and_runs_as_it_would_have(backend: Backend, contextd: ContextdProcess,
