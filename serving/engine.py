@@ -744,7 +744,7 @@ class Engine:
     def _read_branches(self, request: ChatRequest) -> dict[str, ViewReading]:
         """`answer_in_branches` for a watched turn, before the turn itself. It only measures: if a
         branch fails, that is logged, the turn has no branch readings, and it runs as it would
-        have (a branch left in contextd is its own session, deleted or not)."""
+        have."""
         selectors = self.watched_branches.pop(request.session_id, [])
         if not selectors:
             return {}
