@@ -228,14 +228,14 @@ def main(argv: list[str] | None = None) -> int:
         restore_cold: list[float] = []
         restore_warm: list[float] = []
         recompute: list[float] = []
+        spread = {k: restorer.cold[::max(1, len(restorer.cold) // k)][:k] for k in K_PAGES}
         by_k: dict[int, list[float]] = {k: [] for k in K_PAGES}
         warm_by_k: dict[int, list[float]] = {k: [] for k in K_PAGES}
         for i in range(args.repeats):
             restore_cold.append(restorer.timed([page], cold=True))
             restore_warm.append(restorer.timed([page], cold=False))
             for k in K_PAGES:
-                step = max(1, len(restorer.cold) // k)
-                by_k[k].append(restorer.timed(restorer.cold[::step][:k], cold=True))
+                by_k[k].append(restorer.timed(spread[k], cold=True))
             if i < args.recompute_repeats:
                 held = scratch.attention_tokens
                 scratch.synchronize()
@@ -248,8 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         # cold page right after a warm 32-page decision took 8.1 ms against 5.7-6.3 after a cold one.
         for _ in range(args.repeats):
             for k in K_PAGES:
-                step = max(1, len(restorer.cold) // k)
-                warm_by_k[k].append(restorer.timed(restorer.cold[::step][:k], cold=False))
+                warm_by_k[k].append(restorer.timed(spread[k], cold=False))
 
         payloads = engine.mover.payloads
         block_path = restorer.files([page])[0]

@@ -222,9 +222,8 @@ class Engine:
         self.format = chat_format
         self.contextd = contextd
         self.config = config
-        self.controller = controller
         self.selector: Selector = selector or RecencySelector()
-        self._check_scoring(self.selector)
+        self._check_scoring(self.selector, controller)
         self.tally = Tally()
         self.mover = PageMover(backend, contextd, self.tally, compress=config.compress_pages, controller=controller)
         self.recovery = Recovery(self.mover, contextd, self.tally, self._indexes)
@@ -241,10 +240,10 @@ class Engine:
         self.held_at: dict[str, float] = {}            # per turn in progress: when its lease was last renewed
         self.stop_ids = chat_format.stop_ids
 
-    def _check_scoring(self, selector: Selector) -> None:
+    def _check_scoring(self, selector: Selector, controller: ControllerScorer | None) -> None:
         """Refuse what must score pages apart over their stored K/V (one forward, so every layer
         full attention) on a model with sliding-window or recurrent layers and no controller model."""
-        if not self.backend.is_hybrid or self.controller is not None:
+        if not self.backend.is_hybrid or controller is not None:
             return
         for asks, scoring, instead in (
                 (selector.scores_pages, f"the {selector.name} selector scores each candidate", "--selector hybrid"),
@@ -353,7 +352,7 @@ class Engine:
         thrown back (that forward failed) is raised where the turn would have decoded."""
         session_id = request.session_id
         # Before the turn marks its session busy: a branch may need the session's cache.
-        branches = self._read_branches(request) if session_id in self.watched else {}
+        branches = self._read_branches(request)
         self.turning.add(session_id)
         self.paused_ms[session_id] = 0.0
         steps = self._turn(request, branches)
@@ -689,7 +688,7 @@ class Engine:
         if len(set(names)) < len(names):
             raise ValueError(f"each selector answers in one branch: {', '.join(names)} names one twice")
         for selector in selectors:
-            self._check_scoring(selector)
+            self._check_scoring(selector, self.mover.controller)
 
     def answer_in_branches(self, request: ChatRequest, candidates: list[str], selectors: Sequence[Selector]
                            ) -> dict[str, tuple[ViewReading, int]]:
