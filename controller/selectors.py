@@ -36,7 +36,7 @@ from controller.hybrid import HybridConfig, choose_groups, match_edges
 from controller.keyindex import KeyIndex
 from controller.lexical import LexicalIndex
 from controller.pager import PAGE_TOKENS, Pager, Plan
-from controller.rerank import RerankConfig, keep_by_margin, mean_logprob, question_ids
+from controller.rerank import RerankConfig, keep_by_margin, lexical_leader, mean_logprob, question_ids
 
 log = logging.getLogger("kv_elision.selectors")
 
@@ -208,6 +208,9 @@ class RerankSelector:
             return _restore_groups(groups, bm25, started, "unscored: none could be scored")
         scores = {page: mean_logprob(lp, self.config.floor) for page, lp in per_token.items()}
         kept = set(keep_by_margin(scores, self.config.margin))
+        leader = lexical_leader({group[0]: bm25.get(group[0], 0.0) for group in scored}, self.config.lead)
+        if leader is not None and leader in scores:
+            kept.add(leader)
         likely = {page: scores[group[0]] for group in scored if group[0] in kept for page in group}
         rest = groups[self.config.candidates:]
         likely.update({page: bm25.get(page, 0.0) for group in rest for page in group})

@@ -14,7 +14,7 @@ import pytest
 from contextd.wire import PageState, PinKind
 from controller.lexical import LexicalIndex
 from controller.pager import PAGE_TOKENS, Pager, PagerConfig
-from controller.rerank import RerankConfig, keep_by_margin, mean_logprob, question_ids
+from controller.rerank import RerankConfig, keep_by_margin, lexical_leader, mean_logprob, question_ids
 from controller.selectors import HybridSelector, RerankSelector, SelectionContext
 
 STOP = (1, 2)  # the chat template's own ids in these tests
@@ -42,8 +42,18 @@ def test_a_floor_keeps_one_unlikely_word_from_outweighing_the_rest() -> None:
     assert keep_by_margin({1: mean_logprob(continues, 4.0), 2: mean_logprob(shares_wording, 4.0)}, 0.3) == [1]
 
 
+def test_a_leader_leads_every_other_candidate_by_the_factor() -> None:
+    assert lexical_leader({62: 20.7, 15: 6.7}, 2.0) == 62
+    assert lexical_leader({62: 20.7, 15: 6.7, 9: 11.0}, 2.0) is None
+    assert lexical_leader({62: 10.0, 15: 5.0}, 2.0) == 62
+    assert lexical_leader({62: 9.9, 15: 5.0}, 2.0) is None
+    assert lexical_leader({62: 20.7, 15: 6.7}, float("inf")) is None
+    assert lexical_leader({62: 20.7}, 2.0) is None
+
+
 @pytest.mark.parametrize("bad", [{"candidates": 0}, {"question_tokens": 1}, {"margin": -0.1},
-                                 {"margin": float("nan")}, {"floor": 0.0}, {"floor": float("nan")}])
+                                 {"margin": float("nan")}, {"floor": 0.0}, {"floor": float("nan")},
+                                 {"lead": 1.0}, {"lead": float("nan")}])
 def test_config_is_checked(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         RerankConfig(**bad)  # type: ignore[arg-type]
@@ -133,3 +143,20 @@ def test_when_no_candidate_could_be_scored_the_hybrids_choice_comes_back() -> No
     selection = RerankSelector().select(ctx)
     assert asked and selection.plan is not None and selection.plan.restore == [12, 20]
     assert "none could be scored" in selection.note
+
+
+def test_a_decisive_lexical_match_is_kept_however_its_words_read() -> None:
+    """Seed 109's near-duplicate miss in small: the page that shares the question's rare terms
+    reads less likely than a page whose last line the question's wording continues; the model
+    breaks lexical ties, it does not overrule a decisive match."""
+    pager, lexical = _session({5: [900, 901, 902], 12: [903]})
+    scorer = _scorer({5: -3.0, 12: -1.0}, [])
+    ctx = SelectionContext("s", pager, room_tokens=8 * PAGE_TOKENS, lexical_index=lexical,
+                           incoming_ids=[1, 30, 900, 901, 902, 903, 2], scorer=scorer)
+    hybrid = HybridSelector().select(ctx)
+    assert hybrid.plan is not None and {5, 12} <= set(hybrid.plan.restore)
+    assert hybrid.scores[5] >= 2 * hybrid.scores[12]
+    kept = RerankSelector(RerankConfig(margin=0.5)).select(ctx)
+    assert kept.plan is not None and {5, 12} <= set(kept.plan.restore)
+    overruled = RerankSelector(RerankConfig(margin=0.5, lead=float("inf"))).select(ctx)
+    assert overruled.plan is not None and 12 in overruled.plan.restore and 5 not in overruled.plan.restore
