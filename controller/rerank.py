@@ -83,12 +83,13 @@ def keep_by_margin(scores: dict[int, float], margin: float) -> list[int]:
 
 
 def lexical_leader(bm25: dict[int, float], lead: float) -> int | None:
-    """The candidate whose BM25 is at least `lead` times every other candidate's, if one is."""
+    """The candidate whose BM25 is positive and at least `lead` times every other candidate's, if
+    one is (of candidates that all matched nothing, none leads)."""
     if len(bm25) < 2:
         return None
     best = max(bm25, key=lambda page: bm25[page])
     rest = max(score for page, score in bm25.items() if page != best)
-    return best if bm25[best] >= lead * rest else None
+    return best if bm25[best] > 0 and bm25[best] >= lead * rest else None
 
 
 def mean_logprob(per_token: np.ndarray, floor: float = float("inf")) -> float:

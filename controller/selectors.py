@@ -8,8 +8,8 @@
   rerank      the hybrid's choice re-ranked by query likelihood: the serving model reads each
               candidate's stored K/V (or a separate controller model its text) and then the
               turn's own words, all candidates in one forward (the host's
-              `SelectionContext.scorer`); the candidates within a margin of the best come back
-              (controller.rerank).
+              `SelectionContext.scorer`); the candidates within a margin of the best come back,
+              and one that leads the others lexically by a wide factor (controller.rerank).
   attention   model-native, no second model: the turn's new tokens are matched against every cold
               page in the serving model's own key space (controller.keyindex); the best pages
               that fit the room come back.
@@ -177,8 +177,9 @@ def _restore_groups(groups: list[list[int]], bm25: dict[int, float], started: fl
 class RerankSelector:
     """The hybrid's choice, re-ranked by how likely the turn's own words are after each candidate,
     read over its stored K/V by the serving model (controller.rerank): the host scores the first
-    candidates, this policy keeps those within a margin of the best and the groups it did not
-    score. A choice of one candidate is not scored."""
+    candidates, this policy keeps those within a margin of the best, one whose BM25 leads every
+    other's by `RerankConfig.lead`, and the groups it did not score. A choice of one candidate is
+    not scored."""
 
     uses_key_index = False
     uses_lexical_index = True
@@ -208,14 +209,17 @@ class RerankSelector:
             return _restore_groups(groups, bm25, started, "unscored: none could be scored")
         scores = {page: mean_logprob(lp, self.config.floor) for page, lp in per_token.items()}
         kept = set(keep_by_margin(scores, self.config.margin))
-        leader = lexical_leader({group[0]: bm25.get(group[0], 0.0) for group in scored}, self.config.lead)
-        if leader is not None and leader in scores:
+        leader = lexical_leader({group[0]: max(bm25.get(page, 0.0) for page in group)
+                                 for group in scored if group[0] in scores}, self.config.lead)
+        by_lead = leader is not None and leader not in kept
+        if leader is not None:
             kept.add(leader)
         likely = {page: scores[group[0]] for group in scored if group[0] in kept for page in group}
         rest = groups[self.config.candidates:]
         likely.update({page: bm25.get(page, 0.0) for group in rest for page in group})
         return Selection(Plan(restore=sorted(likely)), _ms(started),
                          f"restore {len(likely)} pages, {len(kept)} of {len(scored)} candidates kept"
+                         + (", 1 by its lexical lead" if by_lead else "")
                          + (f", {len(rest)} more groups unscored" if rest else ""), likely)
 
 

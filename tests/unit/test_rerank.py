@@ -49,6 +49,8 @@ def test_a_leader_leads_every_other_candidate_by_the_factor() -> None:
     assert lexical_leader({62: 9.9, 15: 5.0}, 2.0) is None
     assert lexical_leader({62: 20.7, 15: 6.7}, float("inf")) is None
     assert lexical_leader({62: 20.7}, 2.0) is None
+    assert lexical_leader({62: 0.0, 15: 0.0}, 2.0) is None   # nothing matched: nothing leads
+    assert RerankConfig(lead=float("inf")).lead == float("inf")
 
 
 @pytest.mark.parametrize("bad", [{"candidates": 0}, {"question_tokens": 1}, {"margin": -0.1},
@@ -158,5 +160,10 @@ def test_a_decisive_lexical_match_is_kept_however_its_words_read() -> None:
     assert hybrid.scores[5] >= 2 * hybrid.scores[12]
     kept = RerankSelector(RerankConfig(margin=0.5)).select(ctx)
     assert kept.plan is not None and {5, 12} <= set(kept.plan.restore)
+    assert "1 by its lexical lead" in kept.note
+    unscoreable = SelectionContext("s", pager, room_tokens=8 * PAGE_TOKENS, lexical_index=lexical,
+                                   incoming_ids=ctx.incoming_ids, scorer=_scorer({12: -1.0}, []))
+    alone = RerankSelector(RerankConfig(margin=0.5)).select(unscoreable)   # the leader's payload failed
+    assert alone.plan is not None and 5 not in alone.plan.restore and 12 in alone.plan.restore
     overruled = RerankSelector(RerankConfig(margin=0.5, lead=float("inf"))).select(ctx)
     assert overruled.plan is not None and 12 in overruled.plan.restore and 5 not in overruled.plan.restore
