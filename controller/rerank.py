@@ -21,13 +21,11 @@ one forward) and this module decides from the scores:
              tuning seeds 1 and 2);
   lead       a scored candidate whose BM25 is at least `lead` times every other scored one's is
              kept whatever its likelihood: the model breaks lexical ties, it does not overrule a
-             decisive match. Seed 109's near-duplicate miss: the fact's page led the other
-             candidate 20.7 to 6.7, and the other ended with a near-identical line ("The connection
-             timeout of search-indexer is 2638 ms."), which the question's words continue at
-             -0.0 to -0.4 nats each, so it read likelier (-1.16 against -2.35 a token). Of 32
-             candidates the re-ranker dropped on tuning seeds 1-3 (and three shapes of seed 109),
-             31 trailed the other lexically and one led by 1.27x, so the lead costs none of the
-             precision it gained there;
+             decisive match, where its disagreement is more likely a small model's bias (it
+             continues the line it has just read: seed 109's near-duplicate miss, a page ending
+             with the question's own wording about another service) than evidence. A guard: on
+             278 questions of the tuning seeds (and four shapes of seed 109) the re-ranker never
+             dropped a candidate that led by 2x, and that miss (a lead of 1.45x) is not fixed by it;
   unscored   the hybrid's groups past the first `candidates` are not scored and come back as the
              hybrid chose them: a re-ranker drops only what it read. Dropping them lost the needed
              page on the config shape, where a worker's config file is often the hybrid's fifth

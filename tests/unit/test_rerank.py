@@ -43,12 +43,13 @@ def test_a_floor_keeps_one_unlikely_word_from_outweighing_the_rest() -> None:
 
 
 def test_a_leader_leads_every_other_candidate_by_the_factor() -> None:
-    assert lexical_leader({62: 20.7, 15: 6.7}, 2.0) == 62
-    assert lexical_leader({62: 20.7, 15: 6.7, 9: 11.0}, 2.0) is None
+    assert lexical_leader({62: 1515.0, 15: 1047.0}, 2.0) is None   # seed 109's miss: 1.45x
+    assert lexical_leader({62: 2100.0, 15: 1047.0}, 2.0) == 62
+    assert lexical_leader({62: 2100.0, 15: 1047.0, 9: 1100.0}, 2.0) is None
     assert lexical_leader({62: 10.0, 15: 5.0}, 2.0) == 62
     assert lexical_leader({62: 9.9, 15: 5.0}, 2.0) is None
-    assert lexical_leader({62: 20.7, 15: 6.7}, float("inf")) is None
-    assert lexical_leader({62: 20.7}, 2.0) is None
+    assert lexical_leader({62: 2100.0, 15: 1047.0}, float("inf")) is None
+    assert lexical_leader({62: 2100.0}, 2.0) is None
     assert lexical_leader({62: 0.0, 15: 0.0}, 2.0) is None   # nothing matched: nothing leads
     assert RerankConfig(lead=float("inf")).lead == float("inf")
 
@@ -148,9 +149,9 @@ def test_when_no_candidate_could_be_scored_the_hybrids_choice_comes_back() -> No
 
 
 def test_a_decisive_lexical_match_is_kept_however_its_words_read() -> None:
-    """Seed 109's near-duplicate miss in small: the page that shares the question's rare terms
-    reads less likely than a page whose last line the question's wording continues; the model
-    breaks lexical ties, it does not overrule a decisive match."""
+    """The page that shares all of the question's rare terms reads less likely than one that
+    shares a single term (as a page whose last line the question's wording continues does): the
+    model breaks lexical ties, it does not overrule a match that leads by `lead`."""
     pager, lexical = _session({5: [900, 901, 902], 12: [903]})
     scorer = _scorer({5: -3.0, 12: -1.0}, [])
     ctx = SelectionContext("s", pager, room_tokens=8 * PAGE_TOKENS, lexical_index=lexical,
