@@ -9,8 +9,11 @@ one forward) and this module decides from the scores:
 
   question   the turn's newest ids without the chat template's own (they follow any page alike),
              the last `question_tokens` of them;
-  score      the mean log-probability of the question's tokens after the page, each token's
-             counted at no less than -`floor` nats: one word a page makes very likely or very
+  score      the mean log-probability of the question's tokens read as the next user turn after
+             the page (the host puts the chat template's user opening between them; straight after
+             the page, a 135M model continues the page's last line, and seed 109's near-duplicate
+             question went to a page ending with the same sentence about another service), each
+             token's counted at no less than -`floor` nats: one word a page makes very likely or very
              unlikely does not outweigh the rest. Without it the near-duplicate miss of seed 103
              (an English question, the fact written in Spanish) went to the page that shared the
              question's wording ("connection timeout", -8.7 and -17.0 nats on the fact's page)

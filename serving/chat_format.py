@@ -450,6 +450,20 @@ class ChatFormat:
         return sorted(ids)
 
     @cached_property
+    def user_opening(self) -> list[int]:
+        """The ids the chat template writes between an answer's last word and the next user
+        message's first (ChatML: `<|im_end|>`, a newline, `<|im_start|>user`, a newline), found by
+        rendering marked messages; [] when the template does not render them in order. Page scoring
+        puts them before the question, so the model reads the question as a new turn rather than a
+        continuation of the page's last line (docs/controller.md, seed 109's near-duplicate miss)."""
+        answer, question = "kv-elision-answer", "kv-elision-question"
+        text = self._render([{"role": "user", "content": "q"}, {"role": "assistant", "content": answer},
+                             {"role": "user", "content": question}], None, "default", add_generation_prompt=False)
+        start = text.find(answer)
+        end = text.find(question, start + len(answer)) if start >= 0 else -1
+        return self.encode(text[start + len(answer):end]) if end >= 0 else []
+
+    @cached_property
     def token_bytes(self) -> list[bytes]:
         """Each id's bytes (for byte n-grams across token boundaries, controller.lexical). A
         vocabulary whose pieces carry GPT-2's stand-in for a space (U+0120) is byte-level BPE."""

@@ -225,7 +225,8 @@ class Engine:
         self.selector: Selector = selector or RecencySelector()
         self._check_scoring(self.selector, controller)
         self.tally = Tally()
-        self.mover = PageMover(backend, contextd, self.tally, compress=config.compress_pages, controller=controller)
+        self.mover = PageMover(backend, contextd, self.tally, compress=config.compress_pages, controller=controller,
+                               opening=chat_format.user_opening)
         self.recovery = Recovery(self.mover, contextd, self.tally, self._indexes)
         self.sessions: dict[str, Session] = {}
         self.active: str | None = None                 # the session whose cache `self.backend` is

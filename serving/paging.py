@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import StrEnum
 
 import numpy as np
@@ -48,7 +48,7 @@ from contextd.client import Client, Pending, pb
 from contextd.errors import DataCorrupt, FailedPrecondition
 from contextd.wire import PageState
 from controller.pager import PAGE_TOKENS, Decision, Page, Pager, Plan
-from serving.scoring import ControllerScorer
+from serving.scoring import ControllerScorer, score_as_a_turn
 from serving.session import Session, SessionCounters, StoredPayload
 
 log = logging.getLogger("kv_elision.paging")
@@ -95,8 +95,11 @@ class PageMover:
     """Carries the pager's decisions out on the backend and records them in contextd."""
 
     def __init__(self, backend: Backend, contextd: Client, tally: Tally, compress: bool = False,
-                 controller: ControllerScorer | None = None) -> None:
+                 controller: ControllerScorer | None = None, opening: Sequence[int] = ()) -> None:
+        """`opening`: the chat template's user opening, read between a page and the question it
+        scores (`score_as_a_turn`)."""
         self.backend = backend
+        self.opening = list(opening)
         self.compress = compress
         self.contextd = contextd
         self.payloads = contextd.payloads()
@@ -173,12 +176,12 @@ class PageMover:
     def score_held(self, session: Session, indices: list[int], token_ids: list[int]) -> dict[int, np.ndarray]:
         """Query likelihood over pages in attention, for the eviction advice: each page's K/V as
         held (`Backend.save_block`), scored like `score_pages` scores stored ones, in one forward
-        (`Backend.score_after_blocks`; counted as `controller_forward_tokens`, no forward over
+        (`score_as_a_turn`; counted as `controller_forward_tokens`, no forward over
         history). The engine takes the advice only for models whose layers are all full attention."""
         pager = session.pager
         blocks = [self.backend.save_block(pager.logical_start(i), pager.logical_start(i) + pager.pages[i].tokens)
                   for i in indices]
-        scores, forwarded = self.backend.score_after_blocks(blocks, token_ids, self._sink())
+        scores, forwarded = score_as_a_turn(self.backend, blocks, self.opening, token_ids, self._sink())
         self.tally.count(session, controller_forward_tokens=forwarded)
         return dict(zip(indices, scores, strict=True))
 
@@ -337,9 +340,9 @@ class PageMover:
             self.backend.remove_attention_range(start, start + pager.pages[index].tokens)
 
     def score_pages(self, session: Session, indices: list[int], token_ids: list[int]) -> dict[int, np.ndarray]:
-        """Query likelihood for a selector: how likely `token_ids` are after each cold page on its
-        own, read over the page's stored K/V (`Backend.score_after_blocks`, one forward; no forward
-        over history). Counted as `controller_forward_tokens`. A page whose payload is gone or
+        """Query likelihood for a selector: how likely `token_ids` are as the next user turn after
+        each cold page on its own, read over the page's stored K/V (`score_as_a_turn`, one forward;
+        no forward over history). Counted as `controller_forward_tokens`. A page whose payload is gone or
         fails its checks is left out (and reported corrupt, as a restore would); a model that
         cannot score blocks apart (sliding-window or recurrent layers) scores none."""
         pager = session.pager
@@ -363,7 +366,8 @@ class PageMover:
         if not blocks:
             return {}
         try:
-            scores, forwarded = self.backend.score_after_blocks(list(blocks.values()), token_ids, self._sink())
+            scores, forwarded = score_as_a_turn(self.backend, list(blocks.values()), self.opening, token_ids,
+                                                self._sink())
         except UnsupportedModelError as e:
             log.warning("session %s: pages not scored: %s", session.session_id, e)
             return {}

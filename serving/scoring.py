@@ -11,16 +11,18 @@ for hybrid and sliding-window models), at the controller's size instead of the s
 What it reads: a page's ids as the serving model holds them (the transcript's), decoded to text
 without special tokens and encoded by the controller's own tokenizer (its BOS where it adds one),
 cut at `max_page_tokens`; the question (the serving ids the policy chose) the same way, without
-special tokens. The controller prefills each page alone from position 0 (`Backend.prefill_alone`)
-and keeps its K/V in memory by content (an LRU over the serving ids, up to `cache_bytes`), so a
-page costs one prefill the first time and each later scoring only the question's tokens, in one
-forward over all candidates (`Backend.score_after_blocks`). The server has the controller read
+special tokens, read after the controller's own template's user opening (`score_as_a_turn`). The
+controller prefills each page alone from position 0 (`Backend.prefill_alone`) and keeps its K/V
+in memory by content (an LRU over the serving ids, up to `cache_bytes`), so a page costs one
+prefill the first time and each later scoring only the opening's and the question's tokens, in
+one forward over all candidates. The server has the controller read
 each full page once when it is stored, at the end of its turn (`PageMover.read_ahead`), so the
 advice and the re-ranker rarely wait for a page's read. Every token it forwards is counted as
 `controller_forward_tokens`; the serving model's cache, counters and transcript are never
 touched, so `historical_forward == 0` and the forward invariant stay the serving model's own.
 
-Dependency rules: backends, numpy and xxhash; serving.session for the session it reads.
+Dependency rules: backends, numpy and xxhash; serving.session for the session it reads and
+serving.chat_format for the controller's user opening.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ import numpy as np
 import xxhash
 
 from backends import Backend, Block, Tokenizer, UnsupportedModelError
+from serving.chat_format import ChatFormat
 from serving.session import Session
+from serving.transcript import TranscriptError
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,10 @@ class ControllerScorer:
         self.controller = controller
         self.serving_tokenizer = serving_tokenizer
         self.config = config or ControllerConfig()
+        try:
+            self.opening = ChatFormat(controller.tokenizer).user_opening
+        except TranscriptError:   # no chat template: the question straight after the page
+            self.opening = []
         self._blocks: OrderedDict[bytes, Block] = OrderedDict()
         self._bytes = 0
 
@@ -73,8 +81,9 @@ class ControllerScorer:
         return self._bytes
 
     def score(self, session: Session, indices: list[int], token_ids: list[int]) -> tuple[dict[int, np.ndarray], int]:
-        """Per page index, log p of the question's tokens after the page (float64, one less than
-        the question's controller tokens), and the tokens the controller forwarded. A question of
+        """Per page index, log p of the question's tokens after the page and the controller's user
+        opening (float64, one per question token; `score_as_a_turn`), and the tokens the controller
+        forwarded. A question of
         fewer than two controller tokens scores nothing; a page with no text is left out."""
         question = [t for t in self._encode(token_ids, special=False) if t < self.controller.vocab_size]
         if len(question) < 2 or not indices:
@@ -91,7 +100,7 @@ class ControllerScorer:
                 blocks[index] = blk
         if not blocks:
             return {}, forwarded
-        scores, scored = self.controller.score_after_blocks(list(blocks.values()), question)
+        scores, scored = score_as_a_turn(self.controller, list(blocks.values()), self.opening, question)
         return dict(zip(blocks, scores, strict=True)), forwarded + scored
 
     def holding(self, session: Session, indices: list[int]) -> list[int]:
@@ -140,6 +149,19 @@ class ControllerScorer:
         if not text:
             return []
         return [int(t) for t in self.controller.tokenizer.encode(text, add_special_tokens=special)]
+
+
+def score_as_a_turn(backend: Backend, blocks: Sequence[Block], opening: Sequence[int], question: Sequence[int],
+                    sink: Block | None = None) -> tuple[np.ndarray, int]:
+    """log p of each of the question's tokens after each block, the question read as the next user
+    turn: `opening` (the chat template's ids between an answer and a user message,
+    `ChatFormat.user_opening`) between the block and the question, its own tokens not counted
+    (`Backend.score_after_blocks`: [len(blocks), len(question)], or one fewer without an opening),
+    and the tokens forwarded. Straight after the page, a small model continues the page's last
+    line: seed 109's near-duplicate question went to a page ending with the same sentence about
+    another service (docs/controller.md)."""
+    scores, forwarded = backend.score_after_blocks(blocks, [*opening, *question], sink)
+    return scores[:, max(len(opening) - 1, 0):], forwarded
 
 
 def _page_ids(session: Session, index: int) -> Sequence[int]:

@@ -65,7 +65,10 @@ def test_a_page_is_read_once_when_stored_and_scored_from_its_text_alone(serving:
     before = session.counters.controller_forward_tokens
     scored = engine.mover.score_by_controller(session, pages, advice.focus)
     # The same scores from scratch: a fresh controller prefills each page's text alone, then the
-    # question follows it.
+    # controller's own template opens a user turn and the question follows; only the question's
+    # tokens count, its first one included.
+    opening = ChatFormat(controller.tokenizer).user_opening
+    assert scorer.opening == opening and controller.tokenizer.decode(opening) == "<|im_end|>\n<|im_start|>user\n"
     alone = controller.fork()
     tokenizer = serving.tokenizer
     question = controller.tokenizer.encode(tokenizer.decode(advice.focus, skip_special_tokens=True),
@@ -75,11 +78,12 @@ def test_a_page_is_read_once_when_stored_and_scored_from_its_text_alone(serving:
         text_ids = controller.tokenizer.encode(tokenizer.decode(list(ids), skip_special_tokens=True))
         alone.reset()
         alone.prefill(text_ids)
-        expected, _ = alone.score_after_blocks([alone.save_block(0, len(text_ids))], question)
-        assert scored[page] == pytest.approx(expected[0], abs=1e-4), page
-    # Read already: scoring them forwards the question's tokens only, once per page; a controller
-    # that has not read them prefills each first.
-    assert session.counters.controller_forward_tokens - before == len(pages) * len(question)
+        expected, _ = alone.score_after_blocks([alone.save_block(0, len(text_ids))], opening + question)
+        assert len(scored[page]) == len(question)
+        assert scored[page] == pytest.approx(expected[0][len(opening) - 1:], abs=1e-4), page
+    # Read already: scoring them forwards the opening and the question only, once per page; a
+    # controller that has not read them prefills each first.
+    assert session.counters.controller_forward_tokens - before == len(pages) * (len(opening) + len(question))
     _, fresh = ControllerScorer(controller, serving.tokenizer).score(session, pages, advice.focus)
     assert fresh > len(pages) * (len(question) + 100)
 

@@ -62,6 +62,7 @@ def test_the_least_likely_of_the_oldest_pages_leave_first_and_the_accounting_hol
     assert cold
     for page in cold:
         stored = engine.mover.score_pages(session, [page], advice.focus)
+        assert len(stored[page]) == len(advice.focus)   # after the user opening: the first token counts too
         assert mean_logprob(stored[page]) == pytest.approx(advice.scores[page], abs=1e-4)
 
 

@@ -102,6 +102,15 @@ def test_gemma3_template_renders_incrementally_too() -> None:
         memo = framed.memo
 
 
+def test_the_user_opening_is_what_the_template_writes_between_an_answer_and_a_question(chat: ChatFormat) -> None:
+    assert chat.decode(chat.user_opening) == "<|im_end|>\n<|im_start|>user\n"
+    gemma = ChatFormat(load_tokenizer(resolve("gemma3-270m")))
+    assert gemma.decode(gemma.user_opening) == "<end_of_turn>\n<start_of_turn>user\n"
+    # A template that writes the messages in another order has none to offer.
+    backwards = ChatFormat(chat.tokenizer, "{%- for m in messages|reverse -%}{{ m.content }}|{%- endfor -%}")
+    assert backwards.user_opening == []
+
+
 def test_a_template_that_rerenders_earlier_messages_is_rendered_in_full(tokenizer: Any) -> None:
     chat = ChatFormat(tokenizer, STRIPS_EARLIER_THINKING)
     assert not chat.incremental
