@@ -28,6 +28,11 @@ from typing import Any
 from harness.faults.processes import campaign_env
 from serving.launcher import REPO, stop_process
 
+# Loading the tiny models takes ~10 s here; a zygote that has not said "ready" by then is stuck.
+START_S = 300.0
+# The zygote answers a job at most ~5 s after killing its child at the job's timeout.
+ANSWER_GRACE_S = 60.0
+
 
 class Reporter:
     """A child's events, one JSON line each, into the pipe its zygote reads (survives a SIGKILL:
@@ -59,29 +64,53 @@ class ChildResult:
 class Zygote:
     """A process that loaded the models once and forks one child per job (see `zygote_main`)."""
 
-    def __init__(self, models: Sequence[str], log: Path) -> None:
+    def __init__(self, models: Sequence[str], log: Path, answer_grace_s: float = ANSWER_GRACE_S) -> None:
         self.log = log
+        self.answer_grace_s = answer_grace_s
         with open(log, "ab") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "harness.faults.zygote", *models], cwd=REPO,
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out,
                                          env=campaign_env())
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line.startswith(b"ready"):
+        self._unread = b""
+        if not self._line(START_S).startswith(b"ready"):
             self.close()
-            raise RuntimeError(f"the zygote did not start:\n{log.read_text(errors='replace')[-3000:]}")
+            raise RuntimeError(f"the zygote did not start:\n{self._log_tail()}")
         self.lock = threading.Lock()
 
     def run(self, job: str, params: dict[str, Any], timeout: float = 300.0) -> ChildResult:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+        """Run one job in a child of the zygote. The zygote kills a child at `timeout`; a zygote that
+        has not answered `answer_grace_s` later is stopped, and this raises RuntimeError."""
+        assert self.proc.stdin is not None
         with self.lock:
             self.proc.stdin.write((json.dumps({"job": job, "params": params, "timeout": timeout}) + "\n").encode())
             self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
+            line = self._line(timeout + self.answer_grace_s)
         if not line:
-            raise RuntimeError(f"the zygote died:\n{self.log.read_text(errors='replace')[-3000:]}")
+            raise RuntimeError(f"the zygote died:\n{self._log_tail()}")
         reply = json.loads(line)
         return ChildResult(reply["status"], reply["events"], reply["seconds"])
+
+    def _line(self, seconds: float) -> bytes:
+        """The zygote's next line (b"" once its output ended); after `seconds` without one the
+        zygote is stopped and RuntimeError raised."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + seconds
+        while b"\n" not in self._unread:
+            left = deadline - time.monotonic()
+            ready = select.select([fd], [], [], left)[0] if left > 0 else []
+            if not ready:
+                stop_process(self.proc, timeout=5.0)
+                raise RuntimeError(f"the zygote gave no answer in {seconds:.0f} s; stopped it:\n{self._log_tail()}")
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return b""
+            self._unread += chunk
+        line, _, self._unread = self._unread.partition(b"\n")
+        return line + b"\n"
+
+    def _log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
 
     def close(self) -> None:
         if self.proc.poll() is None:
