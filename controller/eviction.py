@@ -18,7 +18,8 @@ pages that have nothing to do with it leave in its place.
             leases excluded: the host's rules decide what is evictable, this only orders it).
             When no more of them are evictable than must go, there is nothing to choose and
             nothing is scored.
-  scores    each page's mean log-probability of the focus after the page on its own, read by the
+  scores    each page's mean log-probability of the focus as the next user turn after the page on
+            its own (the re-ranker's score: the template's user opening between them), read by the
             host (`HeldScorer`: over the page's K/V in attention, or by a separate controller
             model from its text; one forward of at most `window` pages: the window's unscored
             ones, then the pages that may become evictable next; counted as controller forward
@@ -43,8 +44,9 @@ from controller.pager import Pager
 from controller.rerank import mean_logprob, question_ids
 
 # The host's query likelihood over pages in attention: for held page indices and token ids, every
-# page's float64 log p(ids[j] | page, ids[:j]) for j >= 1 (read over the page's K/V where it is
-# held, or by a separate controller model from the page's text, in its own tokens).
+# page's float64 log p(ids[j] | page, the template's user opening, ids[:j]) (as PageScorer; read
+# over the page's K/V where it is held, or by a separate controller model from the page's text, in
+# its own tokens).
 HeldScorer = Callable[[list[int], list[int]], dict[int, np.ndarray]]
 
 EVICTION_ORDERS = ("recency", "model")

@@ -42,8 +42,9 @@ log = logging.getLogger("kv_elision.selectors")
 
 
 # The host's query likelihood: for cold pages and token ids, each page's float64 log p(ids[j] | page,
-# ids[:j]) for j >= 1, read over the page's stored K/V (no forward over history). A page that
-# cannot be scored (its payload failed its checks) is left out of the answer.
+# the template's user opening, ids[:j]) for every j (j >= 1 for a template without one), read over
+# the page's stored K/V (no forward over history). A page that cannot be scored (its payload failed
+# its checks) is left out of the answer.
 PageScorer = Callable[[list[int], list[int]], dict[int, np.ndarray]]
 
 
