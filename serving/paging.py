@@ -176,8 +176,8 @@ class PageMover:
     def score_held(self, session: Session, indices: list[int], token_ids: list[int]) -> dict[int, np.ndarray]:
         """Query likelihood over pages in attention, for the eviction advice: each page's K/V as
         held (`Backend.save_block`), scored like `score_pages` scores stored ones, in one forward
-        (`score_as_a_turn`; counted as `controller_forward_tokens`, no forward over
-        history). The engine takes the advice only for models whose layers are all full attention."""
+        (`score_as_a_turn`; counted as `controller_forward_tokens`, no forward over history). The
+        engine takes the advice only for models whose layers are all full attention."""
         pager = session.pager
         blocks = [self.backend.save_block(pager.logical_start(i), pager.logical_start(i) + pager.pages[i].tokens)
                   for i in indices]
@@ -342,9 +342,9 @@ class PageMover:
     def score_pages(self, session: Session, indices: list[int], token_ids: list[int]) -> dict[int, np.ndarray]:
         """Query likelihood for a selector: how likely `token_ids` are as the next user turn after
         each cold page on its own, read over the page's stored K/V (`score_as_a_turn`, one forward;
-        no forward over history). Counted as `controller_forward_tokens`. A page whose payload is gone or
-        fails its checks is left out (and reported corrupt, as a restore would); a model that
-        cannot score blocks apart (sliding-window or recurrent layers) scores none."""
+        no forward over history). Counted as `controller_forward_tokens`. A page whose payload is
+        gone or fails its checks is left out (and reported corrupt, as a restore would); a model
+        that cannot score blocks apart (sliding-window or recurrent layers) scores none."""
         pager = session.pager
         records = {r.page_id: r for r in self.contextd.get_pages(session.session_id,
                                                                  [pager.pages[i].page_id for i in indices])}

@@ -15,9 +15,9 @@ special tokens, read after the controller's own template's user opening (`score_
 controller prefills each page alone from position 0 (`Backend.prefill_alone`) and keeps its K/V
 in memory by content (an LRU over the serving ids, up to `cache_bytes`), so a page costs one
 prefill the first time and each later scoring only the opening's and the question's tokens, in
-one forward over all candidates. The server has the controller read
-each full page once when it is stored, at the end of its turn (`PageMover.read_ahead`), so the
-advice and the re-ranker rarely wait for a page's read. Every token it forwards is counted as
+one forward over all candidates. The server has the controller read each full page once when it
+is stored, at the end of its turn (`PageMover.read_ahead`), so the advice and the re-ranker rarely
+wait for a page's read. Every token it forwards is counted as
 `controller_forward_tokens`; the serving model's cache, counters and transcript are never
 touched, so `historical_forward == 0` and the forward invariant stay the serving model's own.
 

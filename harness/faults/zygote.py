@@ -28,7 +28,7 @@ from typing import Any
 from harness.faults.processes import campaign_env
 from serving.launcher import REPO, stop_process
 
-# Loading the tiny models takes ~10 s here; a zygote that has not said "ready" by then is stuck.
+# Loading the tiny models takes ~10 s here; a zygote that has not said "ready" in 300 s is stuck.
 START_S = 300.0
 # The zygote answers a job at most ~5 s after killing its child at the job's timeout.
 ANSWER_GRACE_S = 60.0
