@@ -17,7 +17,9 @@ HELD_OUT_SEEDS.
 Selectors: recency (no advice), attention (the model's keys, controller.keyindex), bm25 (lexical
 rarity alone: the 8 best pages by BM25 that fit), hybrid (the default, controller.hybrid), rerank
 (the hybrid's choice re-ranked by query likelihood over the stored K/V, controller.rerank; it
-reads the model's weights, so it needs the real model, not tiny-llama). With
+reads the model's weights, so it needs the real model, not tiny-llama), likelihood (query
+likelihood alone over every stored cold page: the re-ranker without the lexical choice, an
+ablation that takes seconds a question). With
 `--ablation`, the hybrid without each of its parts and with the key evidence added. Last line: one
 JSON object: `rows` (per selector, shape, seed and budget: hit_rate, hits, questions, pages,
 precision, p50_ms, p95_ms, controller_forward_tokens), `sessions` (per session: its size, cold
@@ -58,6 +60,7 @@ from controller.pager import PAGE_TOKENS
 from controller.selectors import (
     AttentionSelector,
     HybridSelector,
+    LikelihoodSelector,
     RecencySelector,
     RerankSelector,
     Selector,
@@ -71,14 +74,15 @@ from serving.launcher import ContextdProcess
 from serving.scoring import ControllerConfig, ControllerScorer
 
 MODEL = "smollm2-135m"
-BASE_SELECTORS = ("recency", "attention", "bm25", "hybrid", "rerank")
+BASE_SELECTORS = ("recency", "attention", "bm25", "hybrid", "rerank")   # the default run
+NAMED_SELECTORS = (*BASE_SELECTORS, "likelihood")
 
 
 def selectors(names: Sequence[str], ablation: bool) -> list[Selector]:
     made: dict[str, Selector] = {
         "recency": RecencySelector(), "attention": AttentionSelector(),
         "bm25": HybridSelector(HybridConfig(coverage_decay=1.0, cutoff=0.0, neighbour_tokens=0), "bm25"),
-        "hybrid": HybridSelector(), "rerank": RerankSelector()}
+        "hybrid": HybridSelector(), "rerank": RerankSelector(), "likelihood": LikelihoodSelector()}
     out = [made[name] for name in names]
     if ablation:
         out += [HybridSelector(HybridConfig(coverage_decay=1.0), "hybrid - coverage"),
@@ -324,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", default="2048,4096")
     parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="approximate session length")
     parser.add_argument("--selectors", default=",".join(BASE_SELECTORS),
-                        help=f"comma-separated, from {', '.join(BASE_SELECTORS)}")
+                        help=f"comma-separated, from {', '.join(NAMED_SELECTORS)}")
     parser.add_argument("--model", default=MODEL,
                         help="the serving model; recency, bm25 and hybrid read token ids only, so any model with "
                              "SmolLM2's tokenizer (tiny-llama) gives them the same figures in a fraction of the time")
@@ -339,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                              "the answer's view (the right answer's rank and log p among the workload's answers)")
     args = parser.parse_args(argv)
     shapes = names_of(parser, args.shapes, SHAPES, "shapes")
-    chosen = selectors(names_of(parser, args.selectors, BASE_SELECTORS, "selectors"), args.ablation)
+    chosen = selectors(names_of(parser, args.selectors, NAMED_SELECTORS, "selectors"), args.ablation)
     machine0, own0 = machine_cpu_seconds(), own_cpu_seconds()
     result = run(shapes, seeds_of(args.seeds), [int(b) for b in args.budgets.split(",")], args.tokens, chosen,
                  args.model, controller_model=args.controller_model,

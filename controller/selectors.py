@@ -224,6 +224,50 @@ class RerankSelector:
                          + (f", {len(rest)} more groups unscored" if rest else ""), likely)
 
 
+class LikelihoodSelector:
+    """Query likelihood alone: the re-ranker's score without the lexical choice, the ablation that
+    says what the hybrid's shortlist gives the re-ranker (`benchmarks.selectors --selectors
+    likelihood`). Every stored cold page is scored by the host (forwards of `chunk` pages), the
+    pages within the margin of the best come back best first, as many as fit the room, up to
+    `max_pages`. It forwards the question once per cold page, seconds a turn on this CPU: a
+    measurement, not a server option."""
+
+    name = "likelihood"
+    uses_key_index = False
+    uses_lexical_index = True   # for its stored pages and the template's ids, not for a match
+    scores_pages = True
+
+    def __init__(self, config: RerankConfig | None = None, max_pages: int = 8, chunk: int = 16) -> None:
+        if max_pages < 1 or chunk < 1:
+            raise ValueError(f"max_pages and chunk must be >= 1, got {max_pages} and {chunk}")
+        self.config = config or RerankConfig()
+        self.max_pages = max_pages
+        self.chunk = chunk
+
+    def select(self, ctx: SelectionContext) -> Selection:
+        started = time.perf_counter()
+        lexical = ctx.lexical_index
+        if lexical is None or ctx.incoming_ids is None or ctx.scorer is None:
+            return Selection(None, _ms(started), "unscored: no scorer or no stored pages")
+        cold = [p.index for p in ctx.pager.pages if p.state is PageState.COLD and p.index in lexical.pages]
+        question = question_ids(ctx.incoming_ids, lexical.stop_ids.tolist(), self.config.question_tokens)
+        if not cold or len(question) < 2:
+            return Selection(None, _ms(started), "nothing to score")
+        scores: dict[int, float] = {}
+        for start in range(0, len(cold), self.chunk):
+            per_token = ctx.scorer(cold[start:start + self.chunk], question)
+            scores.update({page: mean_logprob(lp, self.config.floor) for page, lp in per_token.items()})
+        chosen: dict[int, float] = {}
+        used = 0
+        for page in keep_by_margin(scores, self.config.margin)[:self.max_pages]:
+            tokens = ctx.pager.pages[page].tokens
+            if used + tokens <= ctx.room_tokens:
+                chosen[page] = scores[page]
+                used += tokens
+        return Selection(Plan(restore=sorted(chosen)), _ms(started),
+                         f"restore {len(chosen)} of {len(scores)} scored pages", chosen)
+
+
 def _ms(started: float) -> float:
     return (time.perf_counter() - started) * 1000
 

@@ -15,7 +15,7 @@ from contextd.wire import PageState, PinKind
 from controller.lexical import LexicalIndex
 from controller.pager import PAGE_TOKENS, Pager, PagerConfig
 from controller.rerank import RerankConfig, keep_by_margin, lexical_leader, mean_logprob, question_ids
-from controller.selectors import HybridSelector, RerankSelector, SelectionContext
+from controller.selectors import HybridSelector, LikelihoodSelector, RerankSelector, SelectionContext
 
 STOP = (1, 2)  # the chat template's own ids in these tests
 
@@ -168,3 +168,25 @@ def test_a_decisive_lexical_match_is_kept_however_its_words_read() -> None:
     assert alone.plan is not None and 5 not in alone.plan.restore and 12 in alone.plan.restore
     overruled = RerankSelector(RerankConfig(margin=0.5, lead=float("inf"))).select(ctx)
     assert overruled.plan is not None and 12 in overruled.plan.restore and 5 not in overruled.plan.restore
+
+
+def test_likelihood_alone_scores_every_stored_cold_page_and_keeps_what_fits_by_margin() -> None:
+    """The ablation without the lexical choice: no page matches the question's words, and every
+    stored cold page is still scored (in chunks); the likeliest within the margin come back, best
+    first, as many as the room and `max_pages` allow."""
+    pager, lexical = _session({})
+    cold = [p.index for p in pager.pages if p.state is PageState.COLD]
+    table = {page: -5.0 for page in cold} | {7: -1.0, 9: -1.2, 30: -1.4, 11: -3.0}
+    asked: list[tuple[list[int], list[int]]] = []
+    ctx = SelectionContext("s", pager, room_tokens=2 * PAGE_TOKENS, lexical_index=lexical,
+                           incoming_ids=[1, 900, 901, 2], scorer=_scorer(table, asked))
+    selection = LikelihoodSelector(RerankConfig(margin=0.5), chunk=8).select(ctx)
+    assert sorted(page for pages, _ in asked for page in pages) == cold and all(len(p) <= 8 for p, _ in asked)
+    assert selection.plan is not None and selection.plan.restore == [7, 9]   # 30 is within the margin: no room
+    roomy = SelectionContext("s", pager, room_tokens=8 * PAGE_TOKENS, lexical_index=lexical,
+                             incoming_ids=[1, 900, 901, 2], scorer=_scorer(table, []))
+    kept = LikelihoodSelector(RerankConfig(margin=0.5), max_pages=2).select(roomy)
+    assert kept.plan is not None and kept.plan.restore == [7, 9]
+    bare = SelectionContext("s", pager, lexical_index=lexical, incoming_ids=[1, 900, 2])
+    unscored = LikelihoodSelector().select(bare)
+    assert unscored.plan is None and "no scorer" in unscored.note
