@@ -90,7 +90,7 @@ class EvictionAdvisor:
               cheap: Callable[[list[int]], list[int]] | None = None) -> list[int]:
         """The pages to evict first for `incoming_tokens` more, least related to the focus first;
         [] when there is no focus, no choice, or nothing could be scored. `cheap`: of the pages
-        that may fill a forward up, those the scorer reads at the question's cost alone (a
+        that may fill a forward up, those the scorer reads without reading the page first (a
         controller model reads a page it has not read yet at ~400 ms here); None: all."""
         if not self.focus:
             return []

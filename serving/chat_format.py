@@ -453,12 +453,16 @@ class ChatFormat:
     def user_opening(self) -> list[int]:
         """The ids the chat template writes between an answer's last word and the next user
         message's first (ChatML: `<|im_end|>`, a newline, `<|im_start|>user`, a newline), found by
-        rendering marked messages; [] when the template does not render them in order. Page scoring
-        puts them before the question, so the model reads the question as a new turn rather than a
-        continuation of the page's last line (docs/controller.md, seed 109's near-duplicate miss)."""
+        rendering marked messages; [] when the template refuses them or does not render them in
+        order. Page scoring puts them before the question, so the model reads the question as a new
+        turn rather than a continuation of the page's last line (docs/controller.md, seed 109's
+        near-duplicate miss)."""
         answer, question = "kv-elision-answer", "kv-elision-question"
-        text = self._render([{"role": "user", "content": "q"}, {"role": "assistant", "content": answer},
-                             {"role": "user", "content": question}], None, "default", add_generation_prompt=False)
+        try:
+            text = self._render([{"role": "user", "content": "q"}, {"role": "assistant", "content": answer},
+                                 {"role": "user", "content": question}], None, "default", add_generation_prompt=False)
+        except TranscriptError:   # a template that refuses the probe: the question straight after the page
+            return []
         start = text.find(answer)
         end = text.find(question, start + len(answer)) if start >= 0 else -1
         return self.encode(text[start + len(answer):end]) if end >= 0 else []

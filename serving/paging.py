@@ -153,7 +153,7 @@ class PageMover:
     def read_ahead(self, session: Session) -> bool:
         """The controller model reads the next full page stored this turn (serving.scoring); whether
         any is left. Each is read once, after the answer of the turn that wrote it, so the eviction
-        advice and the re-ranker later forward only the question's tokens over it (a page the
+        advice and the re-ranker later forward only the opening's and the question's tokens over it (a page the
         controller's memory let go is read again when scored). Counted as
         `controller_forward_tokens`."""
         if self.controller is None or not session.unread_pages:

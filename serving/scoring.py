@@ -21,8 +21,8 @@ wait for a page's read. Every token it forwards is counted as
 `controller_forward_tokens`; the serving model's cache, counters and transcript are never
 touched, so `historical_forward == 0` and the forward invariant stay the serving model's own.
 
-Dependency rules: backends, numpy and xxhash; serving.session for the session it reads and
-serving.chat_format for the controller's user opening.
+Dependency rules: backends, numpy and xxhash; serving.session for the session it reads,
+serving.chat_format and serving.transcript for the controller's user opening.
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ class ControllerScorer:
 
     def score(self, session: Session, indices: list[int], token_ids: list[int]) -> tuple[dict[int, np.ndarray], int]:
         """Per page index, log p of the question's tokens after the page and the controller's user
-        opening (float64, one per question token; `score_as_a_turn`), and the tokens the controller
-        forwarded. A question of
+        opening (float64, one per question token, one fewer for a controller without a chat template;
+        `score_as_a_turn`), and the tokens the controller forwarded. A question of
         fewer than two controller tokens scores nothing; a page with no text is left out."""
         question = [t for t in self._encode(token_ids, special=False) if t < self.controller.vocab_size]
         if len(question) < 2 or not indices:
@@ -104,7 +104,7 @@ class ControllerScorer:
         return dict(zip(blocks, scores, strict=True)), forwarded + scored
 
     def holding(self, session: Session, indices: list[int]) -> list[int]:
-        """Of these pages, those whose K/V the controller holds (scored at the question's cost)."""
+        """Of these pages, those whose K/V the controller holds (scored without reading the page first)."""
         return [i for i in indices if _key(_page_ids(session, i)) in self._blocks]
 
     def read(self, session: Session, indices: list[int]) -> int:
@@ -160,6 +160,8 @@ def score_as_a_turn(backend: Backend, blocks: Sequence[Block], opening: Sequence
     and the tokens forwarded. Straight after the page, a small model continues the page's last
     line: seed 109's near-duplicate question went to a page ending with the same sentence about
     another service (docs/controller.md)."""
+    if any(not 0 <= t < backend.vocab_size for t in opening):
+        opening = []   # special ids past the model's vocabulary: no opening it could read
     scores, forwarded = backend.score_after_blocks(blocks, [*opening, *question], sink)
     return scores[:, max(len(opening) - 1, 0):], forwarded
 

@@ -30,7 +30,8 @@ from serving.launcher import REPO, stop_process
 
 # Loading the tiny models takes ~10 s here; a zygote that has not said "ready" in 300 s is stuck.
 START_S = 300.0
-# The zygote answers a job at most ~5 s after killing its child at the job's timeout.
+# The zygote answers a job seconds after killing its child at the job's timeout (unless something
+# else holds the child's pipe open: then this deadline is what ends the wait).
 ANSWER_GRACE_S = 60.0
 
 
@@ -82,8 +83,11 @@ class Zygote:
         has not answered `answer_grace_s` later is stopped, and this raises RuntimeError."""
         assert self.proc.stdin is not None
         with self.lock:
-            self.proc.stdin.write((json.dumps({"job": job, "params": params, "timeout": timeout}) + "\n").encode())
-            self.proc.stdin.flush()
+            try:
+                self.proc.stdin.write((json.dumps({"job": job, "params": params, "timeout": timeout}) + "\n").encode())
+                self.proc.stdin.flush()
+            except OSError as e:
+                raise RuntimeError(f"the zygote died ({e}):\n{self._log_tail()}") from None
             line = self._line(timeout + self.answer_grace_s)
         if not line:
             raise RuntimeError(f"the zygote died:\n{self._log_tail()}")
@@ -113,14 +117,15 @@ class Zygote:
         return self.log.read_text(errors="replace")[-3000:]
 
     def close(self) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
         if self.proc.poll() is None:
-            with contextlib.suppress(OSError):
-                assert self.proc.stdin is not None
-                self.proc.stdin.close()
             try:
                 self.proc.wait(timeout=30)  # it ends at the end of its input
             except subprocess.TimeoutExpired:
                 stop_process(self.proc)
+        self.proc.stdout.close()
 
 
 def zygote_main(models: Sequence[str]) -> int:
