@@ -109,13 +109,8 @@ class AttentionSelector:
         if index is None or ctx.incoming_keys is None or not cold:
             return Selection(None, _ms(started), "nothing to score")
         scores = index.scores(ctx.incoming_keys, cold)
-        chosen: dict[int, float] = {}
-        used = 0
-        for k in np.argsort(-scores, kind="stable")[:self.max_pages]:
-            page = ctx.pager.pages[cold[k]]
-            if used + page.tokens <= ctx.room_tokens:
-                chosen[page.index] = float(scores[k])
-                used += page.tokens
+        ranked = [(cold[k], float(scores[k])) for k in np.argsort(-scores, kind="stable")[:self.max_pages]]
+        chosen = _fill_room(ranked, ctx)
         plan = Plan(restore=sorted(chosen))
         return Selection(plan, _ms(started), f"restore {len(chosen)} pages", chosen)
 
@@ -257,15 +252,23 @@ class LikelihoodSelector:
         for start in range(0, len(cold), self.chunk):
             per_token = ctx.scorer(cold[start:start + self.chunk], question)
             scores.update({page: mean_logprob(lp, self.config.floor) for page, lp in per_token.items()})
-        chosen: dict[int, float] = {}
-        used = 0
-        for page in keep_by_margin(scores, self.config.margin)[:self.max_pages]:
-            tokens = ctx.pager.pages[page].tokens
-            if used + tokens <= ctx.room_tokens:
-                chosen[page] = scores[page]
-                used += tokens
+        likeliest = keep_by_margin(scores, self.config.margin)[:self.max_pages]
+        chosen = _fill_room([(page, scores[page]) for page in likeliest], ctx)
         return Selection(Plan(restore=sorted(chosen)), _ms(started),
                          f"restore {len(chosen)} of {len(scores)} scored pages", chosen)
+
+
+def _fill_room(ranked: list[tuple[int, float]], ctx: SelectionContext) -> dict[int, float]:
+    """Of pages ranked best first (with their scores), those that fit the room in that order; a page
+    too large for what is left is passed over, a smaller one after it may still fit."""
+    chosen: dict[int, float] = {}
+    used = 0
+    for index, score in ranked:
+        tokens = ctx.pager.pages[index].tokens
+        if used + tokens <= ctx.room_tokens:
+            chosen[index] = score
+            used += tokens
+    return chosen
 
 
 def _ms(started: float) -> float:
