@@ -590,6 +590,15 @@ class Backend(Protocol):
         """
         ...
 
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """`prefill` without logits: for tokens the caller follows with more before it reads any
+        (a turn's messages before the answer's opening). Counted as prefill; the cache and states
+        are bit for bit those `prefill` leaves. Afterwards `last_logits` and a `decode` without a
+        token refuse until a forward with logits. On MLX the lazy graph then never runs the last
+        layer past its keys and values, as mlx-lm's own prefill does: on the tiny Qwen3-Next
+        hybrid (4 layers) a quarter of the forward."""
+        ...
+
     def prefill_logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """`prefill`, returning the float32 logits after every token, [len(token_ids), vocab]: what
         teacher-forced scoring reads (serving.likelihood), one forward per chunk instead of one per

@@ -264,9 +264,10 @@ class SlotBackend(abc.ABC):
 
     @abc.abstractmethod
     def _forward(self, ids: list[int], positions: np.ndarray, slots: np.ndarray, high_water: int,
-                 every: bool = False) -> np.ndarray:
+                 every: bool = False, logits: bool = True) -> np.ndarray | None:
         """Run the model over `ids` (already placed in `slots` at `positions`); float32 last logits,
-        or with `every` the logits after each token, [len(ids), vocab]."""
+        or with `every` the logits after each token, [len(ids), vocab]; None without `logits` (a
+        chunk of `extend`: MLX then never evaluates the last layer past its keys and values)."""
 
     @abc.abstractmethod
     def _page_op(self) -> contextlib.AbstractContextManager[None]:
@@ -358,7 +359,7 @@ class SlotBackend(abc.ABC):
 
     def last_logits(self) -> np.ndarray:
         if self._last_logits is None:
-            raise BackendError("no logits yet: prefill first")
+            raise BackendError("no logits: nothing was prefilled since the last reset or extend")
         return self._last_logits.copy()
 
     def rotated_keys(self, start: int = 0, end: int | None = None) -> np.ndarray:
@@ -382,14 +383,18 @@ class SlotBackend(abc.ABC):
 
     # -- running the model ---------------------------------------------------------------------
     def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
-        self._prefill_chunks(token_ids, every=False)
+        self._prefill_chunks(token_ids, every=False, logits=True)
         return self.last_logits()
 
-    def prefill_logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        return np.concatenate(self._prefill_chunks(token_ids, every=True))
+    def extend(self, token_ids: Sequence[int]) -> None:
+        self._prefill_chunks(token_ids, every=False, logits=False)
 
-    def _prefill_chunks(self, token_ids: Sequence[int], every: bool) -> list[np.ndarray]:
-        """Append `token_ids` chunk by chunk; each chunk's logits (`_forward`'s, with `every`)."""
+    def prefill_logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        return np.concatenate(self._prefill_chunks(token_ids, every=True, logits=True))
+
+    def _prefill_chunks(self, token_ids: Sequence[int], every: bool, logits: bool) -> list[np.ndarray]:
+        """Append `token_ids` chunk by chunk; with `every`, each chunk's logits after every token;
+        else, with `logits`, the last chunk's last logits (the chunks before it have none)."""
         ids = checked_token_ids(token_ids, self._rt.vocab_size)
         if not ids:
             raise ValueError("prefill needs at least one token")
@@ -398,7 +403,10 @@ class SlotBackend(abc.ABC):
         out = []
         for i in range(0, len(ids), self.prefill_chunk):
             chunk = ids[i:i + self.prefill_chunk]
-            out.append(self._run_model(chunk, every=every))
+            last = i + self.prefill_chunk >= len(ids)
+            got = self._run_model(chunk, every=every, logits=every or (logits and last))
+            if got is not None:
+                out.append(got)
             self._counters.new_prefill_tokens += len(chunk)
         return out
 
@@ -451,6 +459,7 @@ class SlotBackend(abc.ABC):
         finally:
             st.groups = None
             scratch.reset()
+        assert logits is not None
         z = logits.reshape(k, n, -1)[:, :-1]
         top = z.max(axis=-1, keepdims=True)
         picked = np.take_along_axis(z, np.asarray(ids[1:], dtype=np.int64)[None, :, None], axis=-1)[..., 0]
@@ -566,20 +575,21 @@ class SlotBackend(abc.ABC):
         assert self._last_logits is not None
         return self._last_logits
 
-    def _run_model(self, ids: list[int], positions: np.ndarray | None = None, every: bool = False) -> np.ndarray:
+    def _run_model(self, ids: list[int], positions: np.ndarray | None = None, every: bool = False,
+                   logits: bool = True) -> np.ndarray | None:
         """The one place that runs the model synchronously: allocate slots, place the tokens,
         forward; returns the logits (`_forward`'s). `positions` (consecutive, past every held one)
         only for the load-time rotation check."""
         slots, positions = self._place(ids, positions)
         started = time.perf_counter_ns()
         try:
-            logits = self._forward(ids, positions, slots, self._store.high_water(), every)
+            out = self._forward(ids, positions, slots, self._store.high_water(), every, logits)
         except BaseException as e:
             self._forward_failed(e)
             raise
         self._advance(positions)
-        self._landed(logits[-1] if every else logits, started, self._store.take_entered())
-        return logits
+        self._landed(None if out is None else out[-1] if every else out, started, self._store.take_entered())
+        return out
 
     def _place(self, ids: list[int], positions: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """Slots and positions for `ids` about to enter the model, entered in the slot table."""
@@ -621,9 +631,10 @@ class SlotBackend(abc.ABC):
             st.win_len = min(self._rt.roles.window_size - 1, st.win_len + n)
             st.win_last_pos = int(positions[-1])
 
-    def _landed(self, last_logits: np.ndarray, started: int, entered: int) -> None:
-        """A forward started at `started` (perf_counter_ns) has its logits: the `entered` tokens its
-        embedding saw are counted, its time too, and its last logits are what the next pick reads."""
+    def _landed(self, last_logits: np.ndarray | None, started: int, entered: int) -> None:
+        """A forward started at `started` (perf_counter_ns) has ended: the `entered` tokens its
+        embedding saw are counted, its time too, and its last logits (None after `extend`) are
+        what the next pick reads."""
         self._counters.model_forward_tokens += entered
         self._counters.forward_ns += time.perf_counter_ns() - started
         self._last_logits = last_logits

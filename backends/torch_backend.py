@@ -889,7 +889,7 @@ class TorchBackend(SlotBackend):
         return masks, shortcuts
 
     def _forward(self, ids: list[int], positions: np.ndarray, slots: np.ndarray, high_water: int,
-                 every: bool = False) -> np.ndarray:
+                 every: bool = False, logits: bool = True) -> np.ndarray | None:
         st, rt = self._store, self._rt
         masks, shortcuts = self._masks(positions, slots, high_water)
         st.fwd_slots, st.fwd_high_water = slots, high_water
@@ -907,8 +907,10 @@ class TorchBackend(SlotBackend):
                     _SHORTCUTS.masks = {}
         finally:
             st.fwd_slots = None
-        logits: np.ndarray = (out.logits[0] if every else out.logits[0, -1]).float().cpu().numpy()
-        return logits
+        if not logits:   # transformers computes one row's anyway (`logits_to_keep` has no "none")
+            return None
+        got: np.ndarray = (out.logits[0] if every else out.logits[0, -1]).float().cpu().numpy()
+        return got
 
     @property
     def batches_decode(self) -> bool:

@@ -9,8 +9,11 @@ Arms, each in its own subprocess (so peak RSS is per arm), alternating ours / th
   chunk, then `--decode` greedy tokens, each fed back (`decode()`); theirs: transformers'
   `model.generate` on the same model (same loader, dtype and SDPA attention), greedy, EOS disabled,
   timed by a streamer: prefill = until the first new token, decode = the tokens after it.
-- mlx, ours: `load_backend("mlx", ...)` the same way; theirs: mlx-lm's `load` + `stream_generate`
-  (prefill step = the prompt, EOS disabled), timed by when its responses arrive, the same split.
+- mlx, ours: `load_backend("mlx", ...)` the same way, but with the calls mlx-lm's generate makes:
+  `extend` over all but the prompt's last token (the caches only), then `prefill` of that token
+  alone (the server's turn does the same: its messages `extend`, the answer's opening `prefill`);
+  theirs: mlx-lm's `load` + `stream_generate` (prefill step = the prompt, EOS disabled), timed by
+  when its responses arrive, the same split.
 
 Models: SmolLM2-135M (the GGUF for torch, its 4-bit mlx-lm folder `smollm2-135m-q4` for MLX, made
 by mlx_lm.convert on first use) and a tiny hybrid (Qwen3-Next: 3 Gated DeltaNet layers + 1 gated
@@ -73,7 +76,11 @@ def _ours(runtime: str, model: str, prompt: list[int], decode: int, device: str)
     del warm
     be.synchronize()
     t0 = time.perf_counter()
-    be.prefill(prompt)
+    if runtime == "mlx":   # mlx-lm: the caches over all but the last token, then that token alone
+        be.extend(prompt[:-1])
+        be.prefill(prompt[-1:])
+    else:                  # transformers: the prompt in one forward
+        be.prefill(prompt)
     be.decode()  # the first new token, picked from the prefill's logits
     be.synchronize()
     t1 = time.perf_counter()

@@ -496,14 +496,14 @@ class Engine:
         # answer token comes from then see the restored pages too.
         body, opener = (pieces[:-1], pieces[-1:]) if pieces[-1].segment.opener else (pieces, [])
         self._keep_focus(session, request)
-        for piece in body:
+        for n, piece in enumerate(body, start=1):
             self._take_focus(session, piece)
-            yield from self._prefill(session, piece.segment, piece.pin)
+            yield from self._prefill(session, piece.segment, piece.pin, logits=n == len(body) and not opener)
             if piece.tool_call:
                 session.pager.mark_ledger(len(session.pager.pages) - 1)
         restored, placed = self._apply_plan(session, request, sum(len(p.segment.ids) for p in body))
         for piece in opener:
-            yield from self._prefill(session, piece.segment, piece.pin)
+            yield from self._prefill(session, piece.segment, piece.pin, logits=True)
         watched = self._capture_answer_view(session, restored)
         yield TurnEvent(prepared=Prepared(prefilled_tokens=len(prompt_ids), rebuilt=rebuilt))
 
@@ -769,14 +769,18 @@ class Engine:
             return None
         return self.mover.newest_keys(min(new_tokens, self.config.key_index.incoming_tokens))
 
-    def _prefill(self, session: Session, segment: Segment, pin: PinKind | None
+    def _prefill(self, session: Session, segment: Segment, pin: PinKind | None, logits: bool
                  ) -> Generator[TurnEvent, int | None, None]:
-        """Prefill one segment in chunks, pausing after each (another session's turn may run)."""
+        """Prefill one segment in chunks, pausing after each (another session's turn may run).
+        Only the last chunk of a segment that needs them computes logits (`Backend.extend`)."""
         chunk = self.config.prefill_chunk
         for i in range(0, len(segment.ids), chunk):
             part = segment.ids[i:i + chunk]
             self.mover.make_room(session, len(part))
-            self.backend.prefill(part)
+            if logits and i + chunk >= len(segment.ids):
+                self.backend.prefill(part)
+            else:
+                self.backend.extend(part)
             crashpoints.reached("serving.prefill.chunk")
             session.pager.append(part, pin=pin)
             self.tally.peak(session, self.backend.attention_tokens)
@@ -943,7 +947,7 @@ class Engine:
             if piece.segment.opener:
                 continue  # as in a turn: the plan is made before the answer's opening is prefilled
             self._take_focus(session, piece)
-            for _ in self._prefill(session, piece.segment, piece.pin):
+            for _ in self._prefill(session, piece.segment, piece.pin, logits=False):
                 pass   # a probe runs alone: nothing to interleave at its pauses
             new_tokens += len(piece.segment.ids)
         pager = session.pager

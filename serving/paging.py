@@ -424,7 +424,7 @@ class PageMover:
             page = pager.pages[index]
             tokens = ids[page.token_start:page.token_start + page.tokens]
             end = backend.attention_tokens
-            backend.prefill(tokens)
+            backend.extend(tokens)
             block = backend.save_block(end, end + len(tokens))
             backend.remove_attention_range(end, backend.attention_tokens)
             start = pager.logical_start(index)

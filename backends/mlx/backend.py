@@ -104,11 +104,17 @@ class MlxBackend(SlotBackend):
         return out
 
     def _forward(self, ids: list[int], positions: np.ndarray, slots: np.ndarray, high_water: int,
-                 every: bool = False) -> np.ndarray:
+                 every: bool = False, logits: bool = True) -> np.ndarray | None:
         with self._rt.lock, mx.stream(self._rt.device):
-            logits = self._build(mx.array([ids], dtype=mx.int32), positions, slots, high_water, every)
-            mx.eval(logits, self._state())
-        return np.array(logits)
+            out = self._build(mx.array([ids], dtype=mx.int32), positions, slots, high_water, every)
+            # Without logits only the states are evaluated: the lazy graph then never runs the last
+            # layer past its keys and values (mlx-lm's prefill does the same; a quarter of the tiny
+            # hybrid's prefill, docs/backends.md), and the states' bits are the same either way.
+            if not logits:
+                mx.eval(self._state())
+                return None
+            mx.eval(out, self._state())
+        return np.array(out)
 
     def _build(self, ids: mx.array, positions: np.ndarray, slots: np.ndarray, high_water: int,
                every: bool = False) -> mx.array:

@@ -422,6 +422,38 @@ def test_decode_feeds_pending_or_given_token_and_samples_reproducibly(models: Mo
     assert be.attention_tokens == before + 6 and be.pending_token is None
 
 
+@pytest.mark.parametrize("model", TINY)
+def test_extend_leaves_what_prefill_leaves_without_logits(models: Models, model: str) -> None:
+    """`extend` is `prefill` without logits: the same keys, values, stream state and counters, bit
+    for bit (MLX evaluates less of the same graph), and the forward after it gives the same logits.
+    A prefill of several chunks, whose chunks but the last now have no logits, equals the same
+    chunks prefilled one call each."""
+    ids = models.tokens[:300]
+    one, chunked = models.fresh(model, capacity=512), models.fresh(model, capacity=512, prefill_chunk=100)
+    by_call, extended = models.fresh(model, capacity=512), models.fresh(model, capacity=512)
+    one_logits = one.prefill(ids)
+    chunked_logits = chunked.prefill(ids)
+    for i in range(0, 300, 100):
+        by_call_logits = by_call.prefill(ids[i:i + 100])
+    np.testing.assert_array_equal(chunked_logits, by_call_logits)
+    assert extended.extend(ids) is None
+    for other in (chunked, extended):
+        np.testing.assert_array_equal(other.rotated_keys(), (by_call if other is chunked else one).rotated_keys())
+        np.testing.assert_array_equal(other.positions(), one.positions())
+    assert dataclasses.replace(extended.counters, forward_ns=0) == dataclasses.replace(one.counters, forward_ns=0)
+    snap, expected = extended.snapshot_recurrent(), one.snapshot_recurrent()
+    assert (snap is None) == (expected is None)
+    if snap is not None and expected is not None:
+        assert snap.equals(expected)
+    with pytest.raises(BackendError, match="no logits"):
+        extended.last_logits()
+    with pytest.raises(BackendError, match="needs a prefill"):
+        extended.decode()
+    np.testing.assert_array_equal(extended.prefill(models.tokens[300:310]), one.prefill(models.tokens[300:310]))
+    assert [extended.decode() for _ in range(4)] == [one.decode() for _ in range(4)]
+    assert one_logits.shape == chunked_logits.shape
+
+
 def test_out_of_vocabulary_tokens_are_refused_before_the_model_runs(models: Models) -> None:
     be = models.fresh("tiny-llama")
     be.prefill(models.tokens[:32])
