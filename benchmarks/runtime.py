@@ -1,6 +1,6 @@
 """Our backends next to the runtimes they wrap, on the same weights: speed and memory.
 
-    python -m benchmarks.runtime [--runtimes torch,mlx] [--prompt 2048] [--decode 256] [--repeats 1] [--device cpu]
+    python -m benchmarks.runtime [--runtimes torch,mlx] [--prompt 2048] [--decode 256] [--repeats N] [--device cpu]
     python -m benchmarks.runtime --make-mlx-folder DIR [--model smollm2-135m] [--bits 4]
 
 Arms, each in its own subprocess (so peak RSS is per arm), alternating ours / theirs:
@@ -47,6 +47,12 @@ MODELS = {
     "mlx": {"smollm2-135m": "smollm2-135m-q4", "tiny-qwen3-next": "tiny-qwen3-next-q4"},
 }
 HEADLINE = "smollm2-135m"
+# Per model, unless --repeats / --threads say otherwise: runs per arm (the fastest counts) and torch
+# intra-op threads (0: torch's default). A SmolLM2 arm takes minutes and runs once. A tiny model's
+# arm takes seconds, and on two threads its millisecond steps measure thread wake-ups more than code:
+# quiet runs one after another put the torch tiny hybrid's decode ratio anywhere from 0.82 to 1.27
+# with the best of three, and at 0.88-0.92 with the best of five; on one thread, 1.09 (2026-12-06).
+ARM_DEFAULTS = {"smollm2-135m": (1, 0), "tiny-qwen3-next": (5, 1)}
 WARMUP = 16  # prompt tokens of the untimed warm-up run every arm does first
 
 
@@ -68,12 +74,13 @@ def _ours(runtime: str, model: str, prompt: list[int], decode: int, device: str)
     be = load_backend(runtime, model, device=device, dtype="float32" if runtime == "torch" else "auto",
                       capacity=len(prompt) + decode + 8, prefill_chunk=len(prompt))
     load_s = time.perf_counter() - t0
-    warm = be.fork()  # both arms warm up the same way before anything is timed; the timed cache stays empty
-    warm.prefill(prompt[:WARMUP])
+    # Both arms warm up the same way before anything is timed, then start from an empty cache. Not
+    # on a fork: a fork copies the slot buffers the capacity preallocates (SmolLM2 float32 at 2,312
+    # slots: 160 MB), which the peak RSS would count against a runtime whose warm-up cache is new.
+    be.prefill(prompt[:WARMUP])
     for _ in range(3):
-        warm.decode()
-    warm.synchronize()
-    del warm
+        be.decode()
+    be.reset()
     be.synchronize()
     t0 = time.perf_counter()
     if runtime == "mlx":   # mlx-lm: the caches over all but the last token, then that token alone
@@ -198,9 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--decode", type=int, default=256)
     parser.add_argument("--device", default="cpu", help="torch arms: cpu or cuda (MLX picks its own)")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per arm; the fastest counts")
-    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads in every arm (0: torch's "
-                        "default); on a busy shared machine 1 avoids measuring waits for descheduled threads")
+    parser.add_argument("--repeats", type=int, default=0,
+                        help="runs per arm, the fastest counts (0: the model's default, ARM_DEFAULTS)")
+    parser.add_argument("--threads", type=int, default=-1, help="torch intra-op threads in every arm (0: torch's "
+                        "default, -1: the model's, ARM_DEFAULTS); on a busy shared machine 1 avoids measuring "
+                        "waits for descheduled threads")
     parser.add_argument("--arm", help=argparse.SUPPRESS)
     parser.add_argument("--make-mlx-folder", type=Path, help="write --model as an mlx-lm folder there and exit")
     parser.add_argument("--model", default="smollm2-135m")
@@ -215,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"folder": str(out), "weights_mb": round(size / 1e6, 1)}))
         return 0
     if args.arm:
-        if args.threads:
+        if args.threads > 0:
             import torch
 
             torch.set_num_threads(args.threads)
@@ -224,18 +233,20 @@ def main(argv: list[str] | None = None) -> int:
 
     machine0 = machine_cpu_seconds()
     children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    result: dict[str, Any] = {"prompt_tokens": args.prompt, "decode_tokens": args.decode, "device": args.device,
-                              "torch_threads": args.threads or "default"}
+    result: dict[str, Any] = {"prompt_tokens": args.prompt, "decode_tokens": args.decode, "device": args.device}
     for runtime in args.runtimes.split(","):
         per_model: dict[str, Any] = {}
         for name in args.models.split(","):
             arms: dict[str, list[dict[str, Any]]] = {"ours": [], "theirs": []}
             subprocess.run([sys.executable, "-m", "benchmarks.runtime", "--arm", f"{runtime}:prepare:{name}"],
                            check=True, capture_output=True, env=os.environ.copy())
-            for _ in range(args.repeats):
+            repeats, threads = ARM_DEFAULTS[name]
+            repeats = args.repeats or repeats
+            threads = threads if args.threads < 0 else args.threads
+            for _ in range(repeats):
                 for who in ("ours", "theirs"):
                     cmd = [sys.executable, "-m", "benchmarks.runtime", "--arm", f"{runtime}:{who}:{name}",
-                           "--prompt", str(args.prompt), "--decode", str(args.decode), "--threads", str(args.threads),
+                           "--prompt", str(args.prompt), "--decode", str(args.decode), "--threads", str(threads),
                            "--device", args.device]
                     done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
                     if done.returncode != 0:
@@ -246,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                           "decode_tps": max(r["decode_tps"] for r in runs),
                           "peak_rss_mb": min(r["peak_rss_mb"] for r in runs),
                           "load_s": min(r["load_s"] for r in runs)} for who, runs in arms.items()}
-            per_model[name] = {**best, **_ratios(best["ours"], best["theirs"]), "model": MODELS[runtime][name]}
+            per_model[name] = {**best, **_ratios(best["ours"], best["theirs"]), "model": MODELS[runtime][name],
+                               "repeats": repeats, "torch_threads": threads or "default"}
         headline = per_model.get(HEADLINE) or next(iter(per_model.values()))
         result[runtime] = {k: headline[k] for k in ("prefill_ratio", "decode_ratio", "rss_ratio")}
         result[runtime]["models"] = per_model
