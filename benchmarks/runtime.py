@@ -69,6 +69,7 @@ def _peak_rss_mb() -> float:
 
 def _ours(runtime: str, model: str, prompt: list[int], decode: int, device: str) -> dict[str, Any]:
     from backends import load_backend
+    from serving.paging import rewind
 
     t0 = time.perf_counter()
     be = load_backend(runtime, model, device=device, dtype="float32" if runtime == "torch" else "auto",
@@ -77,10 +78,11 @@ def _ours(runtime: str, model: str, prompt: list[int], decode: int, device: str)
     # Both arms warm up the same way before anything is timed, then start from an empty cache. Not
     # on a fork: a fork copies the slot buffers the capacity preallocates (SmolLM2 float32 at 2,312
     # slots: 160 MB), which the peak RSS would count against a runtime whose warm-up cache is new.
+    # Emptied through serving.paging, where pages move (its import adds ~12 MB to ours).
     be.prefill(prompt[:WARMUP])
     for _ in range(3):
         be.decode()
-    be.reset()
+    rewind(be, 0)
     be.synchronize()
     t0 = time.perf_counter()
     if runtime == "mlx":   # mlx-lm: the caches over all but the last token, then that token alone
