@@ -48,7 +48,7 @@ MODELS = {
 }
 HEADLINE = "smollm2-135m"
 # Per model, unless --repeats / --threads say otherwise: runs per arm (the fastest counts) and torch
-# intra-op threads (0: torch's default). A SmolLM2 arm takes minutes and runs once. A tiny model's
+# intra-op threads of its torch arms (0: torch's default). A SmolLM2 arm takes minutes and runs once. A tiny model's
 # arm takes seconds, and on two threads its millisecond steps measure thread wake-ups more than code:
 # quiet runs one after another put the torch tiny hybrid's decode ratio anywhere from 0.82 to 1.27
 # with the best of three, and at 0.88-0.92 with the best of five; on one thread, 1.09 (2026-12-06).
@@ -244,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
                            check=True, capture_output=True, env=os.environ.copy())
             repeats, threads = ARM_DEFAULTS[name]
             repeats = args.repeats or repeats
-            threads = threads if args.threads < 0 else args.threads
+            if args.threads >= 0:
+                threads = args.threads
+            elif runtime != "torch":
+                threads = 0   # the default is torch's threads: an MLX arm would import torch only to set them
             for _ in range(repeats):
                 for who in ("ours", "theirs"):
                     cmd = [sys.executable, "-m", "benchmarks.runtime", "--arm", f"{runtime}:{who}:{name}",
