@@ -491,9 +491,10 @@ class Counters:
     """Forward-token accounting, kept by the backend itself.
 
     Every token fed by `prefill` or `decode` is counted once, as `new_prefill_tokens` or
-    `decoded_tokens`. `model_forward_tokens` is counted separately, where tokens enter the model
-    (the torch backend uses a pre-hook on the embedding), so `model_forward_tokens ==
-    new_prefill_tokens + decoded_tokens` is a real check, not an identity.
+    `decoded_tokens`, and every held token recomputed in place (`recompute`, the blend) as
+    `blend_forward_tokens`. `model_forward_tokens` is counted separately, where tokens enter the
+    model (the torch backend uses a pre-hook on the embedding), so `model_forward_tokens ==
+    new_prefill_tokens + decoded_tokens + blend_forward_tokens` is a real check, not an identity.
     `historical_forward_during_restore` counts tokens entering the model while a page operation
     is in progress; no page operation runs the model, so it stays 0, but it is measured, so a
     regression shows up as a number instead of a silent slowdown.
@@ -509,6 +510,7 @@ class Counters:
     evicted_tokens: int = 0
     reanchored_keys: int = 0
     compactions: int = 0
+    blend_forward_tokens: int = 0
     forward_ns: int = 0  # wall time spent in the model's forward passes (page operations excluded)
 
     def as_dict(self) -> dict[str, int]:
@@ -688,6 +690,25 @@ class Backend(Protocol):
         """The K/V `token_ids` get when prefilled on their own from position 0, as a block
         (positions 0..n-1). This session's cache, counters and logits are untouched (a scratch
         session sharing the weights does the forward). ValueError for no tokens."""
+        ...
+
+    def recompute(self, indices: Sequence[int] | np.ndarray) -> int:
+        """Recompute the K/V of the held tokens at logical `indices` in place, in the current view:
+        one forward over them at their positions, each attending to the view at positions up to
+        its own, their K/V written back layer by layer (the blend). Their exact K/V are kept:
+        `save_block` returns those, `drop_recomputed` puts them back. Counted as
+        `blend_forward_tokens`; afterwards a forward with logits must come before `decode`
+        without a token. Returns the tokens recomputed. UnsupportedModelError on a model with
+        recurrent layers; IndexError for an index outside the held tokens."""
+        ...
+
+    @property
+    def recomputed_tokens(self) -> int:
+        """Held tokens that hold recomputed K/V now."""
+        ...
+
+    def drop_recomputed(self) -> int:
+        """Put back the exact K/V of every recomputed held token; return how many."""
         ...
 
     def compact_positions(self) -> int:

@@ -53,7 +53,7 @@ from .protocol import (
     Tokenizer,
     UnsupportedModelError,
 )
-from .slot_store import Landing, SlotStore
+from .slot_store import Landing, Redo, SlotStore
 from .slots import BatchPlan, checked_token_ids, pick_token, plan_inserts
 
 __all__ = ["SlotBackend", "keep_torch_out"]
@@ -639,13 +639,94 @@ class SlotBackend(abc.ABC):
         self._counters.forward_ns += time.perf_counter_ns() - started
         self._last_logits = last_logits
 
+    # -- recomputing held tokens in place (the blend) ------------------------------------------
+    def recompute(self, indices: Sequence[int] | np.ndarray) -> int:
+        """Recompute the K/V of the held tokens at logical `indices` in the current view: one
+        forward over their tokens at their own positions, each attending to every held token at a
+        position up to its own (the others' K/V as held, its fellows' as recomputed), its K/V
+        written into its own slots layer by layer, so a later layer reads the updated tokens
+        (CacheBlend's update). On sliding-window layers a recomputed token reads its recomputed
+        fellows within the window (`Redo`); the stream's window is left as it is.
+
+        The exact K/V each token held before are kept: `save_block` hands them out, so a store
+        never sees recomputed K/V, and `drop_recomputed` puts them back. Counted as
+        `blend_forward_tokens`. Afterwards `last_logits` and a `decode` without a token refuse
+        until a forward with logits. Returns the tokens recomputed.
+
+        Raises UnsupportedModelError for a model with recurrent layers: they consume the stream in
+        order, and a held token fed again would fold into their state a second time."""
+        rt = self._rt
+        if rt.roles.recurrent:
+            raise UnsupportedModelError(f"{rt.family}: held tokens cannot be recomputed on a model with recurrent "
+                                        "layers (they would enter the recurrent state a second time)")
+        self._settle()
+        self._check_usable()
+        idx = np.unique(np.asarray(indices, dtype=np.int64))
+        if not idx.shape[0]:
+            return 0
+        if idx[0] < 0 or idx[-1] >= self.attention_tokens:
+            raise IndexError(f"recompute indices must lie in 0..{self.attention_tokens - 1}")
+        st = self._store
+        slots = st.order[idx]
+        slots = slots[np.argsort(st.pos[slots], kind="stable")]
+        positions = st.pos[slots].copy()
+        ids = st.tokens[slots].copy()
+        st.keep_exact(slots)
+        high_water = st.high_water()
+        windows = len(rt.roles.window)
+        st.redo = Redo(np.zeros(0, dtype=np.int64), [None] * windows, [None] * windows)
+        started = time.perf_counter_ns()
+        try:
+            for a, b in self._recompute_runs(positions):
+                self._forward(ids[a:b].tolist(), positions[a:b], slots[a:b], high_water, every=False, logits=False)
+                st.redo.positions = np.concatenate([st.redo.positions, positions[a:b]])
+        except BaseException as e:
+            self._forward_failed(e)
+            raise
+        finally:
+            st.redo = None
+        self._landed(None, started, st.take_entered())
+        self._counters.blend_forward_tokens += int(ids.shape[0])
+        return int(ids.shape[0])
+
+    def _recompute_runs(self, positions: np.ndarray) -> list[tuple[int, int]]:
+        """The forwards a recompute of tokens at `positions` (ascending) runs, as index ranges in
+        position order: one, where the runtime takes a position per token (torch); a runtime that
+        takes only a first position per forward (mlx-lm's `offset`) runs one per run of
+        consecutive positions, which attends alike: every token a forward reads at a lower
+        position was recomputed by an earlier one."""
+        return [(0, int(positions.shape[0]))]
+
+    @property
+    def recomputed_tokens(self) -> int:
+        """Held tokens whose K/V a recompute replaced (and whose exact K/V are kept)."""
+        return int(self._store.exact_slots.shape[0])
+
+    def drop_recomputed(self) -> int:
+        """Put the exact K/V back into every recomputed held token (at its current position);
+        return how many. Afterwards the cache is what the stored pages and the stream make it."""
+        st = self._store
+        slots = st.exact_slots
+        n = int(slots.shape[0])
+        if not n:
+            return 0
+        keys, values = st.exact_keys, st.exact_values
+        assert keys is not None and values is not None
+        with self._page_op():
+            for a0, a1 in st.layer_groups(n):
+                st.write_keys(slots, a0, a1, keys[a0:a1], st.pos[slots])
+                st.write_values(slots, a0, a1, values[a0:a1])
+            st.forget_exact()
+        self._last_logits = None
+        return n
+
     # -- page operations -----------------------------------------------------------------------
     def save_block(self, start: int, end: int) -> Block:
         self._check_range(start, end, nonempty=True)
         st = self._store
         with self._page_op():
             slots = st.order[start:end]
-            keys, values = st.gather(slots)
+            keys, values = st.gather_exact(slots)
             return Block(view=self._rt.view, keys=keys, values=values, positions=st.pos[slots].copy(),
                          token_ids=st.tokens[slots].copy(), model_name=self.model_name)
 
@@ -656,6 +737,7 @@ class SlotBackend(abc.ABC):
             # Only flags change: the freed slots keep stale data that the mask hides, no buffer
             # moves, and later tokens keep their positions (the gap is compacted lazily).
             st.occupied[st.order[start:end]] = False
+            st.forget_exact(st.order[start:end])
             st.order = np.concatenate([st.order[:start], st.order[end:]])
             self._counters.evicted_tokens += end - start
 
@@ -968,6 +1050,7 @@ class SlotBackend(abc.ABC):
         st = self._store
         st.occupied[:] = False
         st.order = np.zeros(0, dtype=np.int64)
+        st.forget_exact()
         if self._rt.roles.window:
             st.write_window(None)
         st.win_len, st.win_last_pos = 0, None

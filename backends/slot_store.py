@@ -22,7 +22,7 @@ from .loaded_model import KeyLayout, LoadedModel
 from .protocol import storage_dtype
 from .slots import pick_free_slots
 
-__all__ = ["Landing", "SlotStore"]
+__all__ = ["Landing", "Redo", "SlotStore"]
 
 S = TypeVar("S", bound="SlotStore")
 
@@ -42,6 +42,19 @@ class Landing:
     keys: list[memoryview]
     values: list[memoryview]
     rotate: Callable[[int, int, np.ndarray], None]   # (a0, a1, positions) for attention layers [a0, a1)
+
+
+@dataclasses.dataclass
+class Redo:
+    """A recompute in progress (`SlotBackend.recompute`), across the forwards it runs: the positions
+    of the tokens recomputed so far, and per window layer their rotated keys and values. A
+    recomputed token's sliding-window layers read these (within the window, by position), never
+    the stream's window: the held tokens have no window-layer K/V of their own, and the stream's
+    window, which holds its newest tokens, is left as it is."""
+
+    positions: np.ndarray
+    keys: list[Any]
+    values: list[Any]
 
 
 class SlotStore(abc.ABC):
@@ -81,6 +94,15 @@ class SlotStore(abc.ABC):
         self.win_rot: list[Any] = []
         self.win_v: list[Any] = []
         self.fwd_win_canon: list[Any] = []
+        # Set for the duration of a recompute (`SlotBackend.recompute`).
+        self.redo: Redo | None = None
+        # Held tokens whose K/V a recompute replaced: their slots (sorted) and the exact canonical
+        # keys and values they held before, in storage dtype [layers, heads, n, dim]: what
+        # `save_block` hands out for them and `drop_recomputed` puts back. Never written in place
+        # (a fork's clone shares them).
+        self.exact_slots = np.zeros(0, dtype=np.int64)
+        self.exact_keys: np.ndarray | None = None
+        self.exact_values: np.ndarray | None = None
         self.grow(capacity)
 
     def grow(self, capacity: int) -> None:
@@ -114,6 +136,59 @@ class SlotStore(abc.ABC):
             seen &= self.groups[None, :high_water] == self.groups[slots][:, None]
         return seen
 
+    def redo_window_mask(self, positions: np.ndarray) -> np.ndarray:
+        """[len(positions), earlier + len(positions)] bool, during a recompute: which of the tokens
+        recomputed so far, then this forward's, a window layer's query at each of `positions`
+        reads (no later, and within the window, by position)."""
+        assert self.redo is not None
+        keys = np.concatenate([self.redo.positions, positions])
+        query = positions[:, None]
+        mask: np.ndarray = (keys[None, :] <= query) & (query - keys[None, :] < self.rt.roles.window_size)
+        return mask
+
+    def keep_exact(self, slots: np.ndarray) -> None:
+        """Keep the K/V `slots` hold now, for those whose exact K/V are not kept yet."""
+        new = np.setdiff1d(slots, self.exact_slots)
+        if not new.shape[0]:
+            return
+        keys, values = self.gather(new)
+        if self.exact_keys is None or self.exact_values is None:
+            self.exact_slots, self.exact_keys, self.exact_values = new, np.array(keys), np.array(values)
+            return
+        merged = np.concatenate([self.exact_slots, new])
+        order = np.argsort(merged, kind="stable")
+        self.exact_slots = merged[order]
+        self.exact_keys = np.concatenate([self.exact_keys, keys], axis=2)[:, :, order]
+        self.exact_values = np.concatenate([self.exact_values, values], axis=2)[:, :, order]
+
+    def forget_exact(self, slots: np.ndarray | None = None) -> None:
+        """Stop keeping the exact K/V of `slots` (None: of every slot)."""
+        if slots is None or self.exact_keys is None or self.exact_values is None:
+            self.exact_slots, self.exact_keys, self.exact_values = np.zeros(0, dtype=np.int64), None, None
+            return
+        keep = ~np.isin(self.exact_slots, slots)
+        if keep.all():
+            return
+        if not keep.any():
+            self.forget_exact()
+            return
+        self.exact_slots = self.exact_slots[keep]
+        self.exact_keys, self.exact_values = self.exact_keys[:, :, keep], self.exact_values[:, :, keep]
+
+    def gather_exact(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`gather`, with the exact K/V kept for any recomputed slot in place of what it holds."""
+        keys, values = self.gather(slots)
+        if self.exact_keys is None or self.exact_values is None:
+            return keys, values
+        at = np.flatnonzero(np.isin(slots, self.exact_slots))
+        if not at.shape[0]:
+            return keys, values
+        rows = np.searchsorted(self.exact_slots, slots[at])
+        keys, values = np.array(keys), np.array(values)
+        keys[:, :, at] = self.exact_keys[:, :, rows]
+        values[:, :, at] = self.exact_values[:, :, rows]
+        return keys, values
+
     def high_water(self) -> int:
         occ = np.flatnonzero(self.occupied)
         return int(occ[-1]) + 1 if occ.shape[0] else 0
@@ -123,7 +198,7 @@ class SlotStore(abc.ABC):
         other = copy.copy(self)
         other.pos, other.occupied = self.pos.copy(), self.occupied.copy()
         other.tokens, other.order = self.tokens.copy(), self.order.copy()
-        other.fwd_slots, other.fwd_high_water, other.entered = None, 0, 0
+        other.fwd_slots, other.fwd_high_water, other.entered, other.redo = None, 0, 0, None
         other._copy_buffers()
         return other
 
@@ -149,15 +224,23 @@ class SlotStore(abc.ABC):
 
     def append_window(self, w: int, k_rot: Any, v: Any) -> tuple[Any, Any]:
         """Window layer `w`: attention reads its window plus this forward's tokens (rotated keys and
-        values); afterwards the window keeps the newest W - 1 of them, canonical keys included."""
+        values); afterwards the window keeps the newest W - 1 of them, canonical keys included.
+        During a recompute it reads the tokens recomputed so far plus this forward's instead, and
+        the window is left as it is (`Redo`)."""
         canon = self.fwd_win_canon[w]
         assert canon is not None
+        self.fwd_win_canon[w] = None
+        redo = self.redo
+        if redo is not None:
+            if redo.keys[w] is not None:
+                k_rot, v = self._cat(redo.keys[w], k_rot), self._cat(redo.values[w], v)
+            redo.keys[w], redo.values[w] = k_rot, v
+            return k_rot, v
         keys, values = self._cat(self.win_rot[w], k_rot), self._cat(self.win_v[w], v)
         keep = self.rt.roles.window_size - 1
         self.win_rot[w] = keys[:, :, -keep:]
         self.win_v[w] = values[:, :, -keep:]
         self.win_canon[w] = self._cat(self.win_canon[w], canon)[:, :, -keep:]
-        self.fwd_win_canon[w] = None
         return keys, values
 
     def window_positions(self, first: int) -> np.ndarray:

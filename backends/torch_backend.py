@@ -860,7 +860,8 @@ class TorchBackend(SlotBackend):
         dev = rt.device
         s = int(positions.shape[0])
         shortcuts: dict[int, str] = {}
-        dense = (st.groups is None and as_run(slots) == (high_water - s, high_water)
+        # A recompute's slots need not follow its positions: it always takes the explicit mask.
+        dense = (st.groups is None and st.redo is None and as_run(slots) == (high_water - s, high_water)
                  and bool(st.occupied[:high_water].all()))
         if dense and s == 1:
             full = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=dev).expand(1, 1, 1, high_water)
@@ -878,7 +879,9 @@ class TorchBackend(SlotBackend):
             return full, shortcuts
         masks: dict[str, torch.Tensor | None] = {t: None for t in rt.shape.mask_types}
         masks["full_attention"] = full
-        if rt.roles.window:
+        if rt.roles.window and st.redo is not None:
+            masks["sliding_attention"] = torch.from_numpy(st.redo_window_mask(positions))[None, None].to(dev)
+        elif rt.roles.window:
             n, w = st.win_len, rt.roles.window_size
             query = torch.arange(n, n + s, device=dev)[:, None]
             key = torch.arange(n + s, device=dev)[None, :]

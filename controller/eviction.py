@@ -25,8 +25,8 @@ pages that have nothing to do with it leave in its place.
             ones, then the pages that may become evictable next; counted as controller forward
             tokens, never a forward over history). A page the scorer could not score leaves the
             window unordered (no advice). Scores are kept until the
-            focus changes, the transcript is cut at or before the page, or the page's K/V are
-            prefilled again (`--refresh`): otherwise a held page's K/V do not change.
+            focus changes or the transcript is cut at or before the page: between turns a held
+            page's K/V are the stored ones (a turn's blend is undone before it ends).
   order     the window, least likely first (ties: older first); the pager then evicts in that
             order until it is under its low watermark, and past the window in its own.
 

@@ -21,6 +21,7 @@ from backends.protocol import BackendError
 from contextd.client import Client
 from contextd.errors import DaemonUnavailable
 from contextd.paths import default_root, default_socket
+from controller.blend import DEFAULT_BLEND, PARTS, BlendPolicy
 from controller.eviction import EVICTION_ORDERS
 from controller.selectors import SELECTORS, make_selector
 from serving.engine import PLACEMENTS, Engine, EngineConfig
@@ -82,11 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     root = Path(args.root)
     socket_path = Path(args.socket) if args.socket else default_socket(root / "contextd")
-    config = EngineConfig(budget_tokens=args.budget, max_new_tokens=args.max_new_tokens,
-                          tail_tokens=args.tail_tokens, lease_turns=args.lease_turns,
-                          compress_pages=args.compress == "zstd", placement=args.placement, refresh=args.refresh,
-                          resident_sessions=args.resident_sessions, batch_decode=args.batch_decode,
-                          session_lease_s=args.session_lease, evict_order=args.evict_order)
+    config = engine_config(args)
     client, daemon = _connect_or_spawn_contextd(root, socket_path)
     try:
         backend = load_backend(args.backend, args.model, device=args.device, dtype=args.dtype,
@@ -141,6 +138,18 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine configuration `serve`'s flags name (ValueError for a value out of range): what a
+    benchmark that drives the engine in-process builds it from, so it serves as `serve` would."""
+    parts = tuple(p.strip() for p in args.blend.split(",") if p.strip() and p.strip() != "none")
+    return EngineConfig(budget_tokens=args.budget, max_new_tokens=args.max_new_tokens,
+                        tail_tokens=args.tail_tokens, lease_turns=args.lease_turns,
+                        compress_pages=args.compress == "zstd", placement=args.placement,
+                        blend=BlendPolicy(parts=parts, heads=args.blend_heads, budget=args.blend_budget),
+                        resident_sessions=args.resident_sessions, batch_decode=args.batch_decode,
+                        session_lease_s=args.session_lease, evict_order=args.evict_order)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kv-elision", description="a local model server whose context never compacts")
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -158,9 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--placement", default=EngineConfig.placement, choices=list(PLACEMENTS),
                        help="where a turn's restored pages sit while its answer is read: at their place in the "
                        "timeline, or right before the new message (docs/proof.md measures both)")
-    serve.add_argument("--refresh", action="store_true",
-                       help="prefill a turn's restored pages again in the current view (a forward pass over "
-                       "history, counted as refresh_forward_tokens; off by default, docs/proof.md measures it)")
+    serve.add_argument("--blend", default=",".join(DEFAULT_BLEND.parts) or "none", metavar="PARTS",
+                       help="held tokens each turn recomputes in the current view before the answer, by part: "
+                       f"a comma list of {', '.join(p for p in PARTS if p != 'heads')}, or none (counted as "
+                       "blend_forward_tokens; the stored K/V stay exact; docs/server.md)")
+    serve.add_argument("--blend-heads", type=int, default=DEFAULT_BLEND.heads, metavar="K",
+                       help="also recompute the first K tokens of every run of consecutive pages in the view")
+    serve.add_argument("--blend-budget", type=float, default=DEFAULT_BLEND.budget, metavar="SHARE",
+                       help="at most this share of the view's tokens is recomputed per turn (0..1)")
     serve.add_argument("--evict-order", default=EngineConfig.evict_order, choices=list(EVICTION_ORDERS),
                        help="which pages leave attention first: the oldest (recency), or, of the oldest the pager may "
                        "evict, those least related to the last user message, scored by the serving model over their "

@@ -47,6 +47,7 @@ from contextd import crashpoints
 from contextd.client import Client, pb
 from contextd.errors import ContextdError, FailedPrecondition, NotFound, StoreFull
 from contextd.wire import PinKind
+from controller.blend import DEFAULT_BLEND, BlendPolicy, view_parts
 from controller.eviction import EVICTION_ORDERS, EvictionAdviceConfig, EvictionAdvisor
 from controller.keyindex import KeyIndex, KeyIndexConfig
 from controller.lexical import DEFAULT_LEXICAL, LexicalConfig, LexicalIndex
@@ -54,6 +55,7 @@ from controller.pager import Decision, Pager, PagerConfig, Plan, PrefixChain
 from controller.selectors import RecencySelector, SelectionContext, Selector
 from serving.chat_format import ChatFormat, Rendering, content_text
 from serving.likelihood import ViewCapture, ViewReading, capture_view
+from serving.observe import TurnObserver
 from serving.paging import PageMover, Tally
 from serving.recovery import Recovery
 from serving.scoring import ControllerScorer
@@ -97,7 +99,7 @@ class EngineConfig:
     fixed_point_seed: int = 1234
     compress_pages: bool = False   # store K/V shuffle-zstd compressed (benchmarks.restore measures what it pays)
     placement: str = "question"    # where restored pages sit while the answer is read: "timeline" or "question"
-    refresh: bool = False          # prefill restored pages' tokens again in the current view (PageMover.refresh)
+    blend: BlendPolicy = DEFAULT_BLEND  # held tokens recomputed before the answer (controller.blend)
     key_index: KeyIndexConfig = field(default_factory=KeyIndexConfig)
     lexical_index: LexicalConfig = DEFAULT_LEXICAL
     resident_sessions: int = 1     # sessions whose caches stay in memory (each a budget's worth of K/V)
@@ -240,6 +242,7 @@ class Engine:
         self.branch_readings: dict[str, dict[str, ViewReading]] = {}   # session -> selector -> its branch's reading
         self.held_at: dict[str, float] = {}            # per turn in progress: when its lease was last renewed
         self.stop_ids = chat_format.stop_ids
+        self.observer: TurnObserver | None = None      # measurement hooks (serving.observe), benchmarks only
 
     def _check_scoring(self, selector: Selector, controller: ControllerScorer | None) -> None:
         """Refuse what must score pages apart over their stored K/V (one forward, so every layer
@@ -449,7 +452,6 @@ class Engine:
         session = self._activate(request.session_id, fingerprint)
         if adopted:
             self.tally.count(session, adoptions=1)
-        refreshed_before = session.counters.refresh_forward_tokens
         session.phase_ms = {"receive": request.received_ms, "activate": (time.perf_counter() - activating) * 1e3}
         preparing = time.perf_counter()
         rendering = self.format.render(request.messages, request.tools, request.thinking, session.transcript.generated,
@@ -501,16 +503,23 @@ class Engine:
             yield from self._prefill(session, piece.segment, piece.pin, logits=n == len(body) and not opener)
             if piece.tool_call:
                 session.pager.mark_ledger(len(session.pager.pages) - 1)
-        restored, placed = self._apply_plan(session, request, sum(len(p.segment.ids) for p in body))
+        new_tokens = sum(len(p.segment.ids) for p in body)
+        restored, placed = self._apply_plan(session, request, new_tokens)
+        if self.observer is not None:
+            self.observer.view_planned(session, self.backend, restored, new_tokens,
+                                       [t for piece in opener for t in piece.segment.ids])
+        if opener:   # the opening's forward gives the answer logits that read the recomputed view
+            self._blend(session, restored, new_tokens)
         for piece in opener:
             yield from self._prefill(session, piece.segment, piece.pin, logits=True)
         watched = self._capture_answer_view(session, restored)
         yield TurnEvent(prepared=Prepared(prefilled_tokens=len(prompt_ids), rebuilt=rebuilt))
 
         picked, finish, sampled = yield from self._generate(session, request, prompt_ids)
+        self.mover.unblend()     # the exact K/V again before anything is stored or the next turn
         if placed:
             self.mover.close_gaps(session)   # timeline positions again before anything is stored
-        result = self._finish_turn(session, picked, finish, before, started, refreshed_before)
+        result = self._finish_turn(session, picked, finish, before, started)
         result.prefilled_tokens = len(prompt_ids)
         result.prompt_tokens = session.transcript.tokens - len(picked)
         result.rebuilt = rebuilt
@@ -663,11 +672,20 @@ class Engine:
             if decision.plan_rejected:
                 session.last_selection += f"; rejected: {decision.plan_rejected}"
             restored = self.mover.execute(session, decision, scores)
-        if self.config.refresh:
-            self.tally.count(session, refresh_forward_tokens=self.mover.refresh(session, restored))
         self.mover.close_gaps(session)
         placed = self.config.placement == "question" and self.mover.place_near_question(session, restored, new_tokens)
         return restored, placed
+
+    def _blend(self, session: Session, restored: list[int], new_tokens: int) -> None:
+        """Recompute what the blend policy names of the planned view, before the answer's opening is
+        prefilled (the backend counts it as blend forward tokens)."""
+        policy = self.config.blend
+        if policy.off:
+            return
+        blending = time.perf_counter()
+        parts = view_parts(session.pager, restored, new_tokens, self.backend.positions())
+        self.mover.blend(policy.choose(parts))
+        session.timed("blend", blending)
 
     # ------------------------------------------------------------------ reading answers
 
@@ -890,20 +908,16 @@ class Engine:
     # ------------------------------------------------------------------ end of turn
 
     def _finish_turn(self, session: Session, picked: list[int], finish: FinishReason, before: Counters,
-                     started: float, refreshed_before: int) -> TurnResult:
+                     started: float) -> TurnResult:
         pager = session.pager
         content, calls = parse_tool_calls(session.transcript.segments[-1].text)
         if calls and pager.pages:
             pager.mark_ledger(pager.pages[-1].index)
         self.mover.snapshot_recurrent(session)
         after = self.backend.counters
-        refreshed = session.counters.refresh_forward_tokens - refreshed_before
         self.tally.count(session, **{name: getattr(after, name) - getattr(before, name) for name in (
-            "model_forward_tokens", "decoded_tokens", "historical_forward_during_restore",
-            "reanchored_keys", "compactions")})
-        # The backend counts a refresh as prefill; the session counts it apart.
-        self.tally.count(session, new_prefill_tokens=after.new_prefill_tokens - before.new_prefill_tokens
-                         - refreshed)
+            "model_forward_tokens", "new_prefill_tokens", "decoded_tokens", "blend_forward_tokens",
+            "historical_forward_during_restore", "reanchored_keys", "compactions")})
         persisting = time.perf_counter()
         self.mover.persist(session, lambda: self._record(session))
         session.timed("persist", persisting)

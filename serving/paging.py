@@ -403,39 +403,16 @@ class PageMover:
         self.backend.compact_positions()
         session.timed("restore", restoring)
 
-    def refresh(self, session: Session, restored: list[int]) -> int:
-        """Prefill the restored pages' tokens again in the current view (after everything held,
-        the new message included) and put those K/V in the pages' places; return the tokens
-        prefilled. Opt-in (`kv-elision serve --refresh`): it is a forward pass over history,
-        counted as `refresh_forward_tokens`, never as a restore.
+    def blend(self, indices: np.ndarray) -> int:
+        """Recompute the held tokens at logical `indices` in the current view (`Backend.recompute`);
+        return how many. Their exact K/V stay what a store of their pages writes, and `unblend`
+        puts them back before the turn ends."""
+        return self.backend.recompute(indices)
 
-        Why: a restored page's K/V were computed in the context the page was first read in; the
-        same tokens prefilled afresh in the current view read differently (benchmarks.compare's
-        fresh reference view answered greedily where the served view did not, docs/proof.md).
-        This measures how much of that gap is the restored pages' staleness. The stored payload
-        stays the original: a page evicted again, or a recovered session, holds the stored K/V."""
-        if not restored:
-            return 0
-        backend, pager = self.backend, session.pager
-        ids = session.transcript.ids
-        snap = backend.snapshot_recurrent()   # hybrids: the refresh must not fold into the stream state
-        refreshed = 0
-        for index in sorted(restored):
-            page = pager.pages[index]
-            tokens = ids[page.token_start:page.token_start + page.tokens]
-            end = backend.attention_tokens
-            backend.extend(tokens)
-            block = backend.save_block(end, end + len(tokens))
-            backend.remove_attention_range(end, backend.attention_tokens)
-            start = pager.logical_start(index)
-            backend.remove_attention_range(start, start + len(tokens))
-            backend.insert_block(block, start)
-            refreshed += len(tokens)
-        if snap is not None:
-            backend.restore_recurrent(snap)
-        if session.eviction is not None:
-            session.eviction.forget_scores(restored)
-        return refreshed
+    def unblend(self) -> int:
+        """The exact K/V back into every recomputed held token (`Backend.drop_recomputed`): between
+        turns the cache holds what the stored pages and the stream say, as a recovery rebuilds it."""
+        return self.backend.drop_recomputed()
 
     def place_near_question(self, session: Session, restored: list[int], new_tokens: int) -> bool:
         """Give this turn's restored pages the positions right before the new message (after the
@@ -675,6 +652,12 @@ def rewind(scratch: Backend, held: int, snap: RecurrentSnapshot | None = None) -
     scratch.remove_attention_range(held, scratch.attention_tokens)
     if snap is not None:
         scratch.restore_recurrent(snap)
+
+
+def recompute_scratch(scratch: Backend, indices: np.ndarray) -> int:
+    """Recompute held tokens of a scratch backend (a fork no session owns; `PageMover.blend` is a
+    session's): what benchmarks compare blend policies with."""
+    return scratch.recompute(indices)
 
 
 def _settle(commit: Pending[pb.WriteAck] | None) -> None:

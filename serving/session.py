@@ -27,15 +27,16 @@ from serving.transcript import Transcript
 @dataclass
 class SessionCounters:
     """What the engine counts per session and per server. Tokens through the model:
-    `model_forward_tokens == new_prefill_tokens + decoded_tokens + refresh_forward_tokens` and
-    `historical_forward_during_restore == 0`; `refresh_forward_tokens` is 0 unless the server runs
-    with `--refresh`. The rest describe page traffic and decisions."""
+    `model_forward_tokens == new_prefill_tokens + decoded_tokens + blend_forward_tokens` and
+    `historical_forward_during_restore == 0`; `blend_forward_tokens` are held tokens recomputed in
+    the current view before an answer (serving.blend), 0 with the blend off. The rest describe
+    page traffic and decisions."""
 
     model_forward_tokens: int = 0
     new_prefill_tokens: int = 0
     decoded_tokens: int = 0
     historical_forward_during_restore: int = 0
-    refresh_forward_tokens: int = 0   # restored pages' tokens prefilled again (--refresh, off by default)
+    blend_forward_tokens: int = 0     # held tokens recomputed before an answer (serving.blend)
     controller_forward_tokens: int = 0  # scoring forwards and a controller model's page reads (never history)
     restored_pages: int = 0
     evicted_pages: int = 0

@@ -38,6 +38,7 @@ from ..slots import as_run, pick_token
 from .cache import SlotLayer, WindowLayer, copy_arrays_cache, window_mask
 from .host import DTYPE_NAMES, DTYPES, from_numpy, to_numpy
 from .model import MlxModel, load_model
+from .rotary import position_runs
 from .slot_store import MlxSlotStore
 
 __all__ = ["MlxBackend", "load"]
@@ -125,7 +126,8 @@ class MlxBackend(SlotBackend):
         n = int(ids.shape[1])
         # Without a gap below the high-water slot and with this forward in the last slots, the slot
         # mask is plain causal attention: mlx's own (none for one token) runs its fastest kernel.
-        dense = (st.groups is None and bool(st.occupied[:high_water].all())
+        # A recompute's slots need not follow its positions: it always takes the explicit masks.
+        dense = (st.groups is None and st.redo is None and bool(st.occupied[:high_water].all())
                  and as_run(slots) == (high_water - n, high_water))
         st.fwd_slots, st.fwd_high_water, st.fwd_offset = slots, high_water, int(positions[0])
         try:
@@ -133,7 +135,9 @@ class MlxBackend(SlotBackend):
                 st.fwd_mask = None if n == 1 else "causal"
             else:
                 st.fwd_mask = mx.array(st.slot_mask(slots, high_water))[None, None]
-            if rt.roles.window:
+            if rt.roles.window and st.redo is not None:
+                st.fwd_win_mask = mx.array(st.redo_window_mask(positions))[None, None]
+            elif rt.roles.window:
                 if st.win_len + n <= rt.roles.window_size:
                     st.fwd_win_mask = None if n == 1 else "causal"
                 else:
@@ -147,6 +151,11 @@ class MlxBackend(SlotBackend):
         finally:
             st.fwd_slots, st.fwd_mask, st.fwd_win_mask = None, None, None
         return logits
+
+    def _recompute_runs(self, positions: np.ndarray) -> list[tuple[int, int]]:
+        """One forward per run of consecutive positions: mlx-lm's attention rotates a forward's
+        tokens from its cache's one `offset` on."""
+        return position_runs(positions)
 
     def _state(self) -> list[Any]:
         """Every array a forward updates besides its logits: slot buffers, windows, recurrent states."""

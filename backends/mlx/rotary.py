@@ -18,10 +18,10 @@ import numpy as np
 
 from ..protocol import UnsupportedModelError
 
-__all__ = ["rope_of", "rotate_keys"]
+__all__ = ["position_runs", "rope_of", "rotate_keys"]
 
 
-def _position_runs(positions: np.ndarray) -> list[tuple[int, int]]:
+def position_runs(positions: np.ndarray) -> list[tuple[int, int]]:
     """[(i0, i1)] index ranges over which `positions` step by exactly 1."""
     n = int(positions.shape[0])
     if n == 0:
@@ -71,7 +71,7 @@ def rope_of(family: str, what: str, attns: list[Any], head_dim: int) -> tuple[An
 
 def rotate_keys(rope_mod: Any, exact_offsets: bool, x: mx.array, positions: np.ndarray) -> mx.array:
     """The model's own rotary embedding of canonical keys x [1, H, n, r] at `positions` [n]."""
-    runs = _position_runs(positions)
+    runs = position_runs(positions)
     out: mx.array
     if len(runs) == 1:
         out = rope_mod(x, offset=int(positions[0]))

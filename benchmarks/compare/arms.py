@@ -28,30 +28,36 @@ PI_DEFAULT_RESERVE = 16_384     # Pi's compaction.reserveTokens default
 PI_DEFAULT_KEEP = 20_000        # Pi's compaction.keepRecentTokens default
 
 HYBRID = "kv-elision / hybrid"
+# The blend arm: a policy other than the shipped one, for comparison (controller.blend).
+BLEND_FLAGS = ("--blend", "new,restored")
 ATTENTION = "kv-elision / attention"
 RERANK = "kv-elision / rerank"
 RECENCY = "kv-elision / recency"
 TIMELINE = "kv-elision / hybrid, placement timeline"
 QUESTION = "kv-elision / hybrid, placement question"
-REFRESH = "kv-elision / hybrid, refresh"
+EXACT = "kv-elision / hybrid, exact (no blend)"
+BLEND = "kv-elision / hybrid, blend"
 # Each kv-elision arm: the server's flags on top of the shared ones. HYBRID is the server as shipped.
 KV_ARMS: dict[str, tuple[str, ...]] = {
     HYBRID: (), ATTENTION: ("--selector", "attention"), RERANK: ("--selector", "rerank"),
     RECENCY: ("--selector", "recency"),
-    TIMELINE: ("--placement", "timeline"), QUESTION: ("--placement", "question"), REFRESH: ("--refresh",)}
+    TIMELINE: ("--placement", "timeline"), QUESTION: ("--placement", "question"),
+    EXACT: ("--blend", "none"), BLEND: BLEND_FLAGS}
 COMPACTION = "llama.cpp + Pi compaction"
 COMPACTION_ROOM = "llama.cpp + Pi compaction, room to summarise"
 COMPACTION_ARMS = (COMPACTION, COMPACTION_ROOM)
 FULL = "llama.cpp, full context"
 TRUNCATION = "llama.cpp + truncation"
-ARMS = (HYBRID, ATTENTION, RERANK, RECENCY, TIMELINE, QUESTION, REFRESH, COMPACTION, COMPACTION_ROOM, FULL, TRUNCATION)
+ARMS = (HYBRID, ATTENTION, RERANK, RECENCY, TIMELINE, QUESTION, EXACT, BLEND, COMPACTION, COMPACTION_ROOM, FULL,
+        TRUNCATION)
 ARM_KEYS = {"hybrid": HYBRID, "attention": ATTENTION, "rerank": RERANK, "recency": RECENCY, "timeline": TIMELINE,
-            "question": QUESTION, "refresh": REFRESH, "compaction": COMPACTION, "compaction-room": COMPACTION_ROOM,
-            "full": FULL, "truncation": TRUNCATION}
+            "question": QUESTION, "exact": EXACT, "blend": BLEND, "compaction": COMPACTION,
+            "compaction-room": COMPACTION_ROOM, "full": FULL, "truncation": TRUNCATION}
 DEFAULT_ARMS = "hybrid,compaction,full,truncation"
 # The role each arm plays in the answer figures (benchmarks.answers): the shipped server is the
 # default; the reference views (full, fresh, recency, removed) are derived from its sessions.
-ARM_ROLES = {HYBRID: "default", COMPACTION: "compaction", COMPACTION_ROOM: "compaction"}
+ARM_ROLES = {HYBRID: "default", EXACT: "exact", BLEND: "blend", COMPACTION: "compaction",
+             COMPACTION_ROOM: "compaction"}
 
 PI_COMMON = ["--mode", "rpc", "--offline", "--no-session", "-ne", "--no-skills", "--no-prompt-templates",
              "--no-context-files", "--no-tools", "--system-prompt", SYSTEM_PROMPT]
@@ -159,7 +165,7 @@ class KvArm(Arm):
         return {"prompt": c["new_prefill_tokens"], "decoded": c["decoded_tokens"], "restored": c["restored_pages"],
                 "evicted": c["evicted_pages"], "rebuilds": c["rebuilds"], "reprefilled": c["reprefilled_tokens"],
                 "forward": c["model_forward_tokens"], "historical": c["historical_forward_during_restore"],
-                "refresh": c["refresh_forward_tokens"]}
+                "blend": c["blend_forward_tokens"]}
 
     def residency(self, session_id: str) -> str:
         """The pages in attention after the turn, in timeline order: index, H (hot) or P (hot and

@@ -17,11 +17,14 @@ import pytest
 
 from backends import Backend, load_backend
 from contextd.client import Client
+from controller.blend import DEFAULT_BLEND, BlendPolicy, view_parts
 from controller.selectors import HybridSelector, RecencySelector, RerankSelector, Selection, SelectionContext
 from serving.chat_format import ChatFormat
 from serving.engine import Engine, EngineConfig
 from serving.launcher import ContextdProcess
 from serving.likelihood import continuation_logprobs, log_softmax
+from serving.paging import recompute_scratch
+from serving.session import Session
 from tests.serving.engines import restarted_copy, turn
 
 CONFIG = EngineConfig(budget_tokens=1024, tail_tokens=128, max_new_tokens=4)
@@ -91,12 +94,12 @@ def backend() -> Backend:
     return load_backend("torch", "tiny-llama", capacity=CONFIG.budget_tokens + 256)
 
 
-def engine_on(backend: Backend, contextd: ContextdProcess, placement: str = "timeline", refresh: bool = False
-              ) -> Engine:
+def engine_on(backend: Backend, contextd: ContextdProcess, placement: str = "timeline",
+              blend: BlendPolicy = DEFAULT_BLEND) -> Engine:
     fresh = backend.fork()
     fresh.reset()
     config = EngineConfig(budget_tokens=CONFIG.budget_tokens, tail_tokens=CONFIG.tail_tokens,
-                          max_new_tokens=CONFIG.max_new_tokens, placement=placement, refresh=refresh)
+                          max_new_tokens=CONFIG.max_new_tokens, placement=placement, blend=blend)
     return Engine(fresh, ChatFormat(fresh.tokenizer), Client(contextd.socket, timeout=60.0), config, HybridSelector())
 
 
@@ -262,26 +265,55 @@ def test_placement_puts_restored_pages_before_the_question_and_ends_the_turn_in_
         assert turn(again, "q", follow).content == turn(engine, "q", follow).content
 
 
-def test_refresh_prefills_the_restored_pages_again_and_counts_it_apart(backend: Backend,
-                                                                       contextd: ContextdProcess) -> None:
+def test_a_blended_turn_recomputes_what_its_policy_names_counts_it_and_ends_exact(
+        backend: Backend, contextd: ContextdProcess) -> None:
+    """The blend recomputes the new message and the restored pages before the answer is read: the
+    reading is the exact planned view (an observer's fork of it) with those tokens recomputed,
+    and not the exact view itself. It is counted as blend forward tokens, and the turn ends with
+    the exact K/V back: a restarted server, which rebuilds the cache from the store, answers the
+    next question as the live one does."""
     codes = [str(1000 + 111 * n) for n in range(len(FACTS))]
-    engine = engine_on(backend, contextd, placement="question", refresh=True)
-    asked = session_messages(engine, "r", watch=codes)
-    before = engine.sessions["r"].counters.refresh_forward_tokens
-    result = turn(engine, "r", asked)
-    reading = engine.readings["r"]
-    assert reading.restored_pages
-    pages = engine.sessions["r"].pager.pages
-    refreshed = result.counters.refresh_forward_tokens - before
-    assert refreshed == sum(pages[i].tokens for i in reading.restored_pages)
+    policy = BlendPolicy(parts=("new", "restored"), budget=1.0)
+    engine = engine_on(backend, contextd, "question", policy)
+    asked = session_messages(engine, "b", watch=codes)
+    candidates = [engine.format.encode(c) for c in codes]
+    seen: dict[str, Any] = {}
+
+    class Observer:
+        def view_planned(self, session: Session, backend: Backend, restored: list[int], new_tokens: int,
+                         opener: list[int]) -> None:
+            exact, blended = backend.fork(), backend.fork()
+            chosen = policy.choose(view_parts(session.pager, restored, new_tokens, backend.positions()))
+            seen["chosen"], seen["restored"], seen["new"] = chosen, restored, new_tokens
+            recompute_scratch(blended, chosen)
+            for view in (exact, blended):
+                view.prefill(opener)
+            seen["exact"] = continuation_logprobs(exact, candidates)[0]
+            seen["blended"] = continuation_logprobs(blended, candidates)[0]
+
+    engine.observer = Observer()
+    before = engine.sessions["b"].counters.blend_forward_tokens
+    result = turn(engine, "b", asked)
+    engine.observer = None
+    reading = engine.readings["b"]
+    assert reading.restored_pages and sorted(seen["restored"]) == reading.restored_pages
+    pages = engine.sessions["b"].pager.pages
+    assert result.counters.blend_forward_tokens - before == len(seen["chosen"]) >= \
+        sum(pages[i].tokens for i in reading.restored_pages) + seen["new"]
+    np.testing.assert_allclose(reading.logprobs, seen["blended"], atol=1e-4)
+    assert not np.allclose(reading.logprobs, seen["exact"], atol=1e-3)
     c = result.counters
-    assert c.model_forward_tokens == c.new_prefill_tokens + c.decoded_tokens + c.refresh_forward_tokens
+    assert c.model_forward_tokens == c.new_prefill_tokens + c.decoded_tokens + c.blend_forward_tokens
     assert c.historical_forward_during_restore == 0
-    # The cache holds the transcript's tokens in timeline order, as without a refresh.
-    session = engine.sessions["r"]
-    held = engine.backend.held_token_ids().tolist()
-    assert held == [t for i in session.pager.resident
-                    for t in session.transcript.ids[pages[i].token_start:pages[i].token_start + pages[i].tokens]]
+    assert engine.backend.recomputed_tokens == 0
+    follow = [*asked, {"role": "assistant", "content": engine.sessions["b"].transcript.segments[-1].text},
+              {"role": "user", "content": "And the quasar code?"}]
+    with restarted_copy(contextd) as copy:
+        again = engine_on(backend, copy, "question", policy)
+        assert turn(again, "b", follow).content == turn(engine, "b", follow).content
+        # The same keys, to float rounding: the two caches hold their tokens in other slots, so the
+        # blend's attention sums run in another order.
+        np.testing.assert_allclose(again.backend.rotated_keys(), engine.backend.rotated_keys(), atol=1e-4)
 
 
 @pytest.mark.parametrize("runtime", ["torch", "mlx"])

@@ -17,7 +17,8 @@ THE_MOVER = REPO / "serving" / "paging.py"
 DRIVERS = ("serving", "controller", "contextd", "benchmarks", "harness")
 # The backend protocol's page-moving methods (backends/protocol.py).
 PAGE_MOVES = frozenset({"insert_block", "insert_block_file", "insert_block_files", "remove_attention_range",
-                        "save_block", "reset", "compact_positions", "reposition", "restore_recurrent"})
+                        "save_block", "reset", "compact_positions", "reposition", "restore_recurrent",
+                        "recompute", "drop_recomputed"})
 
 
 def page_moves(path: Path) -> list[tuple[int, str]]:
@@ -42,7 +43,8 @@ def test_no_page_moves_outside_the_mover(path: Path) -> None:
 
 def test_the_mover_is_where_pages_move() -> None:
     assert {method for _, method in page_moves(THE_MOVER)} >= {"insert_block_files", "remove_attention_range",
-                                                               "save_block", "reset", "compact_positions"}
+                                                               "save_block", "reset", "compact_positions",
+                                                               "recompute", "drop_recomputed"}
 
 
 def test_the_walk_sees_a_page_move_inside_a_function(tmp_path: Path) -> None:

@@ -1,0 +1,261 @@
+"""Where the gap between the served cache and a fresh read lives: each part of a turn's view
+recomputed in the current view, one at a time, and what the answer then reads.
+
+    python -m benchmarks.blend [--model smollm2-135m] [--seeds 7,11,13] [--sessions 3] [--budget 1024]
+                               [--variants exact,all,new,...] [--greedy-tokens 16] [--out bench-out/blend]
+
+The session is the one `make demo` and benchmarks.compare play (harness.fact_script: an objective,
+12 evidence files of ~300 tokens with one planted value each, then 8 questions about the first 8),
+driven through the real engine in-process (real contextd process, real weights, the server's own
+configuration from `kv-elision serve`'s flags with the blend off). Three sessions per seed differ
+in one line of the system prompt (a working directory, as Pi states it), so page edges move.
+
+At each question, once the turn's restores are placed and before its answer's opening is
+prefilled (`Engine.observer`), the view is forked once per variant; the variant's tokens are
+recomputed in that view (`Backend.recompute`), the opening is prefilled, and the fork is read as
+the answer would read it: the right value's likelihood rank among every value planted in the
+session (`recall_at_1`), its log-probability, and the greedy answer (does it hold the value).
+Variants (controller.blend's parts):
+  exact            nothing recomputed: the served cache as kv-elision serves it today
+  all              every held token: a fresh read of the view (the reference)
+  new, restored, tail, pins      one part of the view
+  headsK           the first K tokens of every run of consecutive pages (EPIC)
+  devP             the P % of held tokens whose keys at the second and third paged layers moved most
+                   when everything was recomputed (CacheBlend's choice, read off the reference)
+  A+B              the union of two variants
+Per variant also the tokens recomputed, as a share of the view, and the recompute's time against
+a fresh prefill of the view's tokens measured in the same place.
+
+Seed 7 is the tuning seed; the others are reported apart as held out. The last line is one JSON
+object: `variants` (per variant: tuning and held_out figures), `questions`, `sessions`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from statistics import fmean
+from typing import Any
+
+import numpy as np
+
+from backends import Backend, load_backend
+from benchmarks.answers import bootstrap_ci, rank_of
+from benchmarks.compare.play import HELD_OUT_SEEDS, SESSION_DIRS, TUNING_SEED
+from controller.blend import ViewParts, view_parts
+from controller.selectors import make_selector
+from harness.fact_script import (
+    SYSTEM_PROMPT,
+    Fact,
+    answer_candidates,
+    answers_with,
+    fact_needle,
+    make_script,
+)
+from serving.chat_format import ChatFormat
+from serving.cli import build_parser, engine_config
+from serving.engine import ChatRequest, Engine
+from serving.launcher import ContextdProcess
+from serving.likelihood import continuation_logprobs
+from serving.paging import recompute_scratch, rewind
+from serving.session import Session
+
+DEFAULT_VARIANTS = ("exact,all,new,restored,tail,pins,heads4,heads16,heads32,dev5,dev10,dev15,dev25,"
+                    "new+restored,new+heads4,new+dev10,new+dev15")
+# The layers (among the paged ones) whose key deviation ranks tokens for the devP variants: the
+# first layer's keys do not depend on context at all, so the next two.
+DEVIATION_LAYERS = slice(1, 3)
+
+
+def system_prompt(session: int) -> str:
+    return f"{SYSTEM_PROMPT}\nCurrent working directory: {SESSION_DIRS[session % len(SESSION_DIRS)]}"
+
+
+def deviation(base: Backend) -> np.ndarray:
+    """Per held token: how far its keys at DEVIATION_LAYERS move when every held token is recomputed
+    (relative L2 over heads and dims)."""
+    before = base.rotated_keys()[DEVIATION_LAYERS]
+    fresh = base.fork()
+    recompute_scratch(fresh, np.arange(base.attention_tokens))
+    after = fresh.rotated_keys()[DEVIATION_LAYERS]
+    moved = np.sqrt(((after - before) ** 2).sum(axis=(0, 1, 3)))
+    size = np.sqrt((before ** 2).sum(axis=(0, 1, 3))) + 1e-9
+    score: np.ndarray = moved / size
+    return score
+
+
+def variant_indices(name: str, parts: ViewParts, dev: np.ndarray) -> np.ndarray:
+    if "+" in name:
+        return np.unique(np.concatenate([variant_indices(n, parts, dev) for n in name.split("+")]))
+    if name == "exact":
+        return np.zeros(0, dtype=np.int64)
+    if name == "all":
+        return np.arange(parts.held, dtype=np.int64)
+    if name.startswith("heads"):
+        return np.unique(parts.heads(int(name[5:])))
+    if name.startswith("dev"):
+        k = max(1, int(round(parts.held * int(name[3:]) / 100)))
+        return np.sort(np.argsort(-dev, kind="stable")[:k]).astype(np.int64)
+    return parts.part(name)
+
+
+class Reader:
+    """The engine's observer: at a question's turn, reads every variant of the planned view."""
+
+    def __init__(self, fmt: ChatFormat, variants: list[str], greedy_tokens: int) -> None:
+        self.format = fmt
+        self.variants = variants
+        self.greedy_tokens = greedy_tokens
+        self.asking: tuple[Fact, list[Fact]] | None = None
+        self.rows: list[dict[str, Any]] = []
+
+    def view_planned(self, session: Session, backend: Backend, restored: list[int], new_tokens: int,
+                     opener: list[int]) -> None:
+        if self.asking is None:
+            return
+        fact, facts = self.asking
+        self.asking = None
+        base = backend.fork()
+        parts = view_parts(session.pager, restored, new_tokens, base.positions())
+        held_text = self.format.decode(base.held_token_ids().tolist())
+        candidates = [self.format.encode(c) for c in answer_candidates(facts, fact.code)]
+        right = [f.code for f in facts].index(fact.code)
+        started = time.perf_counter()
+        scratch = load_like(base)
+        scratch.prefill(base.held_token_ids()[np.argsort(base.positions(), kind="stable")].tolist())
+        fresh_ms = (time.perf_counter() - started) * 1e3
+        dev = deviation(base)
+        for name in self.variants:
+            view = base.fork()
+            chosen = variant_indices(name, parts, dev)
+            started = time.perf_counter()
+            recompute_scratch(view, chosen)
+            blend_ms = (time.perf_counter() - started) * 1e3
+            view.prefill(opener)
+            logprobs, _ = continuation_logprobs(view, candidates)
+            picked: list[int] = []
+            for _ in range(self.greedy_tokens):
+                token = view.decode()
+                if token in self.format.stop_ids:
+                    break
+                picked.append(token)
+            answer = self.format.decode(picked)
+            self.rows.append({"variant": name, "rank": rank_of(logprobs, right), "logprob": logprobs[right],
+                              "correct": answers_with(answer, fact.code), "answer": answer.strip(),
+                              "tokens": int(chosen.shape[0]), "share": chosen.shape[0] / parts.held,
+                              "held": parts.held, "blend_ms": blend_ms, "fresh_ms": fresh_ms,
+                              "in_view": fact_needle(fact.code) in held_text, "restored": len(restored)})
+
+
+def load_like(base: Backend) -> Backend:
+    """An empty session of `base`'s model sharing its weights (a fork, emptied)."""
+    scratch = base.fork()
+    rewind(scratch, 0)
+    return scratch
+
+
+def play(backend: Backend, seed: int, session: int, variants: list[str], greedy_tokens: int,
+         serve_flags: list[str]) -> list[dict[str, Any]]:
+    args = build_parser().parse_args(["serve", *serve_flags, "--blend", "none"])
+    config = engine_config(args)
+    script = make_script(seed, 12, 300, 8)
+    base = Path(tempfile.mkdtemp(prefix="kvb-blend-", dir="/tmp"))
+    daemon = ContextdProcess(base / "root", base / "run" / "c.sock", extra=["--reserve-bytes", "0"])
+    client = daemon.start()
+    try:
+        fork = backend.fork()
+        fmt = ChatFormat(fork.tokenizer)
+        engine = Engine(fork, fmt, client, config, make_selector(args.selector, args.restore_pages))
+        reader = Reader(fmt, variants, greedy_tokens)
+        engine.observer = reader
+        session_id = f"blend-{seed}-{session}"
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt(session)}]
+        for step in script.steps:
+            messages.append({"role": "user", "content": step.message})
+            if step.kind == "question":
+                assert step.fact is not None
+                reader.asking = (step.fact, list(script.facts))
+            content: list[str] = []
+            for event in engine.chat(ChatRequest(session_id, list(messages), max_tokens=args.max_new_tokens)):
+                if event.delta:
+                    content.append(event.delta)
+            messages.append({"role": "assistant", "content": "".join(content)})
+        c = engine.sessions[session_id].counters
+        assert c.model_forward_tokens == c.new_prefill_tokens + c.decoded_tokens + c.blend_forward_tokens
+        for row in reader.rows:
+            row.update(seed=seed, session=f"s{session}")
+        return reader.rows
+    finally:
+        daemon.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    by_session: dict[str, list[float]] = {}
+    for r in rows:
+        by_session.setdefault(f"{r['seed']}/{r['session']}", []).append(float(r["rank"] == 1))
+    return {"questions": len(rows), "recall_at_1": round(fmean(float(r["rank"] == 1) for r in rows), 3),
+            "recall_at_1_ci": bootstrap_ci(by_session),
+            "logprob_mean": round(fmean(r["logprob"] for r in rows), 3),
+            "correct": sum(bool(r["correct"]) for r in rows),
+            "share_mean": round(fmean(r["share"] for r in rows), 3),
+            "tokens_mean": round(fmean(r["tokens"] for r in rows), 1),
+            "blend_ms_p50": round(float(np.percentile([r["blend_ms"] for r in rows], 50)), 1),
+            "fresh_ms_p50": round(float(np.percentile([r["fresh_ms"] for r in rows], 50)), 1),
+            "in_view": sum(bool(r["in_view"]) for r in rows)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--seeds", default=",".join(str(s) for s in (TUNING_SEED, *HELD_OUT_SEEDS)))
+    parser.add_argument("--sessions", type=int, default=len(SESSION_DIRS))
+    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--tail-tokens", type=int, default=256)
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS)
+    parser.add_argument("--greedy-tokens", type=int, default=16)
+    parser.add_argument("--out", default="bench-out/blend")
+    args = parser.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    backend = load_backend("torch", args.model, capacity=args.budget + 256)
+    flags = ["--model", args.model, "--budget", str(args.budget), "--tail-tokens", str(args.tail_tokens),
+             "--max-new-tokens", "32"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    for seed in seeds:
+        for session in range(args.sessions):
+            started = time.perf_counter()
+            got = play(backend, seed, session, variants, args.greedy_tokens, flags)
+            rows.extend(got)
+            first = {v: sum(r["rank"] == 1 for r in got if r["variant"] == v) for v in variants}
+            print(f"seed {seed} s{session} ({time.perf_counter() - started:.0f} s): "
+                  + " ".join(f"{v}={n}" for v, n in first.items()), flush=True)
+            (out / "rows.json").write_text(json.dumps(rows))
+    result: dict[str, Any] = {"model": args.model, "budget": args.budget, "seeds": seeds,
+                              "sessions": args.sessions, "variants": {}}
+    print(f"\n{'variant':<16} {'tune r@1':>8} {'held r@1':>8} {'held logp':>9} {'held greedy':>11} "
+          f"{'share':>6} {'blend ms':>8} {'fresh ms':>8}")
+    for v in variants:
+        mine = [r for r in rows if r["variant"] == v]
+        tuning = summarize([r for r in mine if r["seed"] == TUNING_SEED]) if any(
+            r["seed"] == TUNING_SEED for r in mine) else None
+        held = summarize([r for r in mine if r["seed"] != TUNING_SEED]) if any(
+            r["seed"] != TUNING_SEED for r in mine) else None
+        result["variants"][v] = {"tuning": tuning, "held_out": held}
+        h = held or tuning
+        assert h is not None
+        print(f"{v:<16} {tuning['recall_at_1'] if tuning else '-':>8} {held['recall_at_1'] if held else '-':>8} "
+              f"{h['logprob_mean']:>9} {str(h['correct']) + '/' + str(h['questions']):>11} {h['share_mean']:>6} "
+              f"{h['blend_ms_p50']:>8} {h['fresh_ms_p50']:>8}")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
