@@ -10,7 +10,9 @@ Each session has a **holder** object in the object store (`sessions/ID/holder`, 
 
 Every change of the holder is a conditional PUT (If-Match the ETag read, If-None-Match for the
 first), which the store applies atomically: of 8 writers racing with one ETag on Ceph 16's RGW,
-exactly one won, every time. A loser re-reads and decides again. So:
+exactly one won, every time. A loser re-reads and decides again. A PUT the store applied but whose
+reply was lost is sent again and refused (412) by its own success: contextd.objects then reads the
+holder back and takes a holder holding exactly its bytes as written. So:
 - **claim** (a turn begins: HoldSession): the server that holds the token renews its lease; a
   holder whose lease has run out, or none, is taken over (the token goes up by one and the
   daemon replaces its rows of the session with the state the holder names: the session is
@@ -20,7 +22,7 @@ exactly one won, every time. A loser re-reads and decides again. So:
   PUT makes the holder name them and ends the lease. A holder changed since the claim means
   another server took the session: SessionHeld, and the new holder never reads what the stale
   one wrote, since no holder names it. That is the fencing: the token's holder is the only
-  writer whose state anyone reads.
+  writer whose state anyone reads. A state object is deleted only while no holder names it.
 
 Transcript segments go up in chunks of CHUNK_SEGMENTS, and manifest rows in chunks of the pages
 whose index // CHUNK_PAGES is the same, each named by its checksum, so a turn uploads only the
@@ -179,12 +181,18 @@ class Handover:
         try:
             etag = self.objects.write_object(self._holder_key(session_id), published.pack(), match=held.etag)
         except ConditionFailed:
-            # Content-named chunks may be the new holder's too: only the state object is surely ours.
-            self._discard([state_key])
             now = self.holder(session_id)
-            where = f"{now.node} holds it with token {now.token}" if now is not None else "it was deleted there"
-            raise SessionHeld(f"session {session_id} was taken over by another server ({where}; this server "
-                              f"held token {held.token}): this turn's write is refused") from None
+            if now is None or now.state != state_key:
+                # Not applied. No holder names the state object, and none will: each is made from
+                # the one it replaces. Content-named chunks may be the new holder's too.
+                self._discard([state_key])
+                where = f"{now.node} holds it with token {now.token}" if now is not None else "it was deleted there"
+                raise SessionHeld(f"session {session_id} was taken over by another server ({where}; this server "
+                                  f"held token {held.token}): this turn's write is refused") from None
+            # Applied (its reply lost) and taken over since by a claim that kept naming its state:
+            # the turn is exported. The ETag kept is one the holder no longer has, so nothing more
+            # is written from it until a claim reads the holder again.
+            etag = held.etag
         self._discard([held.state] * bool(held.state) + [c for c in chunks_before if c not in chunks])
         return Exported(replace(published, etag=etag), tuple(chunks))
 

@@ -282,31 +282,38 @@ class ObjectStore:
     def write_object(self, key: str, data: bytes, *, match: str = "", absent: bool = False) -> str:
         """Put `data` at `key` and return its ETag (unquoted). With `match`, only while the object's
         ETag is that one; with `absent`, only while there is no object: the store decides
-        atomically, and ConditionFailed says the condition did not hold."""
+        atomically, and ConditionFailed says the condition did not hold.
+
+        A conditional write is idempotent under retry: an attempt the store applied but whose reply
+        was lost (a connection reset, a timeout) is sent again, and that retry's 412 is the write's
+        own doing. So a 412 after a retried attempt reads the object back, and an object holding
+        exactly `data` is this write's (contextd's conditional writes are holder objects, whose bytes
+        carry the writer's node, token and lease end, or the key of a state object made for them)."""
         from botocore.exceptions import ClientError
 
-        def put(quoted: bool) -> str:
+        quoted = self._quote_etags
+        while True:
             condition = {"IfNoneMatch": "*"} if absent else \
                 {"IfMatch": f'"{match}"' if quoted else match} if match else {}
-            try:
-                reply = self._run(f"take {key}", lambda: self.client.put_object(
-                    Bucket=self.config.bucket, Key=key, Body=data, **condition))
-            except ClientError as exc:
-                if _status(exc) == 412:
-                    raise ConditionFailed(key) from None
-                raise
-            return str(reply["ETag"]).strip('"')
+            attempts = [0]
 
-        try:
-            return put(self._quote_etags)
-        except ConditionFailed:
-            if not match or self._quote_etags:
-                raise
+            def put(condition: dict[str, str] = condition, attempts: list[int] = attempts) -> Any:
+                attempts[0] += 1
+                return self.client.put_object(Bucket=self.config.bucket, Key=key, Body=data, **condition)
+
+            try:
+                return str(self._run(f"take {key}", put)["ETag"]).strip('"')
+            except ClientError as exc:
+                if _status(exc) != 412:
+                    raise
             now = self.read_object(key)
-            if now is None or now[1] != match:
-                raise
-            self._quote_etags = True   # the ETag was the one asked for: this store wants quotes
-            return put(True)
+            if attempts[0] > 1 and now is not None and now[0] == data:
+                return now[1]
+            if match and not quoted and now is not None and now[1] == match:
+                # the ETag was the one asked for: this store compares them quoted
+                quoted = self._quote_etags = True
+                continue
+            raise ConditionFailed(key)
 
     def list_objects(self, under: str) -> Iterator[tuple[str, int, float]]:
         """(key, size, last-modified unix time) of every object whose key starts with the prefix and `under`."""

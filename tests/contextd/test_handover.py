@@ -15,6 +15,7 @@ from contextd.client import Client, pb
 from contextd.errors import ContextdError, FailedPrecondition, SessionHeld
 from contextd.objects import ObjectStore
 from contextd.wire import PageState, PinKind
+from harness.faults.network import WAIT_S, S3Proxy
 from harness.rgw import Rgw
 from serving.launcher import ContextdProcess
 from tests.objectstore import bucket
@@ -230,3 +231,68 @@ def test_a_turn_puts_up_only_the_manifest_chunks_whose_pages_changed(daemon_fact
     assert [(p.page_id, p.last_used_turn) for p in b.get_pages("s", ids)] == \
         [(p.page_id, p.last_used_turn) for p in a.get_pages("s", ids)]
     assert b.get_session("s").pages == a.get_session("s").pages
+
+
+@pytest.fixture
+def proxy(rgw: Rgw) -> Any:
+    """A path to the store that can lose a reply or hold a request back (harness.faults.network)."""
+    path = S3Proxy(rgw.port)
+    yield path
+    path.close()
+
+
+def in_thread(call: Any) -> tuple[threading.Thread, list[Any]]:
+    """Run `call` in a thread of its own; the list gets its result or its exception."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except Exception as exc:  # noqa: BLE001 - handed to the test, which asserts on it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_publish_whose_reply_is_lost_keeps_its_turn_and_every_adopter_reads_it(
+        daemon_factory: Any, s3: ObjectStore, proxy: S3Proxy) -> None:
+    """The holder's conditional PUT is applied and its reply lost; the retry's 412 is the write's own
+    doing: the turn stands and nothing the holder names is deleted. A claim's lost reply likewise
+    takes the session once (one more token), not twice."""
+    _, a = tiered(daemon_factory, s3, endpoint=proxy.endpoint)
+    first_turn(a)
+    lost = proxy.lose_reply("PUT", "/sessions/s/holder")
+    turn(a, 2, 3, "user 2", "answer 2")
+    assert lost.reached.is_set() and lost.status == 200          # applied; a never saw it
+    b = server(daemon_factory, s3)
+    assert b.hold_session("s", "m", 30).adopted
+    assert rows(b) == rows(a) and b.read_record("s").record.turn == 2
+    turn(b, 3, 4, "user 3")
+    lost = proxy.lose_reply("PUT", "/sessions/s/holder")
+    hold = a.hold_session("s", "m", 30)
+    assert lost.status == 200 and hold.adopted and hold.token == 3
+    assert a.read_record("s").record.turn == 3
+
+
+def test_a_publish_whose_reply_is_lost_and_whose_session_is_taken_before_its_retry_deletes_nothing_named(
+        daemon_factory: Any, s3: ObjectStore, proxy: S3Proxy) -> None:
+    """Between the applied publish and its retry another server takes the session (its lease ended
+    with the publish): the retry's 412 is then that server's doing, yet the holder still names the
+    state the publish put up, so that state stays for the next adopter."""
+    _, a = tiered(daemon_factory, s3, endpoint=proxy.endpoint)
+    first_turn(a)
+    b, c = server(daemon_factory, s3), server(daemon_factory, s3)
+    lost = proxy.lose_reply("PUT", "/sessions/s/holder")
+    retry = proxy.hold("PUT", "/sessions/s/holder")
+    thread, outcome = in_thread(lambda: turn(a, 2, 3, "user 2", "answer 2"))
+    retry.wait()
+    assert lost.status == 200
+    assert b.hold_session("s", "m", 30).adopted                    # b holds the state a just published
+    b.hold_session("s", "m", 30, release=True)                     # and its turn fails
+    retry.release()
+    thread.join(WAIT_S)
+    assert outcome == [None]
+    assert c.hold_session("s", "m", 30).adopted
+    assert c.read_record("s").record.turn == 2 and rows(c) == rows(a)
