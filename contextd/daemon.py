@@ -425,7 +425,7 @@ class Daemon:
             if txn.has(HOLDS, SessionKey(session_id)):
                 return
         holder = self.handover.holder(session_id)
-        if holder is not None:
+        if holder is not None and not holder.deleted:
             raise SessionHeld(f"session {session_id} is held by {holder.node} (token {holder.token}); "
                               "HoldSession adopts it before a turn is written here")
         self.hold_session(session_id)

@@ -6,7 +6,8 @@ Each session has a **holder** object in the object store (`sessions/ID/holder`, 
 - `node`, the contextd that holds the session (its root's node id, contextd.paths);
 - `model_id`, the model the session's K/V belongs to (another model's server may not take it);
 - `state`, the key of the state object its last committed turn exported ("" before the first);
-- `busy_until`, while a turn is in progress, the wall-clock end of that turn's lease (0 between turns).
+- `busy_until`, while a turn is in progress, the wall-clock end of that turn's lease (0 between turns);
+- `deleted`, on the holder a deleted session leaves behind (a tombstone, naming nothing).
 
 Every change of the holder is a conditional PUT (If-Match the ETag read, If-None-Match for the
 first), which the store applies atomically: of 8 writers racing with one ETag on Ceph 16's RGW,
@@ -23,6 +24,13 @@ holder back and takes a holder holding exactly its bytes as written. So:
   another server took the session: SessionHeld, and the new holder never reads what the stale
   one wrote, since no holder names it. That is the fencing: the token's holder is the only
   writer whose state anyone reads. A state object is deleted only while no holder names it.
+- **remove** (the holder deletes the session): one more conditional PUT makes the holder a
+  tombstone, and only then do the state and chunks go (and the daemon deletes the payloads).
+  Of a delete and another server's claim racing, the store lets one win: a claim that lost
+  finds the tombstone and starts the session afresh; a delete that lost leaves the session to
+  the claimant, whose objects all stay. The holder object itself stays: not every S3 store
+  honours a conditional DELETE (Ceph 16's RGW ignores If-Match there), and an unconditional one
+  could remove a holder a claim had just written.
 
 Transcript segments go up in chunks of CHUNK_SEGMENTS, and manifest rows in chunks of the pages
 whose index // CHUNK_PAGES is the same, each named by its checksum, so a turn uploads only the
@@ -77,6 +85,7 @@ class Holder:
     state: str = ""
     busy_until: float = 0.0
     etag: str = ""
+    deleted: bool = False
 
     def pack(self) -> bytes:
         return json.dumps({k: v for k, v in asdict(self).items() if k != "etag"}, sort_keys=True).encode()
@@ -86,7 +95,8 @@ class Holder:
         try:
             fields = json.loads(data)
             return cls(token=int(fields["token"]), node=str(fields["node"]), model_id=str(fields["model_id"]),
-                       state=str(fields["state"]), busy_until=float(fields["busy_until"]), etag=etag)
+                       state=str(fields["state"]), busy_until=float(fields["busy_until"]), etag=etag,
+                       deleted=bool(fields.get("deleted", False)))
         except (ValueError, KeyError, TypeError) as exc:
             raise DataCorrupt(f"the holder object {key} is not one contextd wrote: {exc}") from None
 
@@ -133,13 +143,15 @@ class Handover:
             current = self.holder(session_id)
             now = time.time()
             try:
-                if current is None and renew:
+                if (current is None or current.deleted) and renew:
                     raise SessionHeld(f"session {session_id} was deleted by another server")
-                if current is None:
-                    # A new session, or one deleted elsewhere (this server's copy is then stale: adopted, empty).
-                    fresh = Holder(token + 1, self.node, model_id, "", now + lease_s)
-                    return Claim(replace(fresh, etag=self.objects.write_object(key, fresh.pack(), absent=True)),
-                                 adopted=token > 0, previous_node="")
+                if current is None or current.deleted:
+                    # A new session, or one deleted (elsewhere, this server's copy is then stale: adopted, empty).
+                    fresh = Holder(max(token, current.token if current else 0) + 1, self.node, model_id, "",
+                                   now + lease_s)
+                    etag = self.objects.write_object(key, fresh.pack(), absent=True) if current is None else \
+                        self.objects.write_object(key, fresh.pack(), match=current.etag)
+                    return Claim(replace(fresh, etag=etag), adopted=token > 0, previous_node="")
                 if model_id and current.model_id and current.model_id != model_id:
                     raise FailedPrecondition(f"session {session_id} holds K/V of model {current.model_id}; "
                                              f"this server serves {model_id}")
@@ -186,7 +198,8 @@ class Handover:
                 # Not applied. No holder names the state object, and none will: each is made from
                 # the one it replaces. Content-named chunks may be the new holder's too.
                 self._discard([state_key])
-                where = f"{now.node} holds it with token {now.token}" if now is not None else "it was deleted there"
+                where = "it was deleted there" if now is None or now.deleted else \
+                    f"{now.node} holds it with token {now.token}"
                 raise SessionHeld(f"session {session_id} was taken over by another server ({where}; this server "
                                   f"held token {held.token}): this turn's write is refused") from None
             # Applied (its reply lost) and taken over since by a claim that kept naming its state:
@@ -259,12 +272,19 @@ class Handover:
         return keys | {holder.state, *state["chunks"]} | payloads
 
     def remove(self, session_id: str, held: Holder, chunks: Sequence[str]) -> bool:
-        """A deleted session's holder, state and chunks, when this server still holds it (True);
-        a session another server took is left to it."""
+        """A deleted session's state and chunks, when this server still holds it (True); a session
+        another server took, even while this call ran, is left to it (False). The holder becomes
+        a tombstone first, by a conditional PUT over the holder as read: a claim racing the delete
+        either wins (the PUT fails and nothing goes) or finds the tombstone."""
         current = self.holder(session_id)
-        if current is None or current.token != held.token or current.node != self.node:
+        if current is None or current.deleted or current.token != held.token or current.node != self.node:
             return False
-        self._discard([self._holder_key(session_id), *([held.state] if held.state else []), *chunks])
+        tombstone = Holder(current.token + 1, self.node, current.model_id, deleted=True)
+        try:
+            self.objects.write_object(self._holder_key(session_id), tombstone.pack(), match=current.etag)
+        except ConditionFailed:
+            return False
+        self._discard([*sorted({held.state, current.state} - {""}), *chunks])
         return True
 
     def _discard(self, keys: Sequence[str]) -> None:

@@ -29,7 +29,8 @@ _HEAD_END = b"\r\n\r\n"
 
 @dataclass
 class Fault:
-    """One fault, armed until the first request of `method` whose path holds `fragment`.
+    """One fault, armed until the first request of `method` (one, or several joined by "|") whose
+    path holds `fragment`.
 
     `kind` is "lose" (the reply to that request is dropped and its connection closed once the store
     has answered; `status` is the status the client never saw) or "hold" (the request waits,
@@ -220,7 +221,7 @@ class S3Proxy:
         """The first armed fault this request fires (it is then disarmed)."""
         with self._lock:
             for fault in self._faults:
-                if fault.method == method and fault.fragment in path:
+                if method in fault.method.split("|") and fault.fragment in path:
                     self._faults.remove(fault)
                     return fault
         return None

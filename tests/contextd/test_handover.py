@@ -13,6 +13,7 @@ import pytest
 
 from contextd.client import Client, pb
 from contextd.errors import ContextdError, FailedPrecondition, SessionHeld
+from contextd.handover import Holder
 from contextd.objects import ObjectStore
 from contextd.wire import PageState, PinKind
 from harness.faults.network import WAIT_S, S3Proxy
@@ -167,7 +168,13 @@ def test_object_deletes_wait_for_the_publish_and_a_non_holder_deletes_only_its_c
     assert object_keys(s3) == before
     assert b.verify().pages_ok == 3
     b.delete_session("s")                                    # the holder deletes it everywhere
-    assert not any("/s/" in key for key in object_keys(s3)), object_keys(s3)
+    holder_key = s3.session_key("s", "holder")
+    assert {key for key in object_keys(s3) if "/s/" in key} == {holder_key}   # but its tombstone
+    tombstone = s3.read_object(holder_key)
+    assert tombstone is not None and Holder.parse(*tombstone, holder_key).deleted
+    assert not a.hold_session("s", "m", 30).adopted          # a claim after it starts the session afresh
+    with pytest.raises(ContextdError, match="no session"):
+        a.get_session("s")
 
 
 def test_bad_holds_are_refused_clearly(daemon_factory: Any, s3: ObjectStore) -> None:
@@ -296,3 +303,25 @@ def test_a_publish_whose_reply_is_lost_and_whose_session_is_taken_before_its_ret
     assert outcome == [None]
     assert c.hold_session("s", "m", 30).adopted
     assert c.read_record("s").record.turn == 2 and rows(c) == rows(a)
+
+
+def test_a_delete_racing_another_servers_claim_leaves_that_server_its_session(
+        daemon_factory: Any, s3: ObjectStore, proxy: S3Proxy) -> None:
+    """The holder deletes the session while another server takes it over (the lease ended with
+    the last turn): the store decides which came first. Here the claim does, so the delete
+    removes only the deleting server's copy, and the claimant keeps every object it names."""
+    _, a = tiered(daemon_factory, s3, endpoint=proxy.endpoint)
+    first_turn(a)
+    b = server(daemon_factory, s3)
+    write = proxy.hold("PUT|DELETE", "/sessions/s/")               # the delete's first write to the session
+    thread, outcome = in_thread(lambda: a.delete_session("s"))
+    write.wait()
+    assert b.hold_session("s", "m", 30).adopted
+    write.release()
+    thread.join(WAIT_S)
+    assert len(outcome) == 1 and not isinstance(outcome[0], Exception), outcome
+    assert b.verify().pages_ok == 3
+    turn(b, 2, 3, "user 2")
+    assert b.read_record("s").record.turn == 2
+    c = server(daemon_factory, s3)
+    assert c.hold_session("s", "m", 30).adopted and rows(c) == rows(b)
