@@ -18,6 +18,7 @@ from google.protobuf.message import Message
 
 from contextd.blobs import Reserve
 from contextd.client import Client, pb
+from contextd.clock import Clock
 from contextd.daemon import DaemonConfig, Retention
 from contextd.errors import ContextdError
 from contextd.objects import ObjectStoreConfig
@@ -117,7 +118,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 connect_timeout_s=min(3.0, args.object_deadline),
                                 read_timeout_s=min(20.0, args.object_deadline)) if args.object_store else None
     config = DaemonConfig(root=root, sync=SyncMode.parse(args.sync), reserve=reserve, retention=retention,
-                          objects=objects, cache_bytes=args.cache_bytes, object_gc_grace_s=args.object_gc_grace)
+                          objects=objects, cache_bytes=args.cache_bytes, object_gc_grace_s=args.object_gc_grace,
+                          clock=Clock.from_environment())
     return serve(config, Path(args.socket) if args.socket else default_socket(root))
 
 

@@ -38,11 +38,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 from contextd.blobs import TEMP_PREFIX, BlobStore, Reserve
+from contextd.clock import Clock
 from contextd.errors import DataCorrupt, FailedPrecondition, InvalidArgument, NotFound, SessionHeld, StoreFull
 from contextd.handover import Handover, Holder, payloads_named
 from contextd.ids import check_id
@@ -155,6 +156,7 @@ class DaemonConfig:
     cache_bytes: int = 0                       # with `objects`: the folder's bound (0: none)
     max_lease_s: float = 3600.0                # the longest turn lease HoldSession grants
     object_gc_grace_s: float = 3600.0          # `gc` leaves objects younger than this (uploads not yet committed)
+    clock: Clock = field(default_factory=Clock)   # what holds and deadlines are read on (contextd.clock)
 
     def __post_init__(self) -> None:
         if self.map_size < 1 << 20:
@@ -182,7 +184,7 @@ class Daemon:
         self._unpublished: dict[str, set[str]] = {}
         self._unpublished_lock = threading.Lock()
         if config.objects is not None:
-            self.tier = ObjectTier(ObjectStore(config.objects), self.blobs, config.cache_bytes)
+            self.tier = ObjectTier(ObjectStore(config.objects), self.blobs, config.cache_bytes, config.clock)
             self.handover = Handover(self.tier.objects, node_id(config.root))
             with self.store.read() as txn:
                 committed = list(_payloads(txn, EVERYTHING))
@@ -224,13 +226,14 @@ class Daemon:
             for locator in locators:
                 self.blobs.delete(locator)
 
-    def _fetch_payloads(self, wanted: Sequence[Wanted]) -> dict[str, str]:
+    def _fetch_payloads(self, wanted: Sequence[Wanted], hold: bool = True) -> dict[str, str]:
         """Before a reader opens them: the payloads are in the folder (downloaded, with an object
-        store). Returns those the object store lost or holds other bytes of (locator -> why): they
+        store), and with `hold` they stay there a while for a reader after this call (ObjectTier.fetch).
+        Returns those the object store lost or holds other bytes of (locator -> why): they
         stay out of the folder, and their pages are marked corrupt by the caller."""
         if self.tier is None or not wanted:
             return {}
-        return self.tier.fetch(wanted)
+        return self.tier.fetch(wanted, hold)
 
     # ----------------------------------------------------------------- sessions
 
@@ -834,6 +837,27 @@ class Daemon:
             # shares frees no disk, yet counts no more against this session (docs/contextd.md).
             return sum(size for _, size in dropped), chosen
 
+    def report_corrupt(self, session_id: str, page_id: str, reason: str) -> tuple[CommitInfo, int]:
+        """A reader found a page's payload missing or failing its checks (ReportCorrupt); returns
+        the commit and how many pages were marked CORRUPT. With an object store the folder is a
+        cache: a copy it lost (evicted under the reader) or holds damaged is not a lost page. That
+        copy goes and the object store's is fetched, checked; the page is marked only when that one
+        is lost or damaged too, or when the folder's copy is whole (the reader's complaint is then
+        about what the payload holds, such as other tokens than the page's)."""
+        if self.tier is not None:
+            with self.store.read() as txn:
+                page = txn.get(MANIFEST, PageKey(session_id, check_id(page_id, "page_id")))
+            if page is not None and page.locator and page.state != CORRUPT:
+                try:
+                    self.blobs.read(page.locator, page.checksum, page.byte_size)
+                except DataCorrupt:
+                    self.tier.uncache([page.locator])
+                    lost = self.tier.fetch([(page.locator, page.byte_size, page.checksum)])
+                    if page.locator not in lost:
+                        return CommitInfo(self.store.commit_seq, 0.0), 0
+                    reason = f"{reason}; {lost[page.locator]}"
+        return self.mark_corrupt(session_id, page_id, reason), 1
+
     def mark_corrupt(self, session_id: str, page_id: str, reason: str) -> CommitInfo:
         key = PageKey(session_id, check_id(page_id, "page_id"))
 
@@ -1118,6 +1142,23 @@ class Daemon:
                 freed += size
         return removed, freed
 
+    def _check_payload(self, wanted: Wanted) -> None:
+        """Read a payload whole and check its size and checksum (verify); DataCorrupt when it is
+        lost. With an object store a folder copy that is missing or damaged is not a loss: it goes,
+        and the object store's copy is fetched and checked in its place. Nothing is held for a
+        reader afterwards: this is the read."""
+        locator, size, checksum = wanted
+        for reason in self._fetch_payloads([wanted], hold=False).values():
+            raise DataCorrupt(reason)
+        try:
+            self.blobs.read(locator, checksum, size)
+        except DataCorrupt:
+            if self.tier is None:
+                raise
+            self.tier.uncache([locator])
+            for reason in self.tier.fetch([wanted], hold=False).values():
+                raise DataCorrupt(reason) from None
+
     def verify(self, session_id: str) -> VerifyResult:
         """Re-read and re-checksum every stored payload; mark failures corrupt."""
         with self.store.read() as txn:
@@ -1130,9 +1171,7 @@ class Daemon:
         pages_ok = bytes_read = 0
         for sid, page in pages:
             try:
-                for reason in self._fetch_payloads([(page.locator, page.byte_size, page.checksum)]).values():
-                    raise DataCorrupt(reason)
-                self.blobs.read(page.locator, page.checksum, page.byte_size)
+                self._check_payload((page.locator, page.byte_size, page.checksum))
             except DataCorrupt as exc:
                 self.mark_corrupt(sid, page.page_id, str(exc))
                 corrupt.append(PageRef(sid, page.page_id))
@@ -1141,9 +1180,7 @@ class Daemon:
             bytes_read += page.byte_size
         for sid, snap in snapshots:
             try:
-                for reason in self._fetch_payloads([(snap.locator, snap.byte_size, snap.checksum)]).values():
-                    raise DataCorrupt(reason)
-                self.blobs.read(snap.locator, snap.checksum, snap.byte_size)
+                self._check_payload((snap.locator, snap.byte_size, snap.checksum))
             except DataCorrupt:
                 corrupt.append(PageRef(sid, f"snapshot:{snap.slot}"))
                 continue

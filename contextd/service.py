@@ -211,8 +211,8 @@ class ContextdService(pb_grpc.ContextdServicer):
     # payloads
 
     def ReportCorrupt(self, request: pb.ReportCorruptRequest, context: grpc.ServicerContext) -> pb.WriteAck:
-        return self._call(context, lambda: _ack(self.daemon.mark_corrupt(
-            request.session_id, request.page_id, request.reason), 1))
+        return self._call(context, lambda: _ack(*self.daemon.report_corrupt(
+            request.session_id, request.page_id, request.reason)))
 
     def Reclaim(self, request: pb.ReclaimRequest, context: grpc.ServicerContext) -> pb.ReclaimResponse:
         def run() -> pb.ReclaimResponse:

@@ -17,21 +17,27 @@ module at each point where a payload changes hands:
   folder (only for the files the folder holds).
 
 The folder keeps at most `cache_bytes` of committed payloads, least recently used out (a read or a
-commit uses a payload). Files not yet committed are never evicted: they are the only copy.
+commit uses a payload). Files not yet committed are never evicted: they are the only copy. Nor is
+a payload a read is fetching or has handed out within READ_HOLD_S (on the daemon's clock): the
+caller reads the files after the reply (the server reads one chunk of pages while it asks for the
+next), so neither the bound nor disk pressure (`evict`) may take them from under it; the folder
+then holds more than its bound until the holds end.
 
-Dependency rules: contextd.blobs, contextd.objects, contextd.errors; called by the daemon only.
+Dependency rules: contextd.blobs, contextd.clock, contextd.objects, contextd.errors; called by the
+daemon only.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from contextd.blobs import BlobStore
+from contextd.clock import Clock
 from contextd.errors import ContextdError, DataCorrupt, InvalidArgument
 from contextd.objects import ObjectStore
 
@@ -42,6 +48,7 @@ log = logging.getLogger("contextd.tiering")
 T = TypeVar("T")
 MARKER = ".object-tier"          # in the store folder: the object store this root's payloads live in
 TRANSFERS = 4                    # payloads moved at once: a restore of 8 pages is two round trips, not eight
+READ_HOLD_S = 60.0               # how long a payload handed out for reading stays in the folder, at least
 
 # A payload to have in the folder: (locator, size, checksum).
 Wanted = tuple[str, int, str]
@@ -50,13 +57,16 @@ Wanted = tuple[str, int, str]
 class ObjectTier:
     """The object store behind the folder `blobs`. Thread-safe."""
 
-    def __init__(self, objects: ObjectStore, blobs: BlobStore, cache_bytes: int) -> None:
+    def __init__(self, objects: ObjectStore, blobs: BlobStore, cache_bytes: int, clock: Clock | None = None) -> None:
         if cache_bytes < 0:
             raise InvalidArgument("the local cache size must not be negative")
         self.objects = objects
         self.blobs = blobs
         self.cache_bytes = cache_bytes
+        self.clock = clock or Clock()
         self._cached: OrderedDict[str, int] = OrderedDict()   # committed payloads in the folder, LRU first
+        self._reading: Counter[str] = Counter()   # payloads a fetch is bringing in, by fetches under way
+        self._held: dict[str, float] = {}         # payloads handed out for reading -> end of the hold (monotonic)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(TRANSFERS, thread_name_prefix="contextd-tier")
         self.uploaded = self.bytes_uploaded = 0   # payloads uploaded since the start (status)
@@ -121,11 +131,15 @@ class ObjectTier:
             self.bytes_uploaded += sum(self._cached[locator] for locator in todo)
         self.trim(set(locators))
 
-    def fetch(self, wanted: Sequence[Wanted]) -> dict[str, str]:
-        """Have every payload of `wanted` in the folder, downloading the missing ones. Returns the
+    def fetch(self, wanted: Sequence[Wanted], hold: bool = True) -> dict[str, str]:
+        """Have every payload of `wanted` in the folder, downloading the missing ones, and with
+        `hold` keep them there for READ_HOLD_S once handed out (the caller reads them after this
+        returns; a caller that reads them itself holds nothing, or a daemon's `verify` would hold
+        the whole store). Returns the
         ones the object store lost or holds other bytes of (locator -> why; they stay out of the
         folder); TierUnavailable when the store does not answer in time."""
         lost: dict[str, str] = {}
+        locators = [locator for locator, _, _ in wanted]
 
         def download(item: Wanted) -> None:
             try:
@@ -133,16 +147,27 @@ class ObjectTier:
             except DataCorrupt as exc:
                 lost[item[0]] = str(exc)
 
-        missing = [w for w in wanted if not self.blobs.exists(w[0], w[1])]
-        self._each(download, missing)
+        # Marked before the folder is looked at: an eviction takes a file and its name under the
+        # lock, so a copy seen here stays until the hold ends, and a copy taken is downloaded.
         with self._lock:
-            self.fetched += len(missing) - len(lost)
-            self.bytes_fetched += sum(size for locator, size, _ in missing if locator not in lost)
-            for locator, size, _ in wanted:
-                if locator not in lost:
-                    self._cached[locator] = size
-                    self._cached.move_to_end(locator)
-        self.trim({locator for locator, _, _ in wanted})
+            self._reading.update(locators)
+        try:
+            missing = [w for w in wanted if not self.blobs.exists(w[0], w[1])]
+            self._each(download, missing)
+            with self._lock:
+                self.fetched += len(missing) - len(lost)
+                self.bytes_fetched += sum(size for locator, size, _ in missing if locator not in lost)
+                until = self.clock.monotonic() + READ_HOLD_S
+                for locator, size, _ in wanted:
+                    if locator not in lost:
+                        self._cached[locator] = size
+                        self._cached.move_to_end(locator)
+                        if hold:
+                            self._held[locator] = until
+        finally:
+            with self._lock:
+                self._reading -= Counter(locators)
+        self.trim(set(locators))
         return lost
 
     def delete(self, locators: Sequence[str]) -> int:
@@ -188,17 +213,26 @@ class ObjectTier:
                 self._cached[target] = self.blobs.path(target).stat().st_size
         return moved
 
+    def _reads(self) -> set[str]:
+        """The payloads a read is fetching, or has handed out and whose hold runs (under the lock)."""
+        now = self.clock.monotonic()
+        for locator in [locator for locator, until in self._held.items() if until <= now]:
+            del self._held[locator]
+        return set(self._reading) | set(self._held)
+
     def evict(self, bytes_needed: int, protect: set[str]) -> int:
         """Remove committed payloads' folder copies, least recently used first, until
-        `bytes_needed` are freed (or none is left); return the bytes freed."""
+        `bytes_needed` are freed (or none is left); return the bytes freed. Neither `protect` nor
+        a payload a read is fetching or holds is taken."""
         freed = 0
         while freed < bytes_needed:
             with self._lock:
-                locator = next((loc for loc in self._cached if loc not in protect), None)
+                reads = self._reads()
+                locator = next((loc for loc in self._cached if loc not in protect and loc not in reads), None)
                 if locator is None:
                     break
                 self._cached.pop(locator)
-            freed += self.blobs.delete(locator)
+                freed += self.blobs.delete(locator)
         return freed
 
     def trim(self, protect: set[str]) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from contextd.client import Client, pb
+from contextd.clock import ENV as CLOCK_ENV
 from serving.launcher import ContextdProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,6 +38,28 @@ def states(changes: list[tuple[str, int]], turn: int = 0) -> list[pb.PageStateCh
 def short_tempdir() -> Path:
     """Unix socket paths are limited to 107 bytes, so sockets live in a short /tmp folder."""
     return Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp"))
+
+
+class MovedClock:
+    """The clock of the daemons a test starts (contextd.clock), moved on by the test: `advance`
+    adds seconds to their real clocks (the file is replaced whole, so a daemon never reads half)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0.0
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
+        temp = self.path.with_suffix(".new")
+        temp.write_text(f"{self.offset!r}\n")
+        os.replace(temp, self.path)
+
+
+@pytest.fixture
+def clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> MovedClock:
+    """Daemons started after this fixture read their time through a clock the test moves."""
+    monkeypatch.setenv(CLOCK_ENV, str(tmp_path / "clock"))
+    return MovedClock(tmp_path / "clock")
 
 
 @pytest.fixture

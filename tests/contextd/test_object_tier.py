@@ -21,12 +21,13 @@ import pytest
 from contextd.client import Client, pb
 from contextd.errors import InvalidArgument, TierUnavailable
 from contextd.objects import ObjectStore, ObjectStoreConfig
+from contextd.tiering import READ_HOLD_S
 from contextd.wire import PageState
 from harness.rgw import Rgw
 from serving.launcher import ContextdProcess
 from tests.objectstore import bucket
 
-from .conftest import store_payload
+from .conftest import MovedClock, store_payload
 
 PAYLOAD = (6 << 20) // 4   # 1.5 MiB: one PUT each
 BIG = (11 << 20) + 12345  # past two 5 MiB parts: a multipart upload
@@ -90,7 +91,50 @@ def test_the_folder_keeps_at_most_its_cache_bytes_and_fetches_the_rest(daemon_fa
     assert client.verify().pages_ok == 6
     status = client.status()
     assert status.object_store == s3.config.url and status.objects_uploaded == 6
-    assert status.objects_fetched >= 3 and status.cached_bytes <= 3 * PAYLOAD
+    # the three read last are held for their reader a while: verify's own reads go past the bound by one
+    assert status.objects_fetched >= 3 and status.cached_bytes <= 4 * PAYLOAD
+
+
+def test_payloads_handed_out_for_reading_stay_in_the_folder_until_their_hold_ends(
+        daemon_factory: Any, s3: ObjectStore, clock: MovedClock) -> None:
+    """A reader reads what GetPages handed out after the reply: the server's fill reads one chunk
+    of pages while it asks for the next. Neither the cache's bound (the next chunk's fetch) nor
+    disk pressure (a reclaim) takes a payload handed out until its read hold has ended on the
+    daemon's clock; then they may, and the object store gives the payload back."""
+    proc, client = tiered(daemon_factory, s3, "--cache-bytes", str(2 * PAYLOAD))
+    payloads = {f"p{n}": data(n) for n in range(4)}
+    for n in range(4):
+        store_payload(client, "s", page(n), payloads[f"p{n}"])
+    first = client.get_pages("s", ["p0", "p1"])       # chunk n, read while...
+    second = client.get_pages("s", ["p2", "p3"])      # ...chunk n + 1 is asked for
+    client.reclaim(8 * PAYLOAD)                       # and the disk runs short meanwhile
+    for record in [*first, *second]:
+        assert client.payloads().path(record.locator).read_bytes() == payloads[record.page_id]
+    clock.advance(READ_HOLD_S + 1)
+    client.reclaim(8 * PAYLOAD)
+    assert folder_files(proc) == []
+    got = client.get_pages("s", ["p0", "p3"])
+    assert [client.payloads().path(r.locator).read_bytes() for r in got] == [payloads["p0"], payloads["p3"]]
+    assert [p.state for p in client.query_pages("s")] == [PageState.COLD.value] * 4
+
+
+def test_a_page_whose_folder_copy_is_lost_or_damaged_is_fetched_again_not_marked_corrupt(
+        daemon_factory: Any, s3: ObjectStore) -> None:
+    """A reader reports a page whose folder copy went (evicted under it) or is damaged: the folder
+    is only a cache, so contextd fetches the object store's copy, checked, and the page stays
+    whole. A copy that is whole yet found wrong by the reader (it holds other tokens than the
+    page's) is marked corrupt as before."""
+    _, client = tiered(daemon_factory, s3)
+    payloads = [data(n) for n in range(3)]
+    records = [store_payload(client, "s", page(n), payloads[n]) for n in range(3)]
+    client.payloads().path(records[0].locator).unlink()
+    damaged = client.payloads().path(records[1].locator)
+    damaged.write_bytes(b"\xff" + damaged.read_bytes()[1:])
+    for record in records:
+        client.report_corrupt("s", record.page_id, "the reader's checks failed")
+    got = client.get_pages("s", ["p0", "p1", "p2"])
+    assert [p.state for p in got] == [PageState.COLD.value] * 2 + [PageState.CORRUPT.value]
+    assert [client.payloads().path(r.locator).read_bytes() for r in got[:2]] == payloads[:2]
 
 
 def test_a_payload_changed_in_the_object_store_is_refused_and_its_page_marked_corrupt(
