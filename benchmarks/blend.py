@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -56,6 +57,7 @@ from harness.fact_script import (
     fact_needle,
     make_script,
 )
+from harness.procfs import machine_cpu_seconds, other_cpu_share, process_cpu_seconds
 from serving.chat_format import ChatFormat
 from serving.cli import build_parser, engine_config
 from serving.engine import ChatRequest, Engine
@@ -194,6 +196,67 @@ def play(backend: Backend, seed: int, session: int, variants: list[str], greedy_
         shutil.rmtree(base, ignore_errors=True)
 
 
+class ViewRecorder:
+    """The engine's observer in a timed play: only notes the planned view (its token ids in position
+    order) and the answer's opening, so a fresh prefill of the same tokens can be timed after."""
+
+    def __init__(self) -> None:
+        self.view: tuple[list[int], list[int]] | None = None
+
+    def view_planned(self, session: Session, backend: Backend, restored: list[int], new_tokens: int,
+                     opener: list[int]) -> None:
+        ids = backend.held_token_ids()[np.argsort(backend.positions(), kind="stable")]
+        self.view = (ids.tolist(), opener)
+
+
+def time_turns(backend: Backend, seed: int, session: int, serve_flags: list[str]) -> list[dict[str, Any]]:
+    """Play one session with the engine `serve_flags` configure and, per question, its time to first
+    token against a fresh prefill of the same view (and its opening) and the first token, timed right
+    after in the same process on a session sharing the weights."""
+    args = build_parser().parse_args(["serve", *serve_flags])
+    script = make_script(seed, 12, 300, 8)
+    base = Path(tempfile.mkdtemp(prefix="kvb-blend-", dir="/tmp"))
+    daemon = ContextdProcess(base / "root", base / "run" / "c.sock", extra=["--reserve-bytes", "0"])
+    client = daemon.start()
+    rows: list[dict[str, Any]] = []
+    try:
+        fork = backend.fork()
+        engine = Engine(fork, ChatFormat(fork.tokenizer), client, engine_config(args),
+                        make_selector(args.selector, args.restore_pages))
+        recorder = ViewRecorder()
+        engine.observer = recorder
+        scratch = load_like(fork)
+        session_id = f"ttft-{seed}-{session}"
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt(session)}]
+        for step in script.steps:
+            messages.append({"role": "user", "content": step.message})
+            content: list[str] = []
+            started = time.perf_counter()
+            first: float | None = None
+            blended = engine.sessions[session_id].counters.blend_forward_tokens if session_id in engine.sessions else 0
+            for event in engine.chat(ChatRequest(session_id, list(messages), max_tokens=args.max_new_tokens)):
+                if event.delta:
+                    first = first or time.perf_counter()
+                    content.append(event.delta)
+            messages.append({"role": "assistant", "content": "".join(content)})
+            if step.kind != "question" or first is None or recorder.view is None:
+                continue
+            view, opener = recorder.view
+            rewind(scratch, 0)
+            fresh_started = time.perf_counter()
+            scratch.extend(view)
+            scratch.prefill(opener)
+            scratch.decode()
+            fresh_ms = (time.perf_counter() - fresh_started) * 1e3
+            rows.append({"seed": seed, "session": f"s{session}", "ttft_ms": (first - started) * 1e3,
+                         "fresh_ms": fresh_ms, "view_tokens": len(view) + len(opener),
+                         "blend_tokens": engine.sessions[session_id].counters.blend_forward_tokens - blended})
+        return rows
+    finally:
+        daemon.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     by_session: dict[str, list[float]] = {}
     for r in rows:
@@ -209,6 +272,34 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "in_view": sum(bool(r["in_view"]) for r in rows)}
 
 
+def timed(backend: Backend, seeds: list[int], sessions: int, flags: list[str], model: str) -> int:
+    """`--ttft`: the shipped default and the exact cache, session by session in turn, each question's
+    time to first token next to a fresh prefill of its view."""
+    arms = {"default": flags, "exact": [*flags, "--blend", "none"]}
+    rows: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+    cpu = machine_cpu_seconds()
+    own = process_cpu_seconds(os.getpid())
+    for seed in seeds:
+        for session in range(sessions):
+            for arm, arm_flags in arms.items():
+                rows[arm].extend(time_turns(backend, seed, session, arm_flags))
+    other = other_cpu_share(cpu, machine_cpu_seconds(), process_cpu_seconds(os.getpid()) - own)
+    result: dict[str, Any] = {"model": model, "seeds": seeds, "sessions": sessions,
+                              "other_processes_cpu_share": None if other is None else round(other, 3), "arms": {}}
+    for arm, got in rows.items():
+        ttft = float(np.percentile([r["ttft_ms"] for r in got], 50))
+        fresh = float(np.percentile([r["fresh_ms"] for r in got], 50))
+        ratios = [r["ttft_ms"] / r["fresh_ms"] for r in got]
+        result["arms"][arm] = {"questions": len(got), "ttft_ms_p50": round(ttft, 1), "fresh_ms_p50": round(fresh, 1),
+                               "ratio_p50": round(float(np.percentile(ratios, 50)), 3),
+                               "ratio_p95": round(float(np.percentile(ratios, 95)), 3),
+                               "blend_share_mean": round(fmean(r["blend_tokens"] / r["view_tokens"] for r in got), 3)}
+        print(f"{arm:8} TTFT p50 {ttft:7.1f} ms, fresh prefill of the view p50 {fresh:7.1f} ms, "
+              f"ratio p50 {result['arms'][arm]['ratio_p50']} p95 {result['arms'][arm]['ratio_p95']}")
+    print(json.dumps(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -219,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=DEFAULT_VARIANTS)
     parser.add_argument("--greedy-tokens", type=int, default=16)
     parser.add_argument("--out", default="bench-out/blend")
+    parser.add_argument("--ttft", action="store_true",
+                        help="instead of reading variants: time each question's first token as shipped and "
+                        "with --blend none, against a fresh prefill of the same view, in the same run")
     args = parser.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     seeds = [int(s) for s in args.seeds.split(",") if s]
@@ -227,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
              "--max-new-tokens", "32"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.ttft:
+        return timed(backend, seeds, args.sessions, flags, args.model)
     rows: list[dict[str, Any]] = []
     for seed in seeds:
         for session in range(args.sessions):
