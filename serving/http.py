@@ -26,6 +26,8 @@ headers say what the server did: `X-KV-Session`, `X-KV-Prefilled-Tokens`, and `X
 `X-KV-Sampled` with a reason when it had to.
 
 Bad requests get a 4xx with an OpenAI-style error body; nothing a client sends crashes the worker.
+A connection holds a thread while it is open (at most MAX_CONNECTIONS of them) and must send each
+request whole within the client timeout of its start.
 Depends on serving.engine, serving.request_body, serving.transcript, controller.selectors and
 contextd.errors.
 """
@@ -33,10 +35,13 @@ contextd.errors.
 from __future__ import annotations
 
 import hmac
+import io
 import ipaddress
 import json
 import logging
+import math
 import queue
+import re
 import select
 import socket
 import threading
@@ -61,6 +66,10 @@ from serving.transcript import TOOL_CALL_OPEN, TranscriptError, digest
 log = logging.getLogger("kv_elision.server")
 
 MAX_BODY_BYTES = 32 << 20
+# Each open connection holds a thread; past this many a new one is answered 503 and closed. An
+# agent with subagents opens a few at once; the reliability campaign holds 40 stalled ones.
+MAX_CONNECTIONS = 64
+_DECIMAL = re.compile(r"[0-9]+")
 CLIENT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 ADVERTISED_CONTEXT_WINDOW = 1_000_000  # the addressable session, not the attention budget
 
@@ -392,6 +401,31 @@ class _ContentFilter:
         return content[self.sent:] if content.startswith(self.text[:self.sent]) else ""
 
 
+class _RequestReader(io.RawIOBase):
+    """A connection's reading side with a deadline: a request (its line, headers and body) must
+    arrive within `wait_s` seconds of its start, however slowly its bytes trickle in. A timeout
+    per read alone let a client that sends a byte now and then hold its thread for ever."""
+
+    def __init__(self, sock: socket.socket, wait_s: float) -> None:
+        super().__init__()
+        self.sock = sock
+        self.wait_s = wait_s
+        self.deadline = math.inf   # set as each request starts (`Handler.handle_one_request`)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = min(self.wait_s, self.deadline - time.monotonic())
+        if left <= 0:
+            raise TimeoutError(f"the request did not arrive within {self.wait_s:g} s")
+        self.sock.settimeout(left)
+        try:
+            return self.sock.recv_into(buffer)
+        finally:
+            self.sock.settimeout(self.wait_s)   # what a write to this client may wait
+
+
 def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_tokens: int,
                  contextd_socket: str, api_key: str | None, client_timeout: float,
                  restore_pages: int) -> type[BaseHTTPRequestHandler]:
@@ -402,17 +436,36 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
         protocol_version = "HTTP/1.1"
         server_version = "kv-elision"
         timeout = client_timeout  # seconds a client may stall sending its request or taking the answer
+        reader: _RequestReader
+        body_read = False   # this request's body was read: the connection may carry the next one
+
+        def setup(self) -> None:
+            super().setup()
+            self.rfile.close()
+            self.reader = _RequestReader(self.connection, client_timeout)
+            self.rfile = io.BufferedReader(self.reader)
+
+        def handle_one_request(self) -> None:
+            self.reader.deadline = time.monotonic() + client_timeout
+            self.body_read = False
+            super().handle_one_request()
 
         def parse_request(self) -> bool:
             """http.server closes a blank request line without a word; a line of other whitespace
-            (e.g. a lone 0xA0 byte, which str.split() takes as a space) gets a clear 400 instead."""
+            (e.g. a lone 0xA0 byte, which str.split() takes as a space) gets a clear 400 instead.
+            Headers that do not arrive by the request's deadline get a 408."""
             line = bytes(getattr(self, "raw_requestline", b"")).rstrip(b"\r\n")  # set by handle_one_request
             if line.strip() and not str(line, "iso-8859-1").split():
                 self.command, self.request_version, self.close_connection = "", "HTTP/1.0", True
                 self.requestline = repr(line)[2:-1]
                 self.send_error(HTTPStatus.BAD_REQUEST, "the request line holds no method, path or version")
                 return False
-            return super().parse_request()
+            try:
+                return super().parse_request()
+            except TimeoutError:
+                self.close_connection = True
+                self.send_error(HTTPStatus.REQUEST_TIMEOUT, f"the headers did not arrive within {client_timeout:g} s")
+                return False
 
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("%s " + format, self.address_string(), *args)
@@ -446,6 +499,7 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             url = urlparse(self.path)
             try:
+                self.close_connection = self.close_connection or self._content_length() > 0  # a body left unread
                 if url.path != "/health":
                     self._authorize()
                 if url.path == "/health" and worker.failure is not None:
@@ -529,13 +583,35 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                     raise RequestError(HTTPStatus.BAD_REQUEST, str(exc)) from None
             self._json(HTTPStatus.ACCEPTED, {"session": body["session"], "watching": len(candidates)})
 
-        def _body(self, session: str | None = None) -> Any:
-            """The JSON body; with a session, parsed past the messages its last body held (serving.request_body)."""
-            length = int(self.headers.get("Content-Length") or 0)
+        def _content_length(self) -> int:
+            """The body's length: one Content-Length of decimal digits (`int` also takes "-1",
+            "+2" and "2_0"; -1 once read to the end of the stream, past the limit), at most
+            MAX_BODY_BYTES. A body sent otherwise (chunked) is refused: where the request ends is
+            then unknown, so the connection closes after the answer."""
+            values = {value.strip() for value in self.headers.get_all("Content-Length", [])}
+            if self.headers.get("Transfer-Encoding") is not None:
+                raise RequestError(HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length, not a "
+                                   "Transfer-Encoding")
+            if len(values) > 1 or not all(_DECIMAL.fullmatch(value) for value in values):
+                raise RequestError(HTTPStatus.BAD_REQUEST, "Content-Length must be one decimal number of bytes")
+            length = int(values.pop()) if values else 0
             if length > MAX_BODY_BYTES:
                 raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {MAX_BODY_BYTES} bytes")
+            return length
+
+        def _body(self, session: str | None = None) -> Any:
+            """The JSON body; with a session, parsed past the messages its last body held (serving.request_body)."""
+            length = self._content_length()
             try:
-                return bodies.parse(self.rfile.read(length) or b"null", session)
+                raw = self.rfile.read(length)
+            except TimeoutError:
+                raise RequestError(HTTPStatus.REQUEST_TIMEOUT, f"the body did not arrive within {client_timeout:g} s",
+                                   "request_timeout") from None
+            if len(raw) < length:
+                raise RequestError(HTTPStatus.BAD_REQUEST, f"the body ended after {len(raw)} of its {length} bytes")
+            self.body_read = True
+            try:
+                return bodies.parse(raw or b"null", session)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise RequestError(HTTPStatus.BAD_REQUEST, "the request body is not valid JSON") from None
             except RecursionError:
@@ -543,6 +619,7 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
 
         def do_POST(self) -> None:  # noqa: N802
             try:
+                self._content_length()   # a request whose end is unknown is refused before anything else
                 self._authorize()
                 path = urlparse(self.path).path
                 if path == "/v1/kv/score":
@@ -556,10 +633,8 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                 request.received_ms = (time.perf_counter() - receiving) * 1e3
                 job = worker.submit(request)
             except RequestError as exc:
+                self.close_connection = self.close_connection or not self.body_read   # else the body reads as a request
                 self._error(exc)
-                return
-            except ValueError:
-                self._error(RequestError(HTTPStatus.BAD_REQUEST, "bad Content-Length"))
                 return
             if stream:
                 self._stream(request, job, include_usage)
@@ -692,9 +767,56 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
 
 
 class _Listener(ThreadingHTTPServer):
+    """One thread per connection, at most `max_connections` of them: past the bound a connection
+    is answered 503 and closed by the accepting thread, without waiting on the client."""
+
     # socketserver's default backlog of 5 made the 41st of 40 stalled clients wait ~1 s for a
     # SYN retry (benchmarks.faults, health_ms); an agent with subagents opens several at once.
     request_queue_size = 128
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int) -> None:
+        super().__init__(address, handler)
+        self.max_connections = max_connections
+        self.open_connections = 0
+        self._counting = threading.Lock()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._counting:
+            full = self.open_connections >= self.max_connections
+            if not full:
+                self.open_connections += 1
+        if full:
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._closed()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._closed()
+
+    def _closed(self) -> None:
+        with self._counting:
+            self.open_connections -= 1
+
+    def _refuse(self, request: socket.socket) -> None:
+        body = json.dumps({"error": {"message": f"the server holds {self.max_connections} connections already; "
+                                                "try again", "type": "too_many_connections", "code": 503}}).encode()
+        head = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode()
+        try:
+            request.setblocking(False)   # a new connection's send buffer is empty: this never waits
+            request.send(head + body)
+        except OSError:
+            pass
+        log.info("refused a connection: %d open", self.max_connections)
+        self.shutdown_request(request)
 
 
 class Server:
@@ -708,8 +830,7 @@ class Server:
         self.worker = Worker(engine)
         handler = make_handler(self.worker, model_id, engine.config.budget_tokens, engine.config.max_new_tokens,
                                contextd_socket, api_key, client_timeout, restore_pages)
-        self.http = _Listener((host, port), handler)
-        self.http.daemon_threads = True
+        self.http = _Listener((host, port), handler, MAX_CONNECTIONS)
 
     @property
     def port(self) -> int:
