@@ -56,7 +56,8 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from backends import DecodeStep
-from contextd.errors import ContextdError, DaemonUnavailable, SessionHeld, StoreFull, TierUnavailable
+from contextd.errors import ContextdError, DaemonUnavailable, InvalidArgument, SessionHeld, StoreFull, TierUnavailable
+from contextd.ids import MAX_ID_LENGTH, check_id
 from controller.selectors import SELECTORS, make_selector
 from serving import views
 from serving.engine import ChatRequest, Engine, Prepared, TurnEvent, TurnResult
@@ -70,6 +71,9 @@ MAX_BODY_BYTES = 32 << 20
 # agent with subagents opens a few at once; the reliability campaign holds 40 stalled ones.
 MAX_CONNECTIONS = 64
 _DECIMAL = re.compile(r"[0-9]+")
+# Engine.answer_in_branches names each branch of a watched turn `ID-branch-<12 hex digits>`, a
+# session id contextd must accept too.
+BRANCH_SUFFIX_CHARS = len("-branch-") + 12
 CLIENT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 ADVERTISED_CONTEXT_WINDOW = 1_000_000  # the addressable session, not the attention budget
 
@@ -316,9 +320,27 @@ def _thinking(body: dict[str, Any], context: dict[str, Any] | None) -> str:
     return "default"
 
 
+def checked_session(value: str, where: str) -> str:
+    """`value` as a session id, exactly as the client sent it, or a 400 saying what an id may
+    hold: contextd's rule (contextd.ids), checked here so that nothing a client names fails in
+    contextd as a 500. Never rewritten, so two clients' ids never become one session."""
+    try:
+        return check_id(value, "session id")
+    except InvalidArgument:
+        raise RequestError(HTTPStatus.BAD_REQUEST,
+                           f"{where}: session id {value[:40]!r}{'...' if len(value) > 40 else ''} ({len(value)} "
+                           f"characters) is refused: use 1-{MAX_ID_LENGTH} characters from [A-Za-z0-9._:-], not "
+                           "starting with '.'") from None
+
+
 def session_header(headers: Any) -> str | None:
-    """The session a request names; Pi sends its own id (provider compat `sendSessionAffinityHeaders`)."""
-    return headers.get("X-KV-Session") or headers.get("X-Session-Affinity") or None
+    """The session a request names, checked (`checked_session`); Pi sends its own id (provider
+    compat `sendSessionAffinityHeaders`)."""
+    for name in ("X-KV-Session", "X-Session-Affinity"):
+        value = headers.get(name)
+        if value:
+            return checked_session(value, name)
+    return None
 
 
 def parse_chat(body: Any, headers: Any, model_id: str) -> tuple[ChatRequest, bool, bool]:
@@ -353,12 +375,11 @@ def parse_chat(body: Any, headers: Any, model_id: str) -> tuple[ChatRequest, boo
             raise RequestError(HTTPStatus.BAD_REQUEST, "X-KV-Context is not JSON") from None
         if not isinstance(context, dict) or not isinstance(context.get("messages", []), list):
             raise RequestError(HTTPStatus.BAD_REQUEST, "X-KV-Context must be an object with a messages list")
-    session_id = session_header(headers) or ""
-    if not session_id:
+    session_id = session_header(headers)
+    if session_id is None:
         opening = [m for m in messages if m.get("role") in ("system", "developer")][:1] + \
                   [m for m in messages if m.get("role") == "user"][:1]
         session_id = "auto-" + digest(opening)
-    session_id = "".join(c if c.isalnum() or c in "._:-" else "-" for c in str(session_id))[:128].lstrip(".") or "x"
     stream = bool(body.get("stream", False))
     options = body.get("stream_options") or {}
     include_usage = not stream or bool(isinstance(options, dict) and options.get("include_usage"))
@@ -514,7 +535,8 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                         "context_window": ADVERTISED_CONTEXT_WINDOW, "budget_tokens": budget_tokens,
                         "max_output_tokens": max_new_tokens}]})
                 elif url.path == "/v1/kv/stats":
-                    session = parse_qs(url.query).get("session", [None])[0]
+                    named = parse_qs(url.query).get("session", [None])[0]
+                    session = checked_session(named, url.path) if named else None
                     with worker.lock:
                         try:
                             stats = views.stats(worker.engine, session)
@@ -532,9 +554,7 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                 self._error(exc)
 
         def _pages(self, query: dict[str, list[str]]) -> dict[str, Any]:
-            session = query.get("session", [None])[0]
-            if not session:
-                raise RequestError(HTTPStatus.BAD_REQUEST, "say which session: /v1/kv/pages?session=ID")
+            session = self._session(query, "/v1/kv/pages")
             flag = query.get("text", ["0"])[0]
             if flag not in ("0", "1"):
                 raise RequestError(HTTPStatus.BAD_REQUEST, "text must be 0 or 1")
@@ -547,14 +567,19 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                     raise RequestError(HTTPStatus.NOT_FOUND, f"no session {session!r} on this server",
                                        "session_not_found") from None
 
+        @staticmethod
+        def _session(query: dict[str, list[str]], route: str) -> str:
+            session = query.get("session", [None])[0]
+            if not session:
+                raise RequestError(HTTPStatus.BAD_REQUEST, f"say which session: {route}?session=ID")
+            return checked_session(session, route)
+
         def _loopback_only(self, what: str) -> None:
             if not ipaddress.ip_address(self.client_address[0]).is_loopback:
                 raise RequestError(HTTPStatus.FORBIDDEN, f"{what} is only served to loopback clients", "forbidden")
 
         def _reading(self, query: dict[str, list[str]]) -> dict[str, Any]:
-            session = query.get("session", [None])[0]
-            if not session:
-                raise RequestError(HTTPStatus.BAD_REQUEST, "say which session: /v1/kv/score?session=ID")
+            session = self._session(query, "/v1/kv/score")
             self._loopback_only("what a session's answer read")
             with worker.lock:
                 reading = worker.engine.readings.get(session)
@@ -574,14 +599,20 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
             if not isinstance(names, list) or not all(isinstance(n, str) and n in SELECTORS for n in names):
                 raise RequestError(HTTPStatus.BAD_REQUEST,
                                    f"branches must be a list of selector names: {', '.join(SELECTORS)}")
+            session = checked_session(body["session"], "/v1/kv/score")
+            if names and len(session) > MAX_ID_LENGTH - BRANCH_SUFFIX_CHARS:
+                raise RequestError(HTTPStatus.BAD_REQUEST,
+                                   f"a watch with branches needs a session id of at most "
+                                   f"{MAX_ID_LENGTH - BRANCH_SUFFIX_CHARS} characters (each branch is a session "
+                                   f"named ID-branch-<12 hex digits>); this one has {len(session)}")
             self._loopback_only("scoring a session's answers")
             with worker.lock:
                 try:
-                    worker.engine.watch_answer(body["session"], candidates,
+                    worker.engine.watch_answer(session, candidates,
                                                [make_selector(name, restore_pages) for name in names])
                 except ValueError as exc:
                     raise RequestError(HTTPStatus.BAD_REQUEST, str(exc)) from None
-            self._json(HTTPStatus.ACCEPTED, {"session": body["session"], "watching": len(candidates)})
+            self._json(HTTPStatus.ACCEPTED, {"session": session, "watching": len(candidates)})
 
         def _content_length(self) -> int:
             """The body's length: one Content-Length of decimal digits (`int` also takes "-1",
