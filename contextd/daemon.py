@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from contextd.blobs import TEMP_PREFIX, BlobStore, Reserve
-from contextd.clock import Clock
+from contextd.clock import Clock, current
 from contextd.errors import DataCorrupt, FailedPrecondition, InvalidArgument, NotFound, SessionHeld, StoreFull
 from contextd.handover import Handover, Holder, payloads_named
 from contextd.ids import check_id
@@ -106,6 +106,7 @@ from contextd.wire import MAX_BATCH, MAX_SEGMENT_TEXT, MAX_TEXT, PageState
 HOT, COLD, DROPPED, CORRUPT = PageState.HOT, PageState.COLD, PageState.DROPPED, PageState.CORRUPT
 
 Mark = TypeVar("Mark", PinRow, LeaseRow)
+T = TypeVar("T")
 
 
 def _check_text(value: str, what: str, limit: int = MAX_TEXT) -> str:
@@ -184,7 +185,8 @@ class Daemon:
         self._unpublished: dict[str, set[str]] = {}
         self._unpublished_lock = threading.Lock()
         if config.objects is not None:
-            self.tier = ObjectTier(ObjectStore(config.objects), self.blobs, config.cache_bytes, config.clock)
+            self.tier = ObjectTier(ObjectStore(config.objects, config.clock), self.blobs, config.cache_bytes,
+                                   config.clock)
             self.handover = Handover(self.tier.objects, node_id(config.root))
             with self.store.read() as txn:
                 committed = list(_payloads(txn, EVERYTHING))
@@ -198,6 +200,23 @@ class Daemon:
         if self.tier is not None:
             self.tier.close()
         self.store.close()
+
+    def _commit(self, op: Callable[[Txn], T], what: str) -> tuple[T, CommitInfo]:
+        """`store.write(op)` at a call's commit point: refused (DeadlineExceeded) inside the
+        transaction once the call's deadline has passed (contextd.clock). The client has given up
+        on the call by then and takes it as failed, so it must find nothing of it done: a turn it
+        sends again, or the next one, must not meet this one committed late behind it. Writes that
+        record what already happened in the object store (a claim, a publish) are not commit
+        points: they always land."""
+        deadline = current()
+        if deadline is None:
+            return self.store.write(op)
+
+        def checked(txn: Txn) -> T:
+            deadline.check(what)
+            return op(txn)
+
+        return self.store.write(checked)
 
     # ----------------------------------------------------------------- the payloads' tiers
 
@@ -263,7 +282,7 @@ class Daemon:
             txn.put(SESSIONS, key, session)
             return session
 
-        return self.store.write(op)[0]
+        return self._commit(op, "open the session")[0]
 
     def get_session(self, session_id: str) -> SessionRow:
         with self.store.read() as txn:
@@ -279,7 +298,7 @@ class Daemon:
             txn.put(SESSIONS, SessionKey(session_id), session)
             return session
 
-        return self.store.write(op)[0]
+        return self._commit(op, "close the session")[0]
 
     def delete_session(self, session_id: str) -> tuple[int, int]:
         """Remove a session's rows, then its payloads. With an object store, its objects (payloads,
@@ -296,7 +315,7 @@ class Daemon:
             named.extend(locators)
             return pages
 
-        pages, _ = self.store.write(op)
+        pages, _ = self._commit(op, "delete the session")
         with self._unpublished_lock:
             named.extend(self._unpublished.pop(session_id, ()))
         # Files go after the commit: a crash in between leaves orphans for `gc`, never a
@@ -523,7 +542,7 @@ class Daemon:
                 return session
 
             try:
-                session = self.store.write(op)[0]
+                session = self._commit(op, "commit the branch")[0]
             except BaseException:
                 self._discard_payloads(list(moved.values()))
                 raise
@@ -592,7 +611,7 @@ class Daemon:
             counts = move(txn, session, time.time())
             txn.put(SESSIONS, SessionKey(session_id), replace(session, pages=counts))
 
-        return self.store.write(op)[1]
+        return self._commit(op, "commit the pages' change")[1]
 
     def upsert_pages(self, session_id: str, pages: Sequence[PageRow]) -> CommitInfo:
         _check_batch(pages, "pages")
@@ -905,7 +924,7 @@ class Daemon:
             txn.put(SESSIONS, SessionKey(session_id), replace(session, pages=counts))
             return len(add) + len(remove)
 
-        return self.store.write(op)[1]
+        return self._commit(op, "commit the marks")[1]
 
     def query_marks(self, table: Table[PageKey, Mark], session_id: str) -> list[tuple[str, Mark]]:
         """The session's pins or leases (`table`), by page id."""
@@ -926,7 +945,7 @@ class Daemon:
             self._session(txn, session_id)
             self._put_snapshot(txn, session_id, snapshot, replaced)
 
-        info = self.store.write(op)[1]
+        info = self._commit(op, "commit the snapshot")[1]
         self._delete_payloads(replaced)
         return info
 
@@ -1006,7 +1025,7 @@ class Daemon:
             return len(append)
 
         replaced: list[str] = []
-        info = self.store.write(op)[1]
+        info = self._commit(op, "commit the turn")[1]
         self._delete_payloads(replaced)
         if self.handover is not None:
             self._publish(session_id)

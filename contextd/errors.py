@@ -67,6 +67,15 @@ class SessionHeld(ContextdError):
     code = "PERMISSION_DENIED"
 
 
+class DeadlineExceeded(ContextdError):
+    """The caller's deadline passed before the call could commit, so it committed nothing: the
+    client has given up on it (or is about to) and takes it as failed, so a commit after that
+    would put in the session what the client thinks is not there (contextd.clock). The same code
+    comes back when the client's own deadline ends the call."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
 class AlreadyRunning(ContextdError):
     """Another daemon already serves this root."""
 
@@ -76,5 +85,5 @@ class AlreadyRunning(ContextdError):
 BY_CODE: dict[str, type[ContextdError]] = {
     cls.code: cls
     for cls in (InvalidArgument, NotFound, FailedPrecondition, StoreFull, DataCorrupt, DaemonUnavailable,
-                TierUnavailable, SessionHeld, AlreadyRunning)
+                TierUnavailable, SessionHeld, DeadlineExceeded, AlreadyRunning)
 }

@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from contextd.blobs import TEMP_PREFIX, fsync_dir
+from contextd.clock import Clock, current
 from contextd.errors import DataCorrupt, InvalidArgument, TierUnavailable
 
 __all__ = ["ConditionFailed", "ObjectStore", "ObjectStoreConfig"]
@@ -122,13 +123,14 @@ class ObjectStore:
     """Payload objects in one bucket under one prefix, and the sessions' small state objects beside
     them (contextd.handover). Thread-safe (a boto3 client is)."""
 
-    def __init__(self, config: ObjectStoreConfig) -> None:
+    def __init__(self, config: ObjectStoreConfig, clock: Clock | None = None) -> None:
         try:
             import boto3
             from botocore.config import Config
         except ImportError:
             raise InvalidArgument("the object tier needs boto3: pip install 'kv-elision[s3]'") from None
         self.config = config
+        self.clock = clock or Clock()
         # S3 compares If-Match with the ETag in quotes, Ceph 16's RGW without: unquoted first,
         # and quoted from the first 412 that a re-read shows was this dialect's (write_object).
         self._quote_etags = False
@@ -141,22 +143,32 @@ class ObjectStore:
 
     # -- one deadline, backoff with full jitter ------------------------------------------------
     def _run(self, what: str, op: Callable[[], T]) -> T:
-        deadline = time.monotonic() + self.config.deadline_s
+        """`op`, retried after connection errors, timeouts, throttling and 5xx with exponential
+        backoff and full jitter until `deadline_s` has passed, or the deadline of the call it runs
+        for when that comes first (contextd.clock): no attempt starts after it."""
+        call = current()
+        deadline = self.clock.monotonic() + self.config.deadline_s
+        whose = f"{self.config.deadline_s:g} s"
+        if call is not None and call.at < deadline:
+            deadline, whose = call.at, "the caller's deadline"
         attempt = 0
+        last = "none"
         while True:
+            if self.clock.monotonic() >= deadline:
+                break
             try:
                 return op()
             except Exception as exc:  # noqa: BLE001 - sorted below: retried, or raised typed
                 if not _retryable(exc):
                     raise
                 attempt += 1
+                last = f"{type(exc).__name__}: {str(exc)[:200]}"
                 pause = min(self.config.backoff_cap_s, self.config.backoff_base_s * 2 ** attempt) * random.random()
-                if time.monotonic() + pause >= deadline:
-                    raise TierUnavailable(
-                        f"the object store at {self.config.endpoint or 'AWS'} did not {what} within "
-                        f"{self.config.deadline_s:g} s ({attempt} attempts; last: {type(exc).__name__}: "
-                        f"{str(exc)[:200]})") from None
+                if self.clock.monotonic() + pause >= deadline:
+                    break
                 time.sleep(pause)
+        raise TierUnavailable(f"the object store at {self.config.endpoint or 'AWS'} did not {what} within "
+                              f"{whose} ({attempt} attempts; last: {last})")
 
     def key(self, locator: str) -> str:
         return f"{self.config.prefix}payloads/{locator}"

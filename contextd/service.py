@@ -29,6 +29,7 @@ from google.protobuf.message import Message
 
 from contextd._gen import contextd_pb2 as pb
 from contextd._gen import contextd_pb2_grpc as pb_grpc
+from contextd.clock import Deadline, within
 from contextd.daemon import Daemon, Mark
 from contextd.errors import ContextdError, InvalidArgument
 from contextd.records import (
@@ -121,8 +122,11 @@ class ContextdService(pb_grpc.ContextdServicer):
         self._stopping.set()
 
     def _call(self, context: grpc.ServicerContext, fn: Callable[[], R]) -> R:
+        """`fn` within the call's deadline (contextd.clock: every wait of the call honours it, and
+        nothing commits after it); its errors become gRPC statuses."""
         try:
-            return fn()
+            with within(Deadline.after(self.daemon.config.clock, context.time_remaining())):
+                return fn()
         except ContextdError as exc:
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
         except (KeyError, TypeError, ValueError, OverflowError) as exc:

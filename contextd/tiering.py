@@ -29,6 +29,7 @@ daemon only.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 from collections import Counter, OrderedDict
@@ -111,8 +112,10 @@ class ObjectTier:
         self.trim(set())
 
     def _each(self, work: Callable[[T], object], items: Sequence[T]) -> None:
-        """`work` on every item, TRANSFERS at a time; the first failure is raised once all have ended."""
-        failures = [f.exception() for f in [self._pool.submit(work, item) for item in items]]
+        """`work` on every item, TRANSFERS at a time, each in the caller's context (its call's
+        deadline: contextd.clock); the first failure is raised once all have ended."""
+        failures = [f.exception() for f in [self._pool.submit(contextvars.copy_context().run, work, item)
+                                            for item in items]]
         for failure in failures:
             if failure is not None:
                 raise failure

@@ -33,8 +33,9 @@ class Fault:
     path holds `fragment`.
 
     `kind` is "lose" (the reply to that request is dropped and its connection closed once the store
-    has answered; `status` is the status the client never saw) or "hold" (the request waits,
-    unsent, until `release`). `reached` is set when it fires."""
+    has answered; `status` is the status the client never saw), "hold" (the request waits, unsent,
+    until `release`) or "refuse" (every such request's connection is closed unsent, a store that
+    is down for it, until `release`). `reached` is set when it first fires."""
 
     method: str
     fragment: str
@@ -151,6 +152,9 @@ class _Connection:
                 head = reader.head()
                 method, path = (part.decode() for part in head.split(b" ", 2)[:2])
                 fault = self.proxy.take(method, path)
+                if fault is not None and fault.kind == "refuse":
+                    fault.reached.set()
+                    raise _Closed
                 if fault is not None and fault.kind == "hold":
                     fault.reached.set()
                     if not fault.released.wait(WAIT_S):
@@ -211,6 +215,10 @@ class S3Proxy:
         """Hold the next `method` request whose path holds `fragment` until its `release`."""
         return self._arm(Fault(method, fragment, "hold"))
 
+    def refuse(self, method: str, fragment: str) -> Fault:
+        """Close, unsent, every `method` request whose path holds `fragment` until the fault's `release`."""
+        return self._arm(Fault(method, fragment, "refuse"))
+
     def _arm(self, fault: Fault) -> Fault:
         with self._lock:
             self._faults.append(fault)
@@ -218,11 +226,14 @@ class S3Proxy:
         return fault
 
     def take(self, method: str, path: str) -> Fault | None:
-        """The first armed fault this request fires (it is then disarmed)."""
+        """The first armed fault this request fires (then disarmed, but for a refusal not yet released)."""
         with self._lock:
             for fault in self._faults:
+                if fault.kind == "refuse" and fault.released.is_set():
+                    continue
                 if method in fault.method.split("|") and fault.fragment in path:
-                    self._faults.remove(fault)
+                    if fault.kind != "refuse":
+                        self._faults.remove(fault)
                     return fault
         return None
 
