@@ -7,13 +7,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from contextd.client import Client, pb
 from contextd.clock import ENV as CLOCK_ENV
+from harness.faults.network import S3Proxy
+from harness.rgw import Rgw
 from serving.launcher import ContextdProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,6 +42,30 @@ def states(changes: list[tuple[str, int]], turn: int = 0) -> list[pb.PageStateCh
 def short_tempdir() -> Path:
     """Unix socket paths are limited to 107 bytes, so sockets live in a short /tmp folder."""
     return Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp"))
+
+
+def in_thread(call: Any) -> tuple[threading.Thread, list[Any]]:
+    """Run `call` in a thread of its own (a call a fault holds back); the list gets its result or its exception."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except Exception as exc:  # noqa: BLE001 - handed to the test, which asserts on it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+@pytest.fixture
+def proxy(rgw: Rgw) -> Iterator[S3Proxy]:
+    """A path to the test's object store that can lose a reply, hold a request back or refuse
+    requests (harness.faults.network)."""
+    path = S3Proxy(rgw.port)
+    yield path
+    path.close()
 
 
 class MovedClock:

@@ -21,7 +21,7 @@ from harness.rgw import Rgw
 from serving.launcher import ContextdProcess
 from tests.objectstore import bucket
 
-from .conftest import store_payload
+from .conftest import in_thread, store_payload
 from .test_object_tier import data, page, tiered
 
 
@@ -238,29 +238,6 @@ def test_a_turn_puts_up_only_the_manifest_chunks_whose_pages_changed(daemon_fact
     assert [(p.page_id, p.last_used_turn) for p in b.get_pages("s", ids)] == \
         [(p.page_id, p.last_used_turn) for p in a.get_pages("s", ids)]
     assert b.get_session("s").pages == a.get_session("s").pages
-
-
-@pytest.fixture
-def proxy(rgw: Rgw) -> Any:
-    """A path to the store that can lose a reply or hold a request back (harness.faults.network)."""
-    path = S3Proxy(rgw.port)
-    yield path
-    path.close()
-
-
-def in_thread(call: Any) -> tuple[threading.Thread, list[Any]]:
-    """Run `call` in a thread of its own; the list gets its result or its exception."""
-    outcome: list[Any] = []
-
-    def run() -> None:
-        try:
-            outcome.append(call())
-        except Exception as exc:  # noqa: BLE001 - handed to the test, which asserts on it
-            outcome.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, outcome
 
 
 def test_a_publish_whose_reply_is_lost_keeps_its_turn_and_every_adopter_reads_it(

@@ -28,7 +28,7 @@ from harness.rgw import Rgw
 from serving.launcher import ContextdProcess
 from tests.objectstore import bucket
 
-from .conftest import MovedClock, store_payload
+from .conftest import MovedClock, in_thread, store_payload
 
 PAYLOAD = (6 << 20) // 4   # 1.5 MiB: one PUT each
 BIG = (11 << 20) + 12345  # past two 5 MiB parts: a multipart upload
@@ -312,73 +312,50 @@ def test_object_store_settings_are_checked() -> None:
         ObjectStoreConfig(url="s3://bucket", part_bytes=1 << 20)
 
 
-def in_thread(call: Any) -> tuple[threading.Thread, list[Any]]:
-    """Run `call` in a thread of its own; the list gets its result or its exception."""
-    outcome: list[Any] = []
-
-    def run() -> None:
-        try:
-            outcome.append(call())
-        except Exception as exc:  # noqa: BLE001 - handed to the test, which asserts on it
-            outcome.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, outcome
-
-
 def test_a_turn_answered_by_the_object_store_after_the_callers_deadline_is_not_committed(
-        daemon_factory: Any, s3: ObjectStore, rgw: Rgw, clock: MovedClock) -> None:
+        daemon_factory: Any, s3: ObjectStore, proxy: S3Proxy, clock: MovedClock) -> None:
     """The client gives up on a call at its deadline and fails the turn, while contextd may still
     be waiting on the object store. A turn whose snapshot upload is answered only after the
     caller's deadline (on the daemon's clock) is refused, not committed; sent again in time, it is."""
-    proxy = S3Proxy(rgw.port)
-    try:
-        _, client = tiered(daemon_factory, s3, endpoint=proxy.endpoint)
-        store_payload(client, "s", page(1), data(1))
-        blob = client.payloads().write("s", "snapshot-recurrent", b"state" * 100, suffix="rs")
-        snapshot = pb.Snapshot(slot="recurrent", token_count=128, fingerprint="f", locator=blob.locator,
-                               byte_size=blob.byte_size, checksum=blob.checksum)
-        record = pb.SessionRecord(turn=1, fingerprint="f")
-        segment = pb.TranscriptSegment(text="user 1", token_ids=[1, 2])
-        upload = proxy.hold("PUT", f"/payloads/{blob.locator}")
-        with Client(client.socket_path, timeout=20.0) as engine:
-            thread, outcome = in_thread(lambda: engine.write_record("s", record, 0, [segment], [snapshot]))
-            upload.wait()
-            clock.advance(21)                      # the engine's deadline passes while the upload waits
-            upload.release()
-            thread.join(WAIT_S)
-        assert len(outcome) == 1 and isinstance(outcome[0], DeadlineExceeded), outcome
-        with pytest.raises(NotFound):
-            client.read_record("s")
-        assert list(client.query_snapshots("s")) == []
-        client.write_record("s", record, 0, [segment], [snapshot])
-        assert client.read_record("s").record.turn == 1 and len(client.query_snapshots("s")) == 1
-    finally:
-        proxy.close()
+    _, client = tiered(daemon_factory, s3, endpoint=proxy.endpoint)
+    store_payload(client, "s", page(1), data(1))
+    blob = client.payloads().write("s", "snapshot-recurrent", b"state" * 100, suffix="rs")
+    snapshot = pb.Snapshot(slot="recurrent", token_count=128, fingerprint="f", locator=blob.locator,
+                           byte_size=blob.byte_size, checksum=blob.checksum)
+    record = pb.SessionRecord(turn=1, fingerprint="f")
+    segment = pb.TranscriptSegment(text="user 1", token_ids=[1, 2])
+    upload = proxy.hold("PUT", f"/payloads/{blob.locator}")
+    with Client(client.socket_path, timeout=20.0) as engine:
+        thread, outcome = in_thread(lambda: engine.write_record("s", record, 0, [segment], [snapshot]))
+        upload.wait()
+        clock.advance(21)                      # the engine's deadline passes while the upload waits
+        upload.release()
+        thread.join(WAIT_S)
+    assert len(outcome) == 1 and isinstance(outcome[0], DeadlineExceeded), outcome
+    with pytest.raises(NotFound):
+        client.read_record("s")
+    assert list(client.query_snapshots("s")) == []
+    client.write_record("s", record, 0, [segment], [snapshot])
+    assert client.read_record("s").record.turn == 1 and len(client.query_snapshots("s")) == 1
 
 
 def test_an_object_store_that_is_down_fails_a_call_at_the_callers_deadline_not_the_stores(
-        daemon_factory: Any, s3: ObjectStore, rgw: Rgw, clock: MovedClock) -> None:
+        daemon_factory: Any, s3: ObjectStore, proxy: S3Proxy, clock: MovedClock) -> None:
     """Every wait has the caller's deadline: with `--object-deadline` far away, a store that refuses
     every upload fails the call once the caller's deadline has passed on the daemon's clock."""
-    proxy = S3Proxy(rgw.port)
-    try:
-        _, client = tiered(daemon_factory, s3, "--object-deadline", "600", endpoint=proxy.endpoint)
-        blob = client.payloads().write("s", "p1", data(1))
-        record = pb.Page()
-        record.CopyFrom(page(1))
-        record.locator, record.byte_size, record.checksum = blob.locator, blob.byte_size, blob.checksum
-        down = proxy.refuse("PUT", "/payloads/s/")
-        with Client(client.socket_path, timeout=30.0) as engine:
-            thread, outcome = in_thread(lambda: engine.upsert_pages("s", [record]))
-            down.wait()
-            clock.advance(31)
-            thread.join(WAIT_S)
-        assert len(outcome) == 1 and isinstance(outcome[0], TierUnavailable), outcome
-        assert "deadline" in str(outcome[0]) and client.query_pages("s") == []
-        down.release()
-        client.upsert_pages("s", [record])
-        assert [p.page_id for p in client.query_pages("s")] == ["p1"]
-    finally:
-        proxy.close()
+    _, client = tiered(daemon_factory, s3, "--object-deadline", "600", endpoint=proxy.endpoint)
+    blob = client.payloads().write("s", "p1", data(1))
+    record = pb.Page()
+    record.CopyFrom(page(1))
+    record.locator, record.byte_size, record.checksum = blob.locator, blob.byte_size, blob.checksum
+    down = proxy.refuse("PUT", "/payloads/s/")
+    with Client(client.socket_path, timeout=30.0) as engine:
+        thread, outcome = in_thread(lambda: engine.upsert_pages("s", [record]))
+        down.wait()
+        clock.advance(31)
+        thread.join(WAIT_S)
+    assert len(outcome) == 1 and isinstance(outcome[0], TierUnavailable), outcome
+    assert "deadline" in str(outcome[0]) and client.query_pages("s") == []
+    down.release()
+    client.upsert_pages("s", [record])
+    assert [p.page_id for p in client.query_pages("s")] == ["p1"]
