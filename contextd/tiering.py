@@ -137,10 +137,9 @@ class ObjectTier:
     def fetch(self, wanted: Sequence[Wanted], hold: bool = True) -> dict[str, str]:
         """Have every payload of `wanted` in the folder, downloading the missing ones, and with
         `hold` keep them there for READ_HOLD_S once handed out (the caller reads them after this
-        returns; a caller that reads them itself holds nothing, or a daemon's `verify` would hold
-        the whole store). Returns the
-        ones the object store lost or holds other bytes of (locator -> why; they stay out of the
-        folder); TierUnavailable when the store does not answer in time."""
+        returns; a caller that reads them itself holds nothing, or `verify` would hold the whole
+        store). Returns the ones the object store lost or holds other bytes of (locator -> why;
+        they stay out of the folder); TierUnavailable when the store does not answer in time."""
         lost: dict[str, str] = {}
         locators = [locator for locator, _, _ in wanted]
 
@@ -160,6 +159,7 @@ class ObjectTier:
             with self._lock:
                 self.fetched += len(missing) - len(lost)
                 self.bytes_fetched += sum(size for locator, size, _ in missing if locator not in lost)
+                self._end_holds()
                 until = self.clock.monotonic() + READ_HOLD_S
                 for locator, size, _ in wanted:
                     if locator not in lost:
@@ -216,11 +216,15 @@ class ObjectTier:
                 self._cached[target] = self.blobs.path(target).stat().st_size
         return moved
 
-    def _reads(self) -> set[str]:
-        """The payloads a read is fetching, or has handed out and whose hold runs (under the lock)."""
+    def _end_holds(self) -> None:
+        """Forget the holds that have ended (under the lock)."""
         now = self.clock.monotonic()
         for locator in [locator for locator, until in self._held.items() if until <= now]:
             del self._held[locator]
+
+    def _reads(self) -> set[str]:
+        """The payloads a read is fetching, or has handed out and whose hold runs (under the lock)."""
+        self._end_holds()
         return set(self._reading) | set(self._held)
 
     def evict(self, bytes_needed: int, protect: set[str]) -> int:
