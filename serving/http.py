@@ -48,7 +48,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -74,7 +74,7 @@ _DECIMAL = re.compile(r"[0-9]+")
 # Engine.answer_in_branches names each branch of a watched turn `ID-branch-<12 hex digits>`, a
 # session id contextd must accept too.
 BRANCH_SUFFIX_CHARS = len("-branch-") + 12
-CLIENT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
+CLIENT_POLL_S = 0.25  # how often a turn's client's socket is looked at, and a waiting handler's worker
 ADVERTISED_CONTEXT_WINDOW = 1_000_000  # the addressable session, not the attention budget
 
 
@@ -90,6 +90,20 @@ class _Job:
     request: ChatRequest
     events: queue.Queue[TurnEvent | RequestError]
     gone: threading.Event  # the client disconnected: a queued turn is dropped, a running one ends
+    client_gone: Callable[[], bool] = lambda: False   # what the client's socket says (the handler's)
+    checked: float = -math.inf   # when the socket was last looked at
+
+    def left(self) -> bool:
+        """Whether the client is gone: its handler said so (a write failed or timed out), or its
+        socket says so, looked at once per CLIENT_POLL_S. The request's `cancelled`: the engine
+        asks it between decoded tokens, the worker between the steps before the answer."""
+        now = time.monotonic()
+        if not self.gone.is_set() and now - self.checked >= CLIENT_POLL_S:
+            self.checked = now
+            if self.client_gone():
+                log.info("client left session %s; ending its turn", self.request.session_id)
+                self.gone.set()
+        return self.gone.is_set()
 
 
 @dataclass
@@ -97,6 +111,7 @@ class _Turn:
     job: _Job
     steps: Generator[TurnEvent, int | None, None] = field(init=False)
     started: bool = False
+    prepared: bool = False               # its prompt is in: from here it ends at a decoded token
     decode: DecodeStep | None = None     # the decode step it waits on, run with the round's others
     token: int | None = None             # what that step picked, sent in at its next step
     failure: Exception | None = None     # or how the batched forward failed, thrown in instead
@@ -114,11 +129,14 @@ class Worker(threading.Thread):
         self.lock = threading.Lock()  # held during a step; stats readers take it briefly between steps
         self.failure: BaseException | None = None  # why the loop ended early, when it did
 
-    def submit(self, request: ChatRequest) -> _Job:
+    def submit(self, request: ChatRequest, client_gone: Callable[[], bool] | None = None) -> _Job:
+        """Queue a turn; `client_gone` says whether its client has closed its end."""
         if self.failure is not None:
             raise self.stopped()
         job = _Job(request, queue.Queue(), threading.Event())
-        request.cancelled = job.gone.is_set
+        if client_gone is not None:
+            job.client_gone = client_gone
+        request.cancelled = job.left
         self.jobs.put(job)
         return job
 
@@ -194,7 +212,7 @@ class Worker(threading.Thread):
         fewer than `resident_sessions` run; drop those whose client left."""
         busy = {turn.job.request.session_id for turn in running}
         for job in list(waiting):
-            if job.gone.is_set():
+            if job.left():
                 waiting.remove(job)
                 log.info("session %s: the client left before its turn started; dropped", job.request.session_id)
                 job.events.put(RequestError(HTTPStatus.BAD_REQUEST, "the client disconnected"))
@@ -214,6 +232,9 @@ class Worker(threading.Thread):
         job = turn.job
         if turn.decode is not None:
             return True
+        if not turn.prepared and job.left():
+            self._drop(turn)
+            return False
         with self.lock:
             try:
                 if turn.started:
@@ -222,6 +243,7 @@ class Worker(threading.Thread):
                 token, failure, turn.token, turn.failure = turn.token, turn.failure, None, None
                 event = turn.steps.throw(failure) if failure is not None else turn.steps.send(token)
                 while not event.pause:
+                    turn.prepared = turn.prepared or event.prepared is not None
                     job.events.put(event)
                     event = next(turn.steps)
                 if self.engine.config.batch_decode:
@@ -237,6 +259,24 @@ class Worker(threading.Thread):
                 if not isinstance(exc, TranscriptError):
                     self._forget(job.request.session_id)
                 return False
+
+    def _drop(self, turn: _Turn) -> None:
+        """End a turn whose client left before its prompt was in: between two prefill chunks (or
+        before the first), not after the whole prompt and a token for nobody. The turn is closed
+        as a failed one is (its lease released, the session dropped from memory), so the
+        session's next turn starts from what contextd holds; the server's totals count it as a
+        cancelled turn."""
+        session_id = turn.job.request.session_id
+        with self.lock:
+            try:
+                turn.steps.close()
+            except Exception:  # noqa: BLE001 - the session is forgotten below either way
+                log.exception("session %s: closing the turn its client left failed", session_id)
+            if turn.started:
+                self._forget(session_id)
+                self.engine.totals.add(cancelled_turns=1)
+        log.info("session %s: the client left before its prompt was in; the turn ended", session_id)
+        turn.job.events.put(RequestError(HTTPStatus.BAD_REQUEST, "the client disconnected"))
 
     def _forget(self, session_id: str) -> None:
         """Drop a failed turn's session from memory, so that its next turn starts from the last
@@ -465,6 +505,15 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
             self.rfile.close()
             self.reader = _RequestReader(self.connection, client_timeout)
             self.rfile = io.BufferedReader(self.reader)
+            self.watching = threading.Lock()   # the socket is looked at (`_client_gone`) or let go (`finish`)
+            self.done = False
+
+        def finish(self) -> None:
+            """Before the connection closes (after this): a turn still running sees its client gone
+            from now on, never a socket closed under it (or another connection on its number)."""
+            with self.watching:
+                self.done = True
+            super().finish()
 
         def handle_one_request(self) -> None:
             self.reader.deadline = time.monotonic() + client_timeout
@@ -501,7 +550,7 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                     self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(data)
-            except (BrokenPipeError, ConnectionResetError):
+            except OSError:   # gone, or stalled past the client timeout
                 log.info("client left before its %d answer was written", status)
                 self.close_connection = True
 
@@ -662,7 +711,7 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                 request, stream, include_usage = parse_chat(self._body(session_header(self.headers)), self.headers,
                                                             model_id)
                 request.received_ms = (time.perf_counter() - receiving) * 1e3
-                job = worker.submit(request)
+                job = worker.submit(request, self._client_gone)
             except RequestError as exc:
                 self.close_connection = self.close_connection or not self.body_read   # else the body reads as a request
                 self._error(exc)
@@ -672,26 +721,22 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
             else:
                 self._complete(request, job)
 
-        _checked = 0.0  # when _next last looked at the client's socket
-
         def _client_gone(self) -> bool:
-            """True once the client has closed its end (a readable socket that reads nothing)."""
-            try:
-                readable, _, _ = select.select([self.connection], [], [], 0)
-                return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
-            except OSError:
-                return True
+            """True once the client has closed its end (a readable socket that reads nothing) or
+            this handler is done with the connection. The worker asks (`_Job.left`), between
+            the steps of the client's turn."""
+            with self.watching:
+                if self.done:
+                    return True
+                try:
+                    readable, _, _ = select.select([self.connection], [], [], 0)
+                    return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+                except (OSError, ValueError):
+                    return True
 
         def _next(self, job: _Job) -> TurnEvent | RequestError:
-            """The turn's next event; while waiting, notice a client that went away and tell the
-            worker, which ends the turn at the next decoded token (or drops it if still queued)."""
+            """The turn's next event (the worker watches the client meanwhile: `_Job.left`)."""
             while True:
-                now = time.monotonic()
-                if now - self._checked >= CLIENT_POLL_S:  # also while events flow (tokens of a long answer)
-                    self._checked = now
-                    if not job.gone.is_set() and self._client_gone():
-                        log.info("client left session %s; ending its turn", job.request.session_id)
-                        job.gone.set()
                 event = worker.next_event(job, CLIENT_POLL_S)
                 if event is not None:
                     return event
@@ -740,13 +785,6 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
             if isinstance(prepared, RequestError):
                 self._error(prepared)
                 return
-            self.send_response(HTTPStatus.OK)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            for name, header in self._headers_for(request, prepared).items():
-                self.send_header(name, header)
-            self.end_headers()
             self.close_connection = True
             ident = f"chatcmpl-{uuid.uuid4().hex}"
             created = int(time.time())
@@ -760,6 +798,13 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
             content = _ContentFilter()
             finished = False
             try:
+                self.send_response(HTTPStatus.OK)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Connection", "close")
+                for name, header in self._headers_for(request, prepared).items():
+                    self.send_header(name, header)
+                self.end_headers()
                 chunk({"role": "assistant", "content": ""})
                 while not finished:
                     event = self._next(job)
@@ -787,7 +832,7 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                             chunk({"content": text})
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
-            except (BrokenPipeError, ConnectionResetError):
+            except OSError:   # closed, or a write waited the client timeout: the client is gone either way
                 log.info("client left session %s mid-stream; ending its turn", request.session_id)
                 job.gone.set()
                 while not finished:
