@@ -703,6 +703,11 @@ class Backend(Protocol):
         ...
 
     @property
+    def recompute_refusal(self) -> str | None:
+        """Why `recompute` refuses this model (it has recurrent layers), or None where it runs."""
+        ...
+
+    @property
     def recomputed_tokens(self) -> int:
         """Held tokens that hold recomputed K/V now."""
         ...

@@ -655,10 +655,10 @@ class SlotBackend(abc.ABC):
 
         Raises UnsupportedModelError for a model with recurrent layers: they consume the stream in
         order, and a held token fed again would fold into their state a second time."""
+        refusal = self.recompute_refusal
+        if refusal is not None:
+            raise UnsupportedModelError(refusal)
         rt = self._rt
-        if rt.roles.recurrent:
-            raise UnsupportedModelError(f"{rt.family}: held tokens cannot be recomputed on a model with recurrent "
-                                        "layers (they would enter the recurrent state a second time)")
         self._settle()
         self._check_usable()
         idx = np.unique(np.asarray(indices, dtype=np.int64))
@@ -688,6 +688,15 @@ class SlotBackend(abc.ABC):
         self._landed(None, started, st.take_entered())
         self._counters.blend_forward_tokens += int(ids.shape[0])
         return int(ids.shape[0])
+
+    @property
+    def recompute_refusal(self) -> str | None:
+        """Why `recompute` refuses this model, or None where it runs."""
+        rt = self._rt
+        if rt.roles.recurrent:
+            return (f"{rt.family}: held tokens cannot be recomputed on a model with recurrent layers (they would "
+                    "enter the recurrent state a second time)")
+        return None
 
     def _recompute_runs(self, positions: np.ndarray) -> list[tuple[int, int]]:
         """The forwards a recompute of tokens at `positions` (ascending) runs, as index ranges in

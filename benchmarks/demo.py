@@ -67,13 +67,17 @@ def plot(turns: list[TurnRecord], budget: int, path: Path) -> None:
     plt.close(fig)
 
 
-def show(t: TurnRecord) -> None:
-    c = t.counters
-    exact = c["model_forward_tokens"] == c["new_prefill_tokens"] + c["decoded_tokens"] and \
-        c["historical_forward_during_restore"] == 0
+def accounted(c: dict[str, int]) -> bool:
+    """Every token through the model is new text, an answer or the blend, and none is history
+    re-read by a restore."""
+    return c["model_forward_tokens"] == c["new_prefill_tokens"] + c["decoded_tokens"] + c["blend_forward_tokens"] \
+        and c["historical_forward_during_restore"] == 0
+
+
+def show(t: TurnRecord, blended: int) -> None:
     print(f"{t.turn:>4} {t.session_tokens:>8} {t.attention_tokens:>6} {t.hot:>4} {t.cold:>5} {t.pinned:>4} "
-          f"{t.prefilled:>7} {t.restored_pages:>8} {t.evicted_pages:>7} {'yes' if exact else 'NO':>12} "
-          f"{t.seconds:>6.1f}", flush=True)
+          f"{t.prefilled:>7} {t.restored_pages:>8} {t.evicted_pages:>7} {blended:>5} "
+          f"{'yes' if accounted(t.counters) else 'NO':>18} {t.seconds:>6.1f}", flush=True)
 
 
 def play(name: str, flags: tuple[str, ...], args: argparse.Namespace, script: Script, tokenizer: Any
@@ -88,12 +92,18 @@ def play(name: str, flags: tuple[str, ...], args: argparse.Namespace, script: Sc
     try:
         print(f"\n== {name} ({' '.join(flags) or 'the server as shipped'}), server on port {server.port}")
         print(f"{'turn':>4} {'session':>8} {'attn':>6} {'hot':>4} {'cold':>5} {'pin':>4} {'prefill':>7} "
-              f"{'restored':>8} {'evicted':>7} {'fwd==new+dec':>12} {'secs':>6}")
+              f"{'restored':>8} {'evicted':>7} {'blend':>5} {'fwd==new+dec+blend':>18} {'secs':>6}")
         run = AgentRun(server, "demo", max_tokens=32, messages=[{"role": "system", "content": SYSTEM_PROMPT}],
                        tools=None)
+        def ask(message: str) -> TurnRecord:
+            blended = run.turns[-1].counters["blend_forward_tokens"] if run.turns else 0
+            record = run.ask([{"role": "user", "content": message}])
+            show(record, record.counters["blend_forward_tokens"] - blended)
+            return record
+
         for step in script.steps:
             if step.kind != "question":
-                show(run.ask([{"role": "user", "content": step.message}]))
+                ask(step.message)
                 continue
             fact = step.fact
             assert fact is not None
@@ -102,8 +112,7 @@ def play(name: str, flags: tuple[str, ...], args: argparse.Namespace, script: Sc
                                    timeout=60.0)
             if reply.status != 202:
                 raise RuntimeError(f"the server would not score the answer: {reply.status} {reply.body}")
-            record = run.ask([{"role": "user", "content": step.message}])
-            show(record)
+            record = ask(step.message)
             reading = server.request("GET", "/v1/kv/score?session=demo", timeout=60.0).body
             turn = server.stats("demo")["turn"]
             where = fact_residency(server.socket, "demo", fact_needle(fact.code), tokenizer, turn=turn)
@@ -163,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\npeak attention {counters['peak_attention_tokens']} of {args.budget} tokens over a "
           f"{final.session_tokens}-token session; {counters['evicted_pages']} pages evicted, "
           f"{counters['restored_pages']} restored; model_forward_tokens {counters['model_forward_tokens']} == "
-          f"new_prefill {counters['new_prefill_tokens']} + decoded {counters['decoded_tokens']}; "
+          f"new_prefill {counters['new_prefill_tokens']} + decoded {counters['decoded_tokens']} + blend "
+          f"{counters['blend_forward_tokens']} (held tokens recomputed before answers); "
           f"historical_forward_during_restore {counters['historical_forward_during_restore']}")
     print(f"plot: {out / 'attention.png'}; per-turn record: {out / 'turns.json'}")
 
@@ -182,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                       "model_forward_tokens": counters["model_forward_tokens"],
                       "new_prefill_tokens": counters["new_prefill_tokens"],
                       "decoded_tokens": counters["decoded_tokens"],
+                      "blend_forward_tokens": counters["blend_forward_tokens"],
+                      "accounted": all(accounted(run.turns[-1].counters) for run in runs.values()),
                       "historical_forward_during_restore": counters["historical_forward_during_restore"],
                       **{name.replace(" ", "_"): figures for name, figures in summary.items()}},
                      ensure_ascii=False))

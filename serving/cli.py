@@ -141,11 +141,14 @@ def cmd_models(args: argparse.Namespace) -> int:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine configuration `serve`'s flags name (ValueError for a value out of range): what a
     benchmark that drives the engine in-process builds it from, so it serves as `serve` would."""
-    parts = tuple(p.strip() for p in args.blend.split(",") if p.strip() and p.strip() != "none")
+    blend = None
+    if args.blend is not None or args.blend_heads != DEFAULT_BLEND.heads or args.blend_budget != DEFAULT_BLEND.budget:
+        named = DEFAULT_BLEND.parts if args.blend is None else args.blend.split(",")
+        parts = tuple(p.strip() for p in named if p.strip() and p.strip() != "none")
+        blend = BlendPolicy(parts=parts, heads=args.blend_heads, budget=args.blend_budget)
     return EngineConfig(budget_tokens=args.budget, max_new_tokens=args.max_new_tokens,
                         tail_tokens=args.tail_tokens, lease_turns=args.lease_turns,
-                        compress_pages=args.compress == "zstd", placement=args.placement,
-                        blend=BlendPolicy(parts=parts, heads=args.blend_heads, budget=args.blend_budget),
+                        compress_pages=args.compress == "zstd", placement=args.placement, blend=blend,
                         resident_sessions=args.resident_sessions, batch_decode=args.batch_decode,
                         session_lease_s=args.session_lease, evict_order=args.evict_order)
 
@@ -167,10 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--placement", default=EngineConfig.placement, choices=list(PLACEMENTS),
                        help="where a turn's restored pages sit while its answer is read: at their place in the "
                        "timeline, or right before the new message (docs/proof.md measures both)")
-    serve.add_argument("--blend", default=",".join(DEFAULT_BLEND.parts) or "none", metavar="PARTS",
+    serve.add_argument("--blend", default=None, metavar="PARTS",
                        help="held tokens each turn recomputes in the current view before the answer, by part: "
                        f"a comma list of {', '.join(p for p in PARTS if p != 'heads')}, or none (counted as "
-                       "blend_forward_tokens; the stored K/V stay exact; docs/server.md)")
+                       "blend_forward_tokens; the stored K/V stay exact; default: "
+                       f"{','.join(DEFAULT_BLEND.parts) or 'none'}, none on a model with recurrent layers; "
+                       "docs/server.md)")
     serve.add_argument("--blend-heads", type=int, default=DEFAULT_BLEND.heads, metavar="K",
                        help="also recompute the first K tokens of every run of consecutive pages in the view")
     serve.add_argument("--blend-budget", type=float, default=DEFAULT_BLEND.budget, metavar="SHARE",

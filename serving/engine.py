@@ -99,7 +99,9 @@ class EngineConfig:
     fixed_point_seed: int = 1234
     compress_pages: bool = False   # store K/V shuffle-zstd compressed (benchmarks.restore measures what it pays)
     placement: str = "question"    # where restored pages sit while the answer is read: "timeline" or "question"
-    blend: BlendPolicy = DEFAULT_BLEND  # held tokens recomputed before the answer (controller.blend)
+    # Held tokens recomputed before the answer (controller.blend); None: the default where the model
+    # allows it (not on a model with recurrent layers), else none.
+    blend: BlendPolicy | None = None
     key_index: KeyIndexConfig = field(default_factory=KeyIndexConfig)
     lexical_index: LexicalConfig = DEFAULT_LEXICAL
     resident_sessions: int = 1     # sessions whose caches stay in memory (each a budget's worth of K/V)
@@ -226,6 +228,7 @@ class Engine:
         self.config = config
         self.selector: Selector = selector or RecencySelector()
         self._check_scoring(self.selector, controller)
+        self.blend = self._blend_policy(config.blend)
         self.tally = Tally()
         self.mover = PageMover(backend, contextd, self.tally, compress=config.compress_pages, controller=controller,
                                opening=chat_format.user_opening)
@@ -257,6 +260,19 @@ class Engine:
                 raise ValueError(f"{scoring} apart, over the stored K/V, in one forward, which needs every layer "
                                  "to be full attention; this model has sliding-window or recurrent layers "
                                  f"(use {instead}, or a full-attention --controller-model)")
+
+    def _blend_policy(self, asked: BlendPolicy | None) -> BlendPolicy:
+        """The blend the engine runs: the one asked for (refused with the reason on a model that cannot
+        recompute held tokens), else the default where the model can, else none."""
+        refusal = self.backend.recompute_refusal
+        if asked is None:
+            if refusal is not None:
+                log.info("the blend is off for this model: %s", refusal)
+                return BlendPolicy()
+            return DEFAULT_BLEND
+        if refusal is not None and not asked.off:
+            raise ValueError(f"--blend cannot run on this model: {refusal} (use --blend none)")
+        return asked
 
     @property
     def totals(self) -> SessionCounters:
@@ -679,7 +695,7 @@ class Engine:
     def _blend(self, session: Session, restored: list[int], new_tokens: int) -> None:
         """Recompute what the blend policy names of the planned view, before the answer's opening is
         prefilled (the backend counts it as blend forward tokens)."""
-        policy = self.config.blend
+        policy = self.blend
         if policy.off:
             return
         blending = time.perf_counter()

@@ -95,7 +95,7 @@ def backend() -> Backend:
 
 
 def engine_on(backend: Backend, contextd: ContextdProcess, placement: str = "timeline",
-              blend: BlendPolicy = DEFAULT_BLEND) -> Engine:
+              blend: BlendPolicy | None = None) -> Engine:
     fresh = backend.fork()
     fresh.reset()
     config = EngineConfig(budget_tokens=CONFIG.budget_tokens, tail_tokens=CONFIG.tail_tokens,
@@ -314,6 +314,20 @@ def test_a_blended_turn_recomputes_what_its_policy_names_counts_it_and_ends_exac
         # The same keys, to float rounding: the two caches hold their tokens in other slots, so the
         # blend's attention sums run in another order.
         np.testing.assert_allclose(again.backend.rotated_keys(), engine.backend.rotated_keys(), atol=1e-4)
+
+
+def test_the_blend_is_the_default_where_the_model_allows_it_and_refused_where_asked_for_but_impossible(
+        backend: Backend, contextd: ContextdProcess) -> None:
+    """A model with recurrent layers cannot recompute held tokens: by default it serves without the
+    blend; asked for one, the engine refuses to start, saying why."""
+    assert engine_on(backend, contextd).blend == DEFAULT_BLEND
+    hybrid = load_backend("torch", "tiny-qwen3-next", capacity=1280)
+    client = Client(contextd.socket, timeout=60.0)
+    plain = Engine(hybrid, ChatFormat(hybrid.tokenizer), client, EngineConfig(budget_tokens=1024, tail_tokens=128))
+    assert plain.blend.off
+    with pytest.raises(ValueError, match="recurrent"):
+        Engine(hybrid, ChatFormat(hybrid.tokenizer), client,
+               EngineConfig(budget_tokens=1024, tail_tokens=128, blend=BlendPolicy(parts=("new",))))
 
 
 @pytest.mark.parametrize("runtime", ["torch", "mlx"])
