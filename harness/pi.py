@@ -2,8 +2,9 @@
 
 `Pi` starts `pi --mode rpc` with the caller's arguments and environment, sends one JSON command
 per stdin line and collects every record Pi prints, with its arrival time; `pi_env` puts the Node
-22 that `make` installs beside Pi on the PATH. The process is ended by its pid
-(serving.launcher.stop_process). Depends on serving.launcher and the standard library.
+22 that `make` installs beside Pi on the PATH, and tells the extension where the key of a server
+this process started is. The process is ended by its pid (serving.launcher.stop_process). Depends
+on serving.launcher and the standard library.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
-from serving.launcher import REPO, stop_process
+from serving.launcher import REPO, key_file_at, stop_process
 
 EXTENSION_DIR = REPO / "extension"
 PI_BIN = EXTENSION_DIR / "node_modules" / ".bin" / "pi"
@@ -26,9 +28,17 @@ EXTENSION = EXTENSION_DIR / "index.ts"
 
 
 def pi_env(**extra: str) -> dict[str, str]:
+    """This process's environment with `extra`. For a server this process started on the port of
+    KV_ELISION_URL (serving.launcher.ServerProcess), KV_ELISION_KEY_FILE names the key file it
+    made, unless the caller names one: the extension reads its key from there, as a user's Pi
+    reads it from the server's default root."""
     env = dict(os.environ, **extra)
     if NODE_DIR.is_dir():
         env["PATH"] = os.pathsep.join([str(NODE_DIR), env.get("PATH", "")])
+    port = urlparse(env.get("KV_ELISION_URL", "")).port
+    key_file = key_file_at(port) if port is not None else None
+    if key_file is not None and "KV_ELISION_KEY_FILE" not in extra:
+        env["KV_ELISION_KEY_FILE"] = str(key_file)
     return env
 
 

@@ -26,7 +26,7 @@ from controller.eviction import EVICTION_ORDERS
 from controller.selectors import SELECTORS, make_selector
 from serving.engine import PLACEMENTS, Engine, EngineConfig
 from serving.heap import freeze_loaded_heap
-from serving.launcher import ContextdProcess, spawn_tied_contextd
+from serving.launcher import API_KEY_FILE, ContextdProcess, server_api_key, spawn_tied_contextd
 from serving.scoring import ControllerConfig, ControllerScorer
 
 if TYPE_CHECKING:
@@ -94,8 +94,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         template = Path(args.chat_template).read_text() if args.chat_template else None
         engine = Engine(backend, ChatFormat(backend.tokenizer, template), client, config,
                         make_selector(args.selector, args.restore_pages), controller)
-        server = Server(engine, args.model, args.host, args.port, str(socket_path), args.api_key or None,
-                        client_timeout=args.client_timeout, restore_pages=args.restore_pages)
+        server = Server(engine, args.model, args.host, args.port, str(socket_path),
+                        args.api_key or server_api_key(root), client_timeout=args.client_timeout,
+                        restore_pages=args.restore_pages)
         freeze_loaded_heap()
         stop = threading.Event()
 
@@ -217,10 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--root", default=str(default_root()), help="data folder (contextd lives under ROOT/contextd)")
     serve.add_argument("--socket", default=os.environ.get("KV_ELISION_SOCKET"), help="contextd socket")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default: the API serves "
-                       "the user's code and, with --api-key unset, answers anyone who can connect)")
+                       "the user's code, to whoever has its key)")
     serve.add_argument("--api-key", default=os.environ.get("KV_ELISION_API_KEY"),
-                       help="require `Authorization: Bearer KEY` on every route but /health (default: "
-                       "$KV_ELISION_API_KEY; unset: no key)")
+                       help="the key every route but /health wants as `Authorization: Bearer KEY` (default: "
+                       f"$KV_ELISION_API_KEY; unset: the key in ROOT/{API_KEY_FILE}, made at the first start, "
+                       "readable by this user only, where the Pi extension finds it; docs/server.md)")
     serve.add_argument("--port", type=int, default=8088)
     serve.add_argument("--client-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="a client that stalls this long while sending its request or taking the answer is "

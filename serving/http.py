@@ -557,28 +557,42 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
         def _error(self, error: RequestError) -> None:
             self._json(error.status, {"error": {"message": str(error), "type": error.kind, "code": error.status.value}})
 
-        def _authorize(self) -> None:
-            """With --api-key, every route but /health wants `Authorization: Bearer KEY`."""
+        def _authorized(self) -> bool:
+            """Whether the request carries `Authorization: Bearer KEY` (any request, for a server
+            without a key: an in-process one; `kv-elision serve` always has one)."""
             if expected is None:
-                return
+                return True
             given = (self.headers.get("Authorization") or "").encode("utf-8", "replace")
-            if not hmac.compare_digest(given, expected):
+            return hmac.compare_digest(given, expected)
+
+        def _authorize(self) -> None:
+            """Every route but /health wants the key: loopback is every local user, and the
+            routes serve the sessions (the user's code)."""
+            if not self._authorized():
                 raise RequestError(HTTPStatus.UNAUTHORIZED, "missing or wrong API key: send Authorization: Bearer KEY",
                                    "invalid_api_key")
+
+        def _health(self) -> None:
+            """Liveness for anyone (a supervisor needs no key): the status alone; with the key,
+            also the model, contextd's socket, the queued turns and why a stopped worker stopped."""
+            full = self._authorized()
+            if worker.failure is not None:
+                error = worker.stopped()
+                self._json(error.status, {"status": "worker_stopped",
+                                          **({"model": model_id, "error": str(error)} if full else {})})
+                return
+            self._json(HTTPStatus.OK, {"status": "ok", **({"model": model_id, "contextd_socket": contextd_socket,
+                                                           "queued_turns": worker.jobs.qsize()} if full else {})})
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             url = urlparse(self.path)
             try:
                 self.close_connection = self.close_connection or self._content_length() > 0  # a body left unread
-                if url.path != "/health":
-                    self._authorize()
-                if url.path == "/health" and worker.failure is not None:
-                    error = worker.stopped()
-                    self._json(error.status, {"status": "worker_stopped", "model": model_id, "error": str(error)})
-                elif url.path == "/health":
-                    self._json(HTTPStatus.OK, {"status": "ok", "model": model_id, "contextd_socket": contextd_socket,
-                                               "queued_turns": worker.jobs.qsize()})
-                elif url.path == "/v1/models":
+                if url.path == "/health":
+                    self._health()
+                    return
+                self._authorize()
+                if url.path == "/v1/models":
                     self._json(HTTPStatus.OK, {"object": "list", "data": [{
                         "id": model_id, "object": "model", "owned_by": "kv-elision", "created": 0,
                         "context_window": ADVERTISED_CONTEXT_WINDOW, "budget_tokens": budget_tokens,

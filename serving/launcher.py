@@ -6,7 +6,9 @@ name or pattern, so two test runs (or a user's own server) on one machine never 
 A contextd started for a server is asked to die with its parent (PR_SET_PDEATHSIG on Linux), so a
 server killed with SIGKILL does not leave a daemon behind. `stop_process` and `wait_healthy` are
 the one process stop and the one health wait; the harness uses them for Pi, llama-server and the
-fault campaign's processes too.
+fault campaign's processes too. A server's API key file (ROOT/api-key, made by the server at its
+first start) is made and read here: `ServerProcess` sends its key with every request, so every
+test, benchmark and harness keeps working with the key a server wants by default.
 
 Depends on contextd.client (to wait until the daemon answers) and the standard library.
 """
@@ -18,10 +20,13 @@ import ctypes.util
 import http.client
 import json
 import os
+import secrets
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +38,60 @@ from contextd.errors import DaemonUnavailable
 
 REPO = Path(__file__).resolve().parent.parent
 _PR_SET_PDEATHSIG = 1
+API_KEY_FILE = "api-key"   # under a server's --root: the key its clients send
+_KEY_FILES: dict[int, Path] = {}   # port -> the key file of a server this process started there
+
+
+def read_api_key(path: Path) -> str | None:
+    """The key in `path` when it is this user's own regular file that nobody else may read; None
+    when it is missing, a link, another user's, or readable by group or others (such a key may
+    be known to others: the server replaces it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with open(fd, encoding="ascii", errors="replace") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+            return None
+        return file.read().strip() or None
+
+
+def server_api_key(root: Path) -> str:
+    """The key a server on `root` wants when it is given none: the one in ROOT/api-key, made at
+    its first start (and made again when the file was not this user's private file). Loopback is
+    every local user: without a key any of them could read the sessions (the user's code). 32
+    random bytes, written whole to a file of mode 0600 before it gets its name, so a client never
+    reads half a key; two servers starting on one root at once end with the same key."""
+    path = root / API_KEY_FILE
+    key = read_api_key(path)
+    if key is not None:
+        return key
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key = secrets.token_urlsafe(32)
+    fd, made = tempfile.mkstemp(dir=root, prefix=f".{API_KEY_FILE}.")   # mode 0600
+    try:
+        with open(fd, "w", encoding="ascii") as file:
+            file.write(key + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+        if os.path.lexists(path):
+            os.replace(made, path)   # there, but not a private file of this user's
+        else:
+            try:
+                os.link(made, path)
+            except FileExistsError:   # another server on this root made one meanwhile
+                return server_api_key(root)
+    finally:
+        if os.path.lexists(made):
+            os.unlink(made)
+    return key
+
+
+def key_file_at(port: int) -> Path | None:
+    """The API key file of the server this process started (ServerProcess) on `port`: where the
+    Pi extension of a Pi this process starts against that server finds its key (harness.pi)."""
+    return _KEY_FILES.get(port)
 
 
 def free_port() -> int:
@@ -223,6 +282,17 @@ class ServerProcess:
     def log(self) -> Path:
         return self.root / "server.log"
 
+    @property
+    def key_file(self) -> Path:
+        return self.root / API_KEY_FILE
+
+    def auth_headers(self) -> dict[str, str]:
+        """The Authorization header with the key the server made (ROOT/api-key), read at each
+        request (a server may make a new one when it starts again); none when there is no such
+        file: a server given --api-key makes none, and its callers send that key themselves."""
+        key = read_api_key(self.key_file)
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
     def log_tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 
@@ -244,13 +314,15 @@ class ServerProcess:
         except BaseException:
             self.stop()  # a server that never came up leaves no contextd behind
             raise
+        _KEY_FILES[self.port] = self.key_file
         return self
 
     def request(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
                 raw: bytes | None = None, timeout: float = 3600.0) -> Reply:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **self.auth_headers(),
+                                                       **(headers or {})})
         response = conn.getresponse()
         text = response.read().decode()
         conn.close()
@@ -273,7 +345,8 @@ class ServerProcess:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=3600.0)
         conn.request("POST", "/v1/chat/completions", json.dumps(
             {"model": self.model, "messages": messages, **body, "stream": True}),
-            headers={"Content-Type": "application/json", **({"X-KV-Session": session} if session else {})})
+            headers={"Content-Type": "application/json", **self.auth_headers(),
+                     **({"X-KV-Session": session} if session else {})})
         response = conn.getresponse()
         error = response.read().decode() if response.status != 200 else ""
         return Streamed(response.status, {k.lower(): v for k, v in response.getheaders()}, error, response, conn)
@@ -292,6 +365,7 @@ class ServerProcess:
 
     def stop(self) -> None:
         """End the server, then its contextd (also when the server would not end)."""
+        _KEY_FILES.pop(self.port, None)
         try:
             if self.proc is not None:
                 stop_process(self.proc)

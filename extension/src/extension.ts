@@ -1,7 +1,7 @@
 // The extension proper, loaded by index.ts once it knows Pi is new enough: the provider, the
 // compaction policy, the notices, and the status line fed by contextd.
 import type { ExtensionAPI, ExtensionContext, ExtensionUIContext } from "@earendil-works/pi-coding-agent";
-import { PROVIDER, STATUS_KEY, loadConfig, serveHint } from "./config.ts";
+import { PROVIDER, STATUS_KEY, findApiKey, loadConfig, serveHint } from "./config.ts";
 import { COMPACTION_NOTICE, decideCompaction } from "./compaction.ts";
 import { fetchModels } from "./models.ts";
 import { REBUILT_HEADER, createKvProvider } from "./provider.ts";
@@ -12,7 +12,7 @@ type Level = "info" | "warning" | "error";
 export async function activate(pi: ExtensionAPI): Promise<void> {
   const config = loadConfig();
   // Awaited by Pi before startup continues; fetchModels never throws and gives up quickly.
-  const { models, problem } = await fetchModels(config.url, undefined, config.apiKey);
+  const { models, problem } = await fetchModels(config.url, undefined, await findApiKey());
   pi.registerProvider(createKvProvider(config.url, models));
 
   const said = new Set<string>();

@@ -7,8 +7,10 @@ import {
   DEFAULT_CONTEXT_WINDOW,
   DEFAULT_MAX_TOKENS,
   DEFAULT_MODEL_ID,
+  KEY_FILE_ENV,
   MODELS_TIMEOUT_MS,
   PROVIDER,
+  type FoundKey,
 } from "./config.ts";
 
 export type KvModel = Model<"openai-completions">;
@@ -80,18 +82,21 @@ export function parseModels(body: unknown, baseUrl: string): KvModel[] {
   return models;
 }
 
-// A server started with --api-key answers /v1/models only with the key, so it is sent here too.
+// The server answers /v1/models only with its key (config.ts, findApiKey), so it is sent here too.
 export async function fetchModels(
   url: string,
   timeoutMs: number = MODELS_TIMEOUT_MS,
-  apiKey?: string,
+  found: FoundKey = { source: API_KEY_ENV },
 ): Promise<ModelList> {
   const endpoint = `${url}/models`;
   try {
-    const headers: Record<string, string> = apiKey ? { authorization: `Bearer ${apiKey}` } : {};
+    const headers: Record<string, string> = found.key ? { authorization: `Bearer ${found.key}` } : {};
     const response = await fetch(endpoint, { signal: AbortSignal.timeout(timeoutMs), headers });
     if (response.status === 401) {
-      const why = apiKey ? `refused the key in ${API_KEY_ENV}` : `wants an API key: set ${API_KEY_ENV}`;
+      const why = found.key
+        ? `refused the key in ${found.source}`
+        : `wants its API key, and there is none in ${found.source}: set ${KEY_FILE_ENV} (or KV_ELISION_ROOT) ` +
+          `to the server's ROOT/api-key, or ${API_KEY_ENV}`;
       return defaultModels(url, `GET ${endpoint} answered HTTP 401 (the server ${why})`);
     }
     if (!response.ok) return defaultModels(url, `GET ${endpoint} answered HTTP ${response.status}`);

@@ -13,7 +13,7 @@ import {
   type Provider,
   type ProviderStreams,
 } from "@earendil-works/pi-ai/compat";
-import { API_KEY_ENV, API_KEY_NONE, PROVIDER, serveHint } from "./config.ts";
+import { API_KEY_NONE, PROVIDER, findApiKey, serveHint, type KeyEnv } from "./config.ts";
 import { contextHeader, fingerprintPayload } from "./fingerprint.ts";
 import { describeFetchError, type KvModel } from "./models.ts";
 
@@ -97,15 +97,20 @@ export function createKvProvider(baseUrl: string, models: KvModel[]): Provider {
     auth: {
       apiKey: {
         name: "kv-elision server",
-        // A server started with --api-key wants `Authorization: Bearer KEY` on every route but
-        // /health. The key Pi stored for this provider (auth.json, `"kv-elision": {"type":
-        // "api_key", "key": ...}`) wins, as for Pi's own providers; else KV_ELISION_API_KEY.
+        // The server wants `Authorization: Bearer KEY` on every route but /health. The key Pi
+        // stored for this provider (auth.json, `"kv-elision": {"type": "api_key", "key": ...}`)
+        // wins, as for Pi's own providers; else KV_ELISION_API_KEY, else the key file the
+        // server made (config.ts, findApiKey), read again for every request.
         resolve: async ({ ctx, credential }) => {
           const stored = credential?.key?.trim();
-          const fromEnv = (await ctx.env(API_KEY_ENV))?.trim();
-          const key = stored || fromEnv;
-          const source = stored ? "Pi's stored key" : fromEnv ? API_KEY_ENV : "local server, no key";
-          return { auth: { apiKey: key || API_KEY_NONE }, source };
+          if (stored) return { auth: { apiKey: stored }, source: "Pi's stored key" };
+          const env: KeyEnv = {};
+          for (const name of ["KV_ELISION_API_KEY", "KV_ELISION_KEY_FILE", "KV_ELISION_ROOT", "XDG_STATE_HOME"] as const) {
+            const value = await ctx.env(name);
+            if (value !== undefined) env[name] = value;
+          }
+          const found = await findApiKey(env);
+          return { auth: { apiKey: found.key ?? API_KEY_NONE }, source: found.key ? found.source : `no key in ${found.source}` };
         },
       },
     },

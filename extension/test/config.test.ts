@@ -3,7 +3,7 @@ import { existsSync, mkdirSync, mkdtempSync, rmSync, writeFileSync } from "node:
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { test } from "node:test";
-import { apiKey, loadConfig, protoPath, serveHint, serverUrl, socketPath } from "../src/config.ts";
+import { findApiKey, keyFilePath, protoPath, serveHint, serverUrl, socketPath } from "../src/config.ts";
 
 test("server URL from KV_ELISION_URL, default 127.0.0.1:8088, no trailing slash", () => {
   assert.equal(serverUrl({}), "http://127.0.0.1:8088/v1");
@@ -40,9 +40,28 @@ test("the start hint uses the URL's port", () => {
   assert.equal(serveHint("m", "http://127.0.0.1:9000/v1"), "kv-elision serve --model m --budget 4096 --root DIR --port 9000");
 });
 
-test("the API key comes from KV_ELISION_API_KEY (blank: none)", () => {
-  assert.equal(apiKey({ KV_ELISION_API_KEY: " k-1 " }), "k-1");
-  assert.equal(apiKey({ KV_ELISION_API_KEY: "  " }), undefined);
-  assert.equal(apiKey({}), undefined);
-  assert.equal(loadConfig({ KV_ELISION_API_KEY: "k-2" }).apiKey, "k-2");
+// `kv-elision serve` makes its key in ROOT/api-key, ROOT being its --root, which defaults to
+// contextd's default root: the extension looks where the server it talks to put it.
+test("the key file is the server's ROOT/api-key, the root resolved as contextd resolves it", () => {
+  assert.equal(keyFilePath({}, "/home/u"), "/home/u/.local/state/kv-elision/api-key");
+  assert.equal(keyFilePath({ XDG_STATE_HOME: "/st" }, "/home/u"), "/st/kv-elision/api-key");
+  assert.equal(keyFilePath({ KV_ELISION_ROOT: "/data/kv", XDG_STATE_HOME: "/st" }, "/home/u"), "/data/kv/api-key");
+  assert.equal(keyFilePath({ KV_ELISION_KEY_FILE: "/k/key", KV_ELISION_ROOT: "/data/kv" }, "/home/u"), "/k/key");
+});
+
+test("the API key: KV_ELISION_API_KEY (blank: none), else the key file, else none and where it looked", async () => {
+  const home = mkdtempSync(join(tmpdir(), "kv-home-"));
+  try {
+    const file = join(home, ".local", "state", "kv-elision", "api-key");
+    assert.deepEqual(await findApiKey({}, home), { source: `KV_ELISION_API_KEY or ${file}` });
+    mkdirSync(join(home, ".local", "state", "kv-elision"), { recursive: true });
+    writeFileSync(file, "k-file\n", { mode: 0o600 });
+    assert.deepEqual(await findApiKey({}, home), { key: "k-file", source: file });
+    assert.deepEqual(await findApiKey({ KV_ELISION_API_KEY: "  " }, home), { key: "k-file", source: file });
+    assert.deepEqual(await findApiKey({ KV_ELISION_API_KEY: " k-1 " }, home), { key: "k-1", source: "KV_ELISION_API_KEY" });
+    writeFileSync(file, " \n");
+    assert.deepEqual(await findApiKey({}, home), { source: `KV_ELISION_API_KEY or ${file}` });
+  } finally {
+    rmSync(home, { recursive: true, force: true });
+  }
 });

@@ -120,7 +120,7 @@ test("an HTTP error gives the default model and the status", async () => {
   }
 });
 
-// `kv-elision serve --api-key KEY` answers /v1/models only with `Authorization: Bearer KEY`.
+// `kv-elision serve` answers /v1/models only with `Authorization: Bearer KEY`.
 test("fetchModels sends the API key, and a 401 says which key to set", async () => {
   const seen: Array<string | undefined> = [];
   const server = createServer((req, res) => {
@@ -135,12 +135,15 @@ test("fetchModels sends the API key, and a 401 says which key to set", async () 
   });
   try {
     const url = await listen(server);
-    const ok = await fetchModels(url, 2000, "k-1");
+    const ok = await fetchModels(url, 2000, { key: "k-1", source: "/root/kv/api-key" });
     assert.equal(ok.problem, undefined);
     assert.equal(ok.models[0]!.maxTokens, 24);
-    const none = await fetchModels(url);
-    assert.match(none.problem ?? "", /HTTP 401 .*set KV_ELISION_API_KEY/);
-    const wrong = await fetchModels(url, 2000, "k-2");
+    const none = await fetchModels(url, 2000, { source: "KV_ELISION_API_KEY or /root/kv/api-key" });
+    assert.match(
+      none.problem ?? "",
+      /HTTP 401 \(the server wants its API key, and there is none in KV_ELISION_API_KEY or \/root\/kv\/api-key: set KV_ELISION_KEY_FILE/,
+    );
+    const wrong = await fetchModels(url, 2000, { key: "k-2", source: "KV_ELISION_API_KEY" });
     assert.match(wrong.problem ?? "", /HTTP 401 .*refused the key in KV_ELISION_API_KEY/);
     assert.deepEqual(seen, ["Bearer k-1", undefined, "Bearer k-2"]);
   } finally {

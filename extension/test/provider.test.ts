@@ -1,6 +1,9 @@
 // The provider through pi-ai's real model runtime (createModels, the registry Pi itself uses) and
 // Pi's real OpenAI chat-completions client, against a socket that records what arrives.
 import assert from "node:assert/strict";
+import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { after, before, test } from "node:test";
 import { InMemoryCredentialStore, createModels, type Context } from "@earendil-works/pi-ai";
 import { contextHeader, fingerprintPayload } from "../src/fingerprint.ts";
@@ -22,12 +25,19 @@ const context: Context = {
 
 const server = new RecordingServer();
 let url: string;
+// The key file the provider reads: the test's own, so a key of the user running the tests (in
+// the default root) never reaches a request.
+const keyDir = mkdtempSync(join(tmpdir(), "kv-key-"));
+const keyFile = join(keyDir, "api-key");
 
 before(async () => {
   url = await server.start();
+  process.env.KV_ELISION_KEY_FILE = keyFile;
 });
 
 after(async () => {
+  delete process.env.KV_ELISION_KEY_FILE;
+  rmSync(keyDir, { recursive: true, force: true });
   await server.close();
 });
 
@@ -56,7 +66,23 @@ test("a request carries Pi's session id and the fingerprint of the exact body se
   assert.equal((body as { max_completion_tokens?: number }).max_completion_tokens, model.maxTokens);
 });
 
-test("a key in KV_ELISION_API_KEY is sent as the bearer token", async () => {
+// What the user of a server started without --api-key has: the key the server made in its root.
+test("the key the server made is read from its file and sent, for every request", async () => {
+  try {
+    writeFileSync(keyFile, "made-1\n", { mode: 0o600 });
+    const { models, model } = runtime(url);
+    await models.streamSimple(model, context, { maxRetries: 0 }).result();
+    assert.equal(lastRequest().headers.authorization, "Bearer made-1");
+    writeFileSync(keyFile, "made-2\n"); // the server started again with a new key
+    await models.streamSimple(model, context, { maxRetries: 0 }).result();
+    assert.equal(lastRequest().headers.authorization, "Bearer made-2");
+  } finally {
+    rmSync(keyFile, { force: true });
+  }
+});
+
+test("a key in KV_ELISION_API_KEY is sent as the bearer token, ahead of the key file", async () => {
+  writeFileSync(keyFile, "made-1\n", { mode: 0o600 });
   process.env.KV_ELISION_API_KEY = "secret-1";
   try {
     const { models, model } = runtime(url);
@@ -64,6 +90,7 @@ test("a key in KV_ELISION_API_KEY is sent as the bearer token", async () => {
     assert.equal(lastRequest().headers.authorization, "Bearer secret-1");
   } finally {
     delete process.env.KV_ELISION_API_KEY;
+    rmSync(keyFile, { force: true });
   }
 });
 

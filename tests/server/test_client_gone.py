@@ -19,8 +19,10 @@ SYSTEM = {"role": "system", "content": "You are a coding agent. Be brief."}
 
 def raw_chat(server: ServerProcess, session: str, body: dict[str, Any], sock: socket.socket) -> None:
     data = json.dumps({"model": server.model, **body}).encode()
+    key = server.auth_headers()["Authorization"]
     sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 f"X-KV-Session: {session}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+                 f"Authorization: {key}\r\nX-KV-Session: {session}\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
 
 
 def wait_for(condition: Any, timeout: float, what: str) -> None:

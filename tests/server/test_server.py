@@ -210,7 +210,7 @@ def test_kill9_mid_turn_then_restart_continues_from_contextd(server_factory: Any
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     conn.request("POST", "/v1/chat/completions", json.dumps({
         "model": "tiny-llama", "messages": messages, "max_tokens": 4000, "stream": True}),
-        headers={"X-KV-Session": "k", "Content-Type": "application/json"})
+        headers={"X-KV-Session": "k", "Content-Type": "application/json", **server.auth_headers()})
     stream = conn.getresponse()
     assert stream.status == 200
     while b'"content"' not in (line := stream.readline()):
@@ -269,7 +269,7 @@ def test_a_client_that_leaves_ends_its_turn_and_the_next_turn_is_served(server_f
     # Streaming (what Pi does): the client reads the first chunk, then goes away.
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
-                 headers={"X-KV-Session": "gone", "Content-Type": "application/json"})
+                 headers={"X-KV-Session": "gone", "Content-Type": "application/json", **server.auth_headers()})
     stream = conn.getresponse()
     assert stream.status == 200
     while b'"content"' not in (line := stream.readline()):
@@ -280,8 +280,10 @@ def test_a_client_that_leaves_ends_its_turn_and_the_next_turn_is_served(server_f
     follow = [*messages, {"role": "assistant", "content": "…"}, {"role": "user", "content": "Again, longer. " * 10}]
     raw = json.dumps({**body, "messages": follow}).encode()
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        key = server.auth_headers()["Authorization"].encode()
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"X-KV-Session: gone\r\nContent-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+                     b"Authorization: " + key + b"\r\nX-KV-Session: gone\r\nContent-Length: "
+                     + str(len(raw)).encode() + b"\r\n\r\n" + raw)
         time.sleep(3)
     started = time.monotonic()
     reply = server.request("POST", "/v1/chat/completions",
