@@ -74,6 +74,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.controller_model is not None and args.selector != "rerank" and args.evict_order != "model":
         raise ValueError("--controller-model scores pages for --selector rerank and --evict-order model; "
                          "with neither it would have nothing to do")
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
     if args.controller_cache_mb < 0:
         raise ValueError(f"--controller-cache-mb must be >= 0, got {args.controller_cache_mb}")
     if args.backend == "mlx":
@@ -98,17 +100,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         args.api_key or server_api_key(root), client_timeout=args.client_timeout,
                         restore_pages=args.restore_pages)
         freeze_loaded_heap()
-        stop = threading.Event()
+        # The drain runs beside serve_forever (which its first step ends); contextd is stopped
+        # only once it is over, since the turns it finishes or cuts are written through contextd.
+        drain = threading.Thread(target=server.shutdown, args=(args.drain_timeout,), name="kv-elision-drain",
+                                 daemon=True)
 
         def on_signal(signum: int, _frame: object) -> None:
-            stop.set()
-            threading.Thread(target=server.shutdown, daemon=True).start()
+            """SIGTERM / SIGINT: drain; a second one cuts the turns still running now."""
+            if drain.ident is None:
+                log.info("signal %d: stopping; turns running may finish for %g s", signum, args.drain_timeout)
+                drain.start()
+            else:
+                server.cut_now()
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         print(f"kv-elision: serving {args.model} ({args.backend}/{args.device}) on http://{args.host}:{server.port}/v1 "
               f"with a {args.budget}-token attention budget; contextd at {socket_path}", file=sys.stderr, flush=True)
-        server.serve_forever()
+        try:
+            server.serve_forever()
+        finally:
+            if drain.ident is None:   # serve_forever failed: the turns running are still drained
+                drain.start()
+            drain.join()
     finally:
         if daemon is not None:
             daemon.stop()
@@ -224,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
                        f"$KV_ELISION_API_KEY; unset: the key in ROOT/{API_KEY_FILE}, made at the first start, "
                        "readable by this user only, where the Pi extension finds it; docs/server.md)")
     serve.add_argument("--port", type=int, default=8088)
+    serve.add_argument("--drain-timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="on SIGTERM or SIGINT: how long the turns running may go on before they are cut (a "
+                       "decoding turn ends at its next token, written through like any cancelled turn; a second "
+                       "signal cuts at once); turns not started are answered 503, and contextd stops last")
     serve.add_argument("--client-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="a client that stalls this long while sending its request or taking the answer is "
                        "let go (its connection closed), so stalled clients cannot hold server threads")

@@ -27,13 +27,15 @@ headers say what the server did: `X-KV-Session`, `X-KV-Prefilled-Tokens`, and `X
 
 Bad requests get a 4xx with an OpenAI-style error body; nothing a client sends crashes the worker.
 A connection holds a thread while it is open (at most MAX_CONNECTIONS of them) and must send each
-request whole within the client timeout of its start.
+request whole within the client timeout of its start. Stopping drains (`Server.shutdown`): no new
+connection or turn, the turns running finish or are cut at a deadline, their answers are written.
 Depends on serving.engine, serving.request_body, serving.transcript, controller.selectors and
 contextd.errors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import io
 import ipaddress
@@ -48,7 +50,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -74,6 +76,7 @@ _DECIMAL = re.compile(r"[0-9]+")
 # Engine.answer_in_branches names each branch of a watched turn `ID-branch-<12 hex digits>`, a
 # session id contextd must accept too.
 BRANCH_SUFFIX_CHARS = len("-branch-") + 12
+WORKER_STOP_S = 60.0  # past a drain's deadline: for the cut turns' last step and write-through
 CLIENT_POLL_S = 0.25  # how often a turn's client's socket is looked at, and a waiting handler's worker
 ADVERTISED_CONTEXT_WINDOW = 1_000_000  # the addressable session, not the attention budget
 
@@ -112,6 +115,7 @@ class _Turn:
     steps: Generator[TurnEvent, int | None, None] = field(init=False)
     started: bool = False
     prepared: bool = False               # its prompt is in: from here it ends at a decoded token
+    answered: bool = False               # its final event is out: it only reads ahead now
     decode: DecodeStep | None = None     # the decode step it waits on, run with the round's others
     token: int | None = None             # what that step picked, sent in at its next step
     failure: Exception | None = None     # or how the batched forward failed, thrown in instead
@@ -128,10 +132,13 @@ class Worker(threading.Thread):
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.lock = threading.Lock()  # held during a step; stats readers take it briefly between steps
         self.failure: BaseException | None = None  # why the loop ended early, when it did
+        self.waiting: deque[_Job] = deque()   # taken from `jobs`, not started yet (their session is busy)
+        self.draining = False         # stopping: no turn starts; those running end by `cut_at`
+        self.cut_at = math.inf        # (monotonic) when the turns still running are cut
 
     def submit(self, request: ChatRequest, client_gone: Callable[[], bool] | None = None) -> _Job:
         """Queue a turn; `client_gone` says whether its client has closed its end."""
-        if self.failure is not None:
+        if self.failure is not None or self.draining:
             raise self.stopped()
         job = _Job(request, queue.Queue(), threading.Event())
         if client_gone is not None:
@@ -159,19 +166,29 @@ class Worker(threading.Thread):
                             f"the server's worker stopped ({type(self.failure).__name__}: {self.failure}); "
                             "restart the server", "worker_stopped")
 
+    @property
+    def queued(self) -> int:
+        """Turns not started yet."""
+        return self.jobs.qsize() + len(self.waiting)
+
+    def drain(self, deadline: float) -> None:
+        """Stop: turns not started are answered 503 and none starts any more; those running may
+        finish until `deadline` (monotonic), then each is cut (`_cut`); the worker then ends."""
+        self.cut_at = deadline
+        self.jobs.put(None)
+
     def run(self) -> None:
-        """Serve turns until told to stop. A failure of the loop itself (not of one turn: `_step`
-        answers those) ends the worker, but never silently: every turn queued or running is
-        answered, later ones are refused (`submit`, `next_event`) and /health says so, so neither a
-        client nor a supervisor waits on a thread that is gone."""
-        waiting: deque[_Job] = deque()
+        """Serve turns until told to stop (`drain`). A failure of the loop itself (not of one
+        turn: `_step` answers those) ends the worker, but never silently: every turn queued or
+        running is answered, later ones are refused (`submit`, `next_event`) and /health says so,
+        so neither a client nor a supervisor waits on a thread that is gone."""
         running: list[_Turn] = []
         try:
-            self._serve(waiting, running)
+            self._serve(self.waiting, running)
         except BaseException as exc:  # noqa: BLE001 - recorded and answered to every waiting client
             self.failure = exc
             log.critical("the worker stopped; turns are refused until the server restarts", exc_info=True)
-            self._answer_all(waiting, running)
+            self._answer_all(self.waiting, running)
 
     def _answer_all(self, waiting: deque[_Job], running: list[_Turn]) -> None:
         """Tell every turn running, waiting or still queued that no worker will run it (`stopped`)."""
@@ -182,21 +199,47 @@ class Worker(threading.Thread):
 
     def _serve(self, waiting: deque[_Job], running: list[_Turn]) -> None:
         while True:
-            arrived = self._take(block=not running and not waiting)
+            arrived = self._take(block=not running and not waiting and not self.draining)
             waiting.extend(job for job in arrived if job is not None)
             if None in arrived:   # the server is stopping
-                for turn in running:   # first: closing a turn releases its session's lease
-                    try:
-                        turn.steps.close()
-                    except Exception:  # noqa: BLE001 - every other turn is still closed and answered
-                        log.exception("session %s: ending its turn at shutdown failed", turn.job.request.session_id)
-                self._answer_all(waiting, running)
-                return
+                self.draining = True
+                log.info("stopping: %d turns running may finish for %.1f s, %d not started are refused",
+                         len(running), max(0.0, self.cut_at - time.monotonic()), len(waiting))
+            if self.draining:
+                stopped = self.stopped()
+                while waiting:
+                    waiting.popleft().events.put(stopped)
+                self._cut(running, time.monotonic() >= self.cut_at)
+                if not running:
+                    return
             self._admit(waiting, running)
             for turn in list(running):
                 if not self._step(turn):
                     running.remove(turn)
             self._decode(running)
+
+    def _cut(self, running: list[_Turn], deadline: bool) -> None:
+        """While draining: close the turns that answered and only read ahead; at the drain's
+        `deadline`, end the others too, each as cleanly as where it is allows: one decoding ends at
+        its next token as a cancelled turn (the cache holds what was picked, written through, its
+        lease ended by its record), one still before its answer is closed (its lease released,
+        nothing recorded: the client sends it again)."""
+        for turn in list(running):
+            if not turn.answered and not deadline:
+                continue
+            if not turn.answered and turn.prepared:
+                turn.job.gone.set()
+                continue
+            running.remove(turn)
+            session_id = turn.job.request.session_id
+            with self.lock:
+                try:
+                    turn.steps.close()
+                except Exception:  # noqa: BLE001 - every other turn is still cut
+                    log.exception("session %s: ending its turn at shutdown failed", session_id)
+            if not turn.answered:
+                log.info("session %s: its turn was cut before its answer as the server stopped", session_id)
+                turn.job.events.put(self.stopped())
 
     def _take(self, block: bool) -> list[_Job | None]:
         """Every job queued now, the first one waited for when `block` (None: the server stops)."""
@@ -244,6 +287,7 @@ class Worker(threading.Thread):
                 event = turn.steps.throw(failure) if failure is not None else turn.steps.send(token)
                 while not event.pause:
                     turn.prepared = turn.prepared or event.prepared is not None
+                    turn.answered = turn.answered or event.final is not None
                     job.events.put(event)
                     event = next(turn.steps)
                 if self.engine.config.batch_decode:
@@ -462,6 +506,30 @@ class _ContentFilter:
         return content[self.sent:] if content.startswith(self.text[:self.sent]) else ""
 
 
+class _Answering:
+    """The chat requests whose answer is not written yet: a stopping server waits for them, so a
+    turn cut at shutdown still reaches its client."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self._changed:
+            self._count += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._count -= 1
+                self._changed.notify_all()
+
+    def wait_done(self, timeout: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self._count == 0, timeout)
+
+
 class _RequestReader(io.RawIOBase):
     """A connection's reading side with a deadline: a request (its line, headers and body) must
     arrive within `wait_s` seconds of its start, however slowly its bytes trickle in. A timeout
@@ -489,7 +557,7 @@ class _RequestReader(io.RawIOBase):
 
 def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_tokens: int,
                  contextd_socket: str, api_key: str | None, client_timeout: float,
-                 restore_pages: int) -> type[BaseHTTPRequestHandler]:
+                 restore_pages: int, answering: _Answering) -> type[BaseHTTPRequestHandler]:
     expected = f"Bearer {api_key}".encode() if api_key else None
     bodies = BodyParser()
 
@@ -582,7 +650,7 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                                           **({"model": model_id, "error": str(error)} if full else {})})
                 return
             self._json(HTTPStatus.OK, {"status": "ok", **({"model": model_id, "contextd_socket": contextd_socket,
-                                                           "queued_turns": worker.jobs.qsize()} if full else {})})
+                                                           "queued_turns": worker.queued} if full else {})})
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             url = urlparse(self.path)
@@ -712,6 +780,10 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                 raise RequestError(HTTPStatus.BAD_REQUEST, "the request body is nested too deeply") from None
 
         def do_POST(self) -> None:  # noqa: N802
+            with answering.held():
+                self._post()
+
+        def _post(self) -> None:
             try:
                 self._content_length()   # a request whose end is unknown is refused before anything else
                 self._authorize()
@@ -918,8 +990,10 @@ class Server:
         if client_timeout <= 0:
             raise ValueError(f"client_timeout must be positive seconds, not {client_timeout}")
         self.worker = Worker(engine)
+        self.client_timeout = client_timeout
+        self.answering = _Answering()
         handler = make_handler(self.worker, model_id, engine.config.budget_tokens, engine.config.max_new_tokens,
-                               contextd_socket, api_key, client_timeout, restore_pages)
+                               contextd_socket, api_key, client_timeout, restore_pages, self.answering)
         self.http = _Listener((host, port), handler, MAX_CONNECTIONS)
 
     @property
@@ -930,8 +1004,22 @@ class Server:
         self.worker.start()
         self.http.serve_forever(poll_interval=0.2)
 
-    def shutdown(self) -> None:
-        self.http.shutdown()
-        self.worker.jobs.put(None)
-        self.worker.join(timeout=60)
+    def shutdown(self, drain_s: float = 0.0) -> None:
+        """Stop, draining (`kv-elision serve` on SIGTERM): no connection is accepted any more
+        (the listening socket closes); turns not started are answered 503, those running may
+        finish for `drain_s` seconds and are then cut (Worker.drain); the answers still being
+        written are waited for (each write waits at most the client timeout). Returns once that
+        is done: the caller stops contextd after it, since a turn written through needs it."""
+        self.http.shutdown()      # serve_forever's loop has ended when this returns
         self.http.server_close()
+        self.worker.drain(time.monotonic() + drain_s)
+        self.worker.join(timeout=drain_s + WORKER_STOP_S)
+        if self.worker.is_alive():
+            log.warning("the worker did not end within %.0f s of the drain's deadline", WORKER_STOP_S)
+        if not self.answering.wait_done(self.client_timeout):
+            log.warning("answers still being written %.0f s after the worker ended", self.client_timeout)
+        log.info("stopped")
+
+    def cut_now(self) -> None:
+        """During a drain: cut the turns still running without waiting for its deadline."""
+        self.worker.cut_at = -math.inf
