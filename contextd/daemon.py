@@ -101,7 +101,7 @@ from contextd.store import (
     Txn,
 )
 from contextd.tiering import ObjectTier, Wanted
-from contextd.wire import MAX_BATCH, MAX_SEGMENT_TEXT, MAX_TEXT, PageState
+from contextd.wire import MAX_BATCH, MAX_TEXT, PageState, record_refusal
 
 HOT, COLD, DROPPED, CORRUPT = PageState.HOT, PageState.COLD, PageState.DROPPED, PageState.CORRUPT
 
@@ -978,7 +978,9 @@ class Daemon:
         """The end of a turn in one transaction: the session's counters, turn and fingerprint, its
         record, its transcript cut back to `keep_segments` segments and extended by `append`, and
         its recurrent snapshots (the slots' previous payloads are deleted after the commit)."""
-        _check_batch(append, "segments")
+        refused = record_refusal(record.message_hashes, [segment.text for segment in append])
+        if refused:
+            raise InvalidArgument(refused)
         if len(snapshots) > 8 or len({s.slot for s in snapshots}) != len(snapshots):
             raise InvalidArgument("at most 8 snapshots, one per slot")
         for snapshot in snapshots:
@@ -986,16 +988,12 @@ class Daemon:
         _check_text(record.fingerprint, "fingerprint", 256)
         if len(record.fingerprint_parts) > 8 or any(len(p) > 256 for p in record.fingerprint_parts):
             raise InvalidArgument("fingerprint_parts holds at most 8 strings of at most 256 characters")
-        if any(len(h) > 128 for h in record.message_hashes) or len(record.message_hashes) > MAX_BATCH:
-            raise InvalidArgument("message_hashes holds at most 65536 strings of at most 128 characters")
         if len(record.counters) > 256 or any(len(name) > 64 for name in record.counters):
             raise InvalidArgument("at most 256 counters, names of at most 64 characters")
         if len(record.resident_pages) != len(record.resident_positions):
             raise InvalidArgument("resident_pages and resident_positions must have one entry each per page")
         _check_batch(record.ledger_pages, "ledger_pages")
         _check_batch(record.resident_pages, "resident_pages")
-        for segment in append:
-            _check_text(segment.text, "segment text", MAX_SEGMENT_TEXT)
         if self.handover is not None:
             self._check_hold(session_id)
         self._commit_payloads([snapshot.locator for snapshot in snapshots])

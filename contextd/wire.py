@@ -9,12 +9,13 @@ module, never the daemon. Depends on the generated contextd._gen modules only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import IntEnum, StrEnum
 
 from contextd._gen import contextd_pb2 as pb
 
-__all__ = ["MAX_BATCH", "MAX_MESSAGE_BYTES", "MAX_SEGMENT_TEXT", "MAX_TEXT", "PageState", "PinKind",
-           "grpc_options"]
+__all__ = ["MAX_BATCH", "MAX_MESSAGE_BYTES", "MAX_MESSAGE_HASH", "MAX_SEGMENT_TEXT", "MAX_TEXT", "PageState",
+           "PinKind", "grpc_options", "record_refusal"]
 
 # One gRPC message, either way: a whole session's record (the transcript's token ids, 4 bytes a
 # token, and its text) of a million-token session fits with room to spare.
@@ -22,6 +23,7 @@ MAX_MESSAGE_BYTES = 64 << 20
 MAX_BATCH = 65536             # records in one write request
 MAX_TEXT = 64 * 1024          # characters of a reason, a label
 MAX_SEGMENT_TEXT = 16 << 20   # characters of one transcript segment (a large tool result)
+MAX_MESSAGE_HASH = 128        # characters of one of the client's message hashes in a session record
 
 
 class PageState(IntEnum):
@@ -46,3 +48,19 @@ class PinKind(StrEnum):
 def grpc_options() -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+def record_refusal(message_hashes: Sequence[str], segment_texts: Sequence[str]) -> str:
+    """Why WriteRecord refuses a session record holding the client's `message_hashes` with new
+    transcript segments of `segment_texts` ("" when it takes them). Both ends apply this one
+    rule: contextd at the commit, and the server before a turn stores anything, so input from a
+    client that contextd would refuse at the end of the turn fails the turn before any durable
+    change (the turn's record is its last write)."""
+    if len(message_hashes) > MAX_BATCH or max(map(len, message_hashes), default=0) > MAX_MESSAGE_HASH:
+        return f"message_hashes holds at most {MAX_BATCH} strings of at most {MAX_MESSAGE_HASH} characters"
+    if len(segment_texts) > MAX_BATCH:
+        return f"{len(segment_texts)} segments in one request; at most {MAX_BATCH} are allowed"
+    longest = max(map(len, segment_texts), default=0)
+    if longest > MAX_SEGMENT_TEXT:
+        return f"segment text is {longest} characters long; at most {MAX_SEGMENT_TEXT} are allowed"
+    return ""

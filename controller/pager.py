@@ -22,7 +22,10 @@ Rules, in the order they win:
      plan, then the default retention (oldest unpinned first).
 Beside the rules, the pager keeps the session's prefix chain (`PrefixChain`): a hash per full page
 that names every token before its end, the key under which contextd indexes stored pages so a
-new session can start from a stored history it begins with.
+new session can start from a stored history it begins with. Every page carries the hash up to its
+own end (`Page.prefix_hash`) and its id carries that hash: the id names one version of the page,
+so the pages of two histories (a cut back and regrown, an edit, a retried answer) never share an
+id, and storing one never replaces a payload that a durable session record still names.
 Depends on xxhash and contextd.wire (PageState, PinKind) only.
 """
 
@@ -91,6 +94,8 @@ class Page:
     lease_until_turn: int = 0
     last_used_turn: int = 0
     stored: bool = False
+    prefix_hash: str = ""   # PrefixChain's hash of every token id up to token_end, set by the pager
+    stored_as: str = ""     # the id a store written before ids carried the prefix holds it under
 
     @property
     def tokens(self) -> int:
@@ -102,37 +107,64 @@ class Page:
 
     @property
     def page_id(self) -> str:
-        """Stable for a full page; a partial page's id names its length, so each stored version
-        of a growing page is a record of its own and no payload is ever overwritten."""
-        full = self.tokens == PAGE_TOKENS
-        return f"p{self.index:07d}" if full else f"p{self.index:07d}.{self.tokens}"
+        """The id of this version of the page: its index, its length when it is partial, and
+        its prefix hash. A page that grows, or is cut back and regrown with other tokens before
+        or in it, gets another id, so each version is a record and a payload of its own: a store
+        never replaces the payload of a version the last session record names (contextd
+        deletes a replaced payload at once; the record that stops naming a version is written
+        only at the end of the turn). Recovery keeps the id of a page a store written by an
+        earlier version of kv-elision holds (`legacy_id`) in `stored_as` until the page changes."""
+        if self.stored_as:
+            return self.stored_as
+        return f"{self.legacy_id}-{self.prefix_hash}"
+
+    @property
+    def legacy_id(self) -> str:
+        """The id a page had before ids carried the prefix: its index, and its length when partial."""
+        return f"p{self.index:07d}" if self.tokens == PAGE_TOKENS else f"p{self.index:07d}.{self.tokens}"
 
 
 class PrefixChain:
-    """Page i's hash is xxh64 over the token ids [0, 128 (i + 1)) as int64s: two histories share
-    their first i + 1 pages exactly when their page-i hashes agree. Computed as tokens come (a copy
-    of page i - 1's hasher fed page i's ids), so a turn hashes only what it adds; a cut keeps the
-    hashers of the pages before it. The ids are kept (8 bytes a token) for a cut inside a page."""
+    """xxh64 over token ids as int64s: page i's hash covers [0, 128 (i + 1)), so two histories
+    share their first i + 1 pages exactly when their page-i hashes agree; `hash_to(n)` is the same
+    hash over the first n ids, what a partial page's prefix hash is. Computed as tokens come: one
+    running hasher fed every id, copied at each page's end, so a turn hashes only what it adds; a
+    cut keeps the copies of the pages before it. The ids are kept (8 bytes a token) for a cut
+    inside a page."""
 
     def __init__(self) -> None:
         self._ids = array("q")
-        self._hashers: list[xxhash.xxh64] = []
+        self._hashers: list[xxhash.xxh64] = []   # the running hasher at each full page's end
+        self._open = xxhash.xxh64()              # ... after the last id
         self.hashes: list[str] = []   # one per full page, 16 hex digits each
 
     def extend(self, token_ids: Sequence[int]) -> PrefixChain:
+        at = len(self._ids)
         self._ids.extend(token_ids)
-        while (len(self.hashes) + 1) * PAGE_TOKENS <= len(self._ids):
-            page = len(self.hashes)
-            hasher = self._hashers[-1].copy() if self._hashers else xxhash.xxh64()
-            hasher.update(self._ids[page * PAGE_TOKENS:(page + 1) * PAGE_TOKENS].tobytes())
-            self._hashers.append(hasher)
-            self.hashes.append(hasher.hexdigest())
+        while at < len(self._ids):
+            end = min(len(self._ids), (at // PAGE_TOKENS + 1) * PAGE_TOKENS)
+            self._open.update(self._ids[at:end].tobytes())
+            if end % PAGE_TOKENS == 0:
+                self._hashers.append(self._open.copy())
+                self.hashes.append(self._open.hexdigest())
+            at = end
         return self
 
     def truncate(self, tokens: int) -> None:
+        full = tokens // PAGE_TOKENS
         del self._ids[tokens:]
-        del self._hashers[tokens // PAGE_TOKENS:]
-        del self.hashes[tokens // PAGE_TOKENS:]
+        del self._hashers[full:]
+        del self.hashes[full:]
+        self._open = self._hashers[-1].copy() if self._hashers else xxhash.xxh64()
+        self._open.update(self._ids[full * PAGE_TOKENS:].tobytes())
+
+    def hash_to(self, tokens: int) -> str:
+        """The hash of the first `tokens` ids, where a page ends: a full page's end or the last id."""
+        if tokens == len(self._ids):
+            return self._open.hexdigest()
+        if tokens % PAGE_TOKENS or not 0 < tokens < len(self._ids):
+            raise ValueError(f"no page of {len(self._ids)} tokens ends at {tokens}")
+        return self.hashes[tokens // PAGE_TOKENS - 1]
 
 
 @dataclass
@@ -195,10 +227,6 @@ class Pager:
         """The hard-pinned pages and their kinds."""
         return {i: kind for i in self._pinned if (kind := self.pages[i].pin) is not None}
 
-    def prefix_hash(self, index: int) -> str:
-        """Page `index`'s prefix chain hash, or "" while it is not full."""
-        return self.chain.hashes[index] if index < len(self.chain.hashes) else ""
-
     def counts(self) -> dict[str, int]:
         """Pages by state, as contextd counts them: `hot` is every page in attention and `pinned`
         the hot pages with a hard pin (a part of `hot`)."""
@@ -224,6 +252,7 @@ class Pager:
             take = min(size - page.tokens, len(token_ids) - pos)
             page.token_end += take
             page.stored = False  # its payload (if any) no longer covers the whole page
+            page.prefix_hash, page.stored_as = self.chain.hash_to(page.token_end), ""
             if page.resident:
                 self._hot_tokens += take
             if page.index in self._pinned:
@@ -250,6 +279,7 @@ class Pager:
             cut = last.token_end - tokens
             last.token_end = tokens
             last.stored = False
+            last.prefix_hash, last.stored_as = self.chain.hash_to(tokens), ""
             if last.resident:
                 self._hot_tokens -= cut
             if last.index in self._pinned:

@@ -6,7 +6,10 @@ walks the tree for calls elsewhere).
 Every move follows the same order, so a crash at any point leaves contextd describing a state
 the session can resume from:
   store     the page's block is written as an immutable file (contextd.client.Payloads, the one
-            durable write path), then recorded in the manifest (UpsertPages);
+            durable write path), then recorded in the manifest (UpsertPages) under the id of its
+            version (controller.pager.Page.page_id: the id carries the page's prefix hash), so
+            no store replaces a version the last session record names; nothing is stored for a
+            turn whose record contextd would refuse (contextd.wire.record_refusal);
   evict     only stored pages leave attention; the manifest says COLD after they have;
   restore   the decision's manifest records are looked up in one call (GetPages); the decision's
             one state commit (the evicted pages COLD, the restored ones HOT with their leases)
@@ -46,10 +49,11 @@ from backends import (
 from contextd import crashpoints
 from contextd.client import Client, Pending, pb
 from contextd.errors import DataCorrupt, FailedPrecondition
-from contextd.wire import PageState
+from contextd.wire import PageState, record_refusal
 from controller.pager import PAGE_TOKENS, Decision, Page, Pager, Plan
 from serving.scoring import ControllerScorer, score_as_a_turn
 from serving.session import Session, SessionCounters, StoredPayload
+from serving.transcript import TranscriptError
 
 log = logging.getLogger("kv_elision.paging")
 
@@ -446,7 +450,12 @@ class PageMover:
         return True
 
     def store(self, session: Session, indices: list[int]) -> None:
-        """Write pages to the canonical store (payload first), then record them in one batch."""
+        """Write pages to the canonical store (payload first), then record them in one batch.
+
+        First of all, even with nothing to store: the record this turn ends with must be one
+        contextd takes (`check_record`). `execute` and `persist` store before they move anything,
+        so a turn that would fail at its record fails here, before any durable change."""
+        self.check_record(session)
         if not indices:
             return
         pager = session.pager
@@ -475,11 +484,21 @@ class PageMover:
                                    state=page.state.value, locator=stored.locator,
                                    byte_size=stored.byte_size, checksum=stored.checksum, dtype=block.view.dtype,
                                    layer_view=block.view.model_id, last_used_turn=pager.turn,
-                                   prefix_hash=pager.prefix_hash(index)))
+                                   prefix_hash=page.prefix_hash))
         self.payloads.sync_folder(session.session_id)   # one directory fsync for the batch, before the records
         self.contextd.upsert_pages(session.session_id, records)
         session.persisted.payloads.update((r.page_id, stored_payload(r)) for r in records)
         crashpoints.reached("serving.store.recorded")
+
+    def check_record(self, session: Session) -> None:
+        """Raise TranscriptError (a 400 for the client) when contextd would refuse the record of
+        this turn as it stands: the client's message hashes and the new transcript segments, by
+        contextd's own rule (contextd.wire.record_refusal). A client's input fails its turn here,
+        with nothing stored, not at the end of the turn after pages were."""
+        refused = record_refusal(session.transcript.message_hashes,
+                                 [s.text for s in session.transcript.segments[session.persisted.segments:]])
+        if refused:
+            raise TranscriptError(f"session {session.session_id}: the turn cannot be recorded: {refused}")
 
     def snapshot_recurrent(self, session: Session) -> None:
         """On a hybrid, keep the recurrent state at this segment boundary (what a cut resumes from)."""
@@ -578,8 +597,9 @@ class PageMover:
         crashpoints.reached("serving.persist.recorded")
         persisted.segments = len(session.transcript.segments)
         # Only now that the new record no longer names them: a crash before this line still finds
-        # every payload the last record needs. A page that grew back to a version of the same id
-        # (cut back, then filled again) is current, not superseded.
+        # every payload the last record needs (a regrown page of another history is stored under
+        # an id of its own: Page.page_id). A page that grew back to the same version (cut back,
+        # then the same tokens again, as a regenerated answer) is current, not superseded.
         gone = sorted({page_id for index, page_id in persisted.superseded
                        if index >= len(pager.pages) or pager.pages[index].page_id != page_id})
         persisted.superseded = []

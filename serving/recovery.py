@@ -8,6 +8,9 @@ never named), saying so in `Session.recovery_notes`. `bring_back` then has the p
 the empty backend with the resident pages and the recurrent state (streamed copies, never a
 forward pass) and indexes the stored pages for the selector. A resident page that fails its
 checksum is marked corrupt by the mover; recovery then runs again without it, in the same call.
+Pages are found by id, and an id names the page's history (controller.pager.Page.page_id). A
+store written before ids carried the history is read: a page found only under its earlier id
+(`Page.legacy_id`) keeps it until it changes.
 
 Pages move only through serving.paging.PageMover: this module reads records and payload keys,
 never the backend's cache.
@@ -123,6 +126,9 @@ class Recovery:
         snapshot = snapshots.get(SnapshotSlot.END_OF_TURN)
         pager = Pager(config)
         pager.append(transcript.ids)
+        for page in pager.pages:
+            if page.page_id not in manifest and page.legacy_id in manifest:
+                page.stored_as = page.legacy_id   # a store written before ids carried the prefix
         resident = dict(zip(record.resident_pages, record.resident_positions, strict=True))
         usable = {page_id for page_id, p in manifest.items()
                   if p.locator and PageState(p.state) not in (PageState.DROPPED, PageState.CORRUPT)}

@@ -1,5 +1,6 @@
-"""The campaign's crash part: the planned kill -9 cases against their twins, then a few crash
-points through the real `kv-elision serve` over HTTP.
+"""The campaign's crash part: the planned kill -9 cases against their twins, the history crash
+points (across a client's edit: a cut back and a regrow), then a few crash points through the
+real `kv-elision serve` over HTTP.
 
 Depends on harness.faults, benchmarks.stats, serving.launcher and contextd.errors.
 """
@@ -15,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.stats import percentile
-from harness.faults.crash import CrashCampaign, plan_crashes
+from harness.faults.crash import CrashCampaign, plan_crashes, plan_history_crashes
 from harness.faults.oracle import CaseOutcome, Twins
 from harness.faults.processes import Daemon, environ_set
 from harness.faults.scenarios import CRASH_ENV, SCENARIOS, messages_for
 from harness.faults.zygote import Zygote
+
+HISTORY_CRASH_POINTS = 24   # single crashes while the edit of llama-edit's history is served
 
 HTTP_CRASHES = (("serving.prefill.chunk", 9), ("serving.decode.token", 27), ("serving.evict.removed", 2),
                 ("serving.store.payload_written", 8), ("serving.persist.recorded", 5), ("serving.restore.inserted", 1))
@@ -152,6 +155,14 @@ def run_crash_part(args: argparse.Namespace, work: Path, zygote: Zygote, log: Ca
                     log(f"  [{n + 1}/{len(plan)}] {outcome.label}: {outcome.problems[0]}")
                 elif (n + 1) % 25 == 0:
                     log(f"  [{n + 1}/{len(plan)}] ok so far")
+        edited = SCENARIOS["llama-edit"]
+        history_plan = plan_history_crashes(twins, edited, HISTORY_CRASH_POINTS)
+        log(f"crash: {len(history_plan)} history cases (across {edited.name}'s edit)")
+        history = [campaign.case(edited, specs) for specs in history_plan]
+        for outcome in history:
+            outcome.scope = f"{edited.name}/{outcome.scope}"
+            if outcome.reached and not outcome.exact:
+                log(f"  history {outcome.label}: {outcome.problems[0]}")
     finally:
         daemon.stop()
     if args.http_crashes:
@@ -164,4 +175,7 @@ def run_crash_part(args: argparse.Namespace, work: Path, zygote: Zygote, log: Ca
                "crash_unclear_errors": sum(o.unclear_errors for o in reached),
                "crash_points_not_reached": len(outcomes) - len(reached),
                "crash_case_s_p50": round(percentile([o.seconds for o in reached], 50), 2) if reached else 0.0}
-    return figures, reached
+    history_reached = [o for o in history if o.reached]
+    across = {"points": len(history_reached), "exact": sum(o.exact for o in history_reached),
+              "lost": sum(o.pages_lost for o in history_reached)}
+    return {**figures, "history_crash_points": across}, reached + history_reached

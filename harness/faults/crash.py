@@ -1,6 +1,7 @@
 """Crashes: kill -9 at named crash points (contextd.crashpoints) in the serving code and in
 contextd, planned over every point by how often an uncrashed run reaches it, each case recovered
-and checked against its twin.
+and checked against its twin; and the history crash points, planned over the request of a
+scenario whose client edits its history (a cut back and a regrow).
 
 Depends on the zygote, the oracle and the campaign's processes and scenarios.
 """
@@ -153,4 +154,34 @@ def plan_crashes(twins: Twins, scenario: Scenario, budget: int) -> list[list[Cra
                       if name == "serving.store.recorded"
                       else CrashSpec("contextd", "contextd.commit.begin", 1 + k % 3))
             cases.append([CrashSpec("server", name, early + n), second])
+    return cases
+
+
+def plan_history_crashes(twins: Twins, scenario: Scenario, budget: int) -> list[list[CrashSpec]]:
+    """About `budget` single crashes, all while the request that edits the client's history runs
+    (the session cut back to the edit, then everything after it prefilled again, regrown pages
+    stored as they are evicted, then persisted), spread over the server's points by how often
+    that request reaches them, and over its contextd commits. Every page the last record names
+    must survive each (a regrown page once took the id, and with it the payload, of a page of the
+    history before the edit)."""
+    edit = scenario.edit
+    if edit is None:
+        raise ValueError(f"scenario {scenario.name} edits no history")
+    plain = twins.plain(scenario)
+    during = plain[edit.at]
+    capacity = {("server", name): during["hits"].get(name, 0) for name in SERVER_POINTS if during["hits"].get(name)}
+    capacity.update({("contextd", name): int(during["commits"]) for name in CONTEXTD_POINTS})
+    share = {kind: 0 for kind in capacity}
+    left = budget
+    while left > 0 and any(share[k] < capacity[k] for k in share):
+        for kind in share:
+            if left > 0 and share[kind] < capacity[kind]:
+                share[kind] += 1
+                left -= 1
+    commits_before = int(sum(ack["commits"] for ack in plain[:edit.at]))
+    cases: list[list[CrashSpec]] = []
+    for (where, name), count in share.items():
+        for k in _spread(capacity[(where, name)], count):
+            n = hit_in(plain, name, edit.at, k) if where == "server" else commits_before + k
+            cases.append([CrashSpec(where, name, n)])
     return cases

@@ -170,7 +170,6 @@ def job_drive(rep: Reporter, loaded: dict[str, tuple[Any, Any]], p: dict[str, An
     from serving.http import error_for
 
     d = Driver(loaded, p)
-    users = d.scenario.users
     answers = {int(k): v for k, v in p.get("answers", {}).items()}
     hits: dict[str, int] = {}
     if p.get("count"):
@@ -221,7 +220,7 @@ def job_drive(rep: Reporter, loaded: dict[str, tuple[Any, Any]], p: dict[str, An
         counted = dict(hits)
         commits = d.client.status().commit_seq if p.get("count") else 0
         rep.event(sent=i)
-        status, result = d.turn(messages_for(users, answers, i))
+        status, result = d.turn(messages_for(d.scenario.users_at(i), answers, i))
         blobs.clear_fault()
         for action in after.pop(str(i), []):
             _act(d, action)

@@ -1,5 +1,6 @@
 """The campaign's sessions: each scenario's user turns (the last one is the probe), its engine
-knobs and its tiny random-weight model, and the client's request number i built from them.
+knobs and its tiny random-weight model, an edit of the client's own history if it has one, and
+the client's request number i built from them.
 
 The zygote's children look scenarios up by name, so every scenario is registered here at import.
 Depends on serving.engine (EngineConfig).
@@ -26,8 +27,19 @@ def _user_turns(n: int, repeat: int) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class Edit:
+    """From request `at` on, the client sends user turn `turn` as `text` (the rest as it was): the
+    session is cut back to that turn and everything after it is prefilled again."""
+
+    at: int
+    turn: int
+    text: str
+
+
+@dataclass(frozen=True)
 class Scenario:
-    """One session: the user's turns (the last is the probe), the engine's knobs, the model."""
+    """One session: the user's turns (the last is the probe), the engine's knobs, the model, and
+    an edit of the client's history, if any."""
 
     name: str
     model: str
@@ -36,10 +48,18 @@ class Scenario:
     tail: int = 128
     max_new: int = 6
     chunk: int = 128
+    edit: Edit | None = None
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(budget_tokens=self.budget, tail_tokens=self.tail, max_new_tokens=self.max_new,
                             prefill_chunk=self.chunk)
+
+    def users_at(self, request: int) -> tuple[str, ...]:
+        """The user turns as request number `request` sends them."""
+        edit = self.edit
+        if edit is None or request < edit.at:
+            return self.users
+        return (*self.users[:edit.turn], edit.text, *self.users[edit.turn + 1:])
 
 
 SCENARIOS = {
@@ -49,6 +69,12 @@ SCENARIOS = {
     "hybrid": Scenario("hybrid", "tiny-qwen3-next", _user_turns(5, 14)),
 }
 
+
+# The llama session whose client edits its first message before the sixth request, keeping its
+# token count: the session is cut back to its start and four files are prefilled again, the same
+# tokens after another one, evicting regrown pages on the way (the history crash points).
+SCENARIOS["llama-edit"] = Scenario("llama-edit", "tiny-llama", SCENARIOS["llama"].users, edit=Edit(
+    5, 0, SCENARIOS["llama"].users[0].replace("notes", "Notes")))
 
 for _n in range(4):  # module level: the zygote's children look scenarios up by name
     SCENARIOS[f"llama-s{_n}"] = Scenario(f"llama-s{_n}", "tiny-llama", tuple(

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import pytest
 
-from harness.faults.crash import SERVER_POINTS, CrashCampaign, CrashSpec, hit_in, plan_crashes
+from harness.faults.crash import SERVER_POINTS, CrashCampaign, CrashSpec, hit_in, plan_crashes, plan_history_crashes
 from harness.faults.oracle import Twins
 from harness.faults.scenarios import SCENARIOS
 from tests.reliability.conftest import explain
 
 LLAMA = SCENARIOS["llama"]
 HYBRID = SCENARIOS["hybrid"]
+EDITED = SCENARIOS["llama-edit"]
 
 
 def test_the_twin_reaches_every_crash_point(twins: Twins) -> None:
@@ -80,3 +81,23 @@ def test_a_hybrid_turn_resent_after_its_record_costs_only_the_opener(twins: Twin
     outcome = crashes.case(HYBRID, [CrashSpec("server", "serving.persist.recorded", n)])
     assert outcome.reached and outcome.exact, explain(outcome)
 
+
+
+def test_the_edited_history_is_cut_back_and_regrown_past_the_budget(twins: Twins) -> None:
+    assert EDITED.edit is not None
+    plain = twins.plain(EDITED)
+    during = plain[EDITED.edit.at]
+    assert "transcript changed" in during["rebuilt"], during["rebuilt"]
+    assert during["hits"].get("serving.evict.removed", 0) >= 2, "no regrown page was evicted: nothing stored mid-turn"
+    assert len(plan_history_crashes(twins, EDITED, 24)) >= 20
+
+
+@pytest.mark.parametrize("name,k", [("serving.store.recorded", 2), ("serving.persist.pages_stored", 1),
+                                    ("serving.blob.renamed", 3)])
+def test_a_crash_after_regrown_pages_are_stored_loses_no_page_of_the_last_record(
+        twins: Twins, crashes: CrashCampaign, name: str, k: int) -> None:
+    assert EDITED.edit is not None
+    n = hit_in(twins.plain(EDITED), name, EDITED.edit.at, k)
+    outcome = crashes.case(EDITED, [CrashSpec("server", name, n)])
+    assert outcome.reached and outcome.exact, explain(outcome)
+    assert outcome.pages_lost == 0 and outcome.half_present == 0

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -206,4 +209,34 @@ def test_the_prefix_chain_names_every_token_before_each_full_page() -> None:
     pager.truncate(2 * PAGE_TOKENS + 5)   # a cut inside page 2, then other tokens
     pager.append([9] * 300)
     assert pager.chain.hashes == PrefixChain().extend([*ids[:2 * PAGE_TOKENS + 5], *[9] * 300]).hashes
-    assert pager.prefix_hash(1) == whole.hashes[1] and pager.prefix_hash(len(pager.pages) - 1) == ""
+    assert pager.pages[1].prefix_hash == whole.hashes[1]
+
+
+def test_a_page_id_names_the_history_up_to_the_page_end() -> None:
+    """A page cut back and regrown after other tokens is another version with another id, so
+    storing it never replaces the payload of the version the last record names; the same
+    tokens after the same history are the same version, whatever way they came."""
+    ids = list(range(1000, 1000 + 4 * PAGE_TOKENS + 40))
+    pager = Pager(PagerConfig(budget_tokens=2048))
+    pager.append(ids)
+    before = [p.page_id for p in pager.pages]
+    assert len(set(before)) == 5
+    assert [p.prefix_hash for p in pager.pages[:4]] == PrefixChain().extend(ids).hashes
+    partial = pager.pages[4]
+    assert partial.prefix_hash == xxhash.xxh64(array("q", ids).tobytes()).hexdigest()
+    assert before[4] == f"p0000004.40-{partial.prefix_hash}" and before[0].startswith("p0000000-")
+    # an edit of one token of page 1 that keeps the token count: every page from there on is another version
+    pager.truncate(200)
+    pager.append([7, *ids[201:]])
+    after = [p.page_id for p in pager.pages]
+    assert after[0] == before[0] and not set(after[1:]) & set(before[1:])
+    # back to the first history: the same ids again, grown a token at a time as a decode grows them
+    pager.truncate(100)
+    for token in ids[100:]:
+        pager.append([token])
+    assert [p.page_id for p in pager.pages] == before
+    # a page a store of the earlier scheme holds keeps that id until it changes
+    pager.pages[4].stored_as = pager.pages[4].legacy_id
+    assert pager.pages[4].page_id == "p0000004.40"
+    pager.append([5])
+    assert pager.pages[4].page_id == f"p0000004.41-{pager.pages[4].prefix_hash}"
