@@ -17,7 +17,9 @@ the session can resume from:
             re-anchored, each held key at most once (Backend.insert_block_files: copies and
             arithmetic, never a forward pass); the pager calls a page HOT only once both are
             done, and a page whose payload failed its checks is then marked CORRUPT (which
-            takes its lease off);
+            takes its lease off); a payload whose record names another history than the
+            session's transcript gives the page (`foreign`) is never read in, and is marked
+            CORRUPT too;
   persist   at the end of a turn: every resident page not yet stored, the pins, then the
             session record (counters, transcript segments) and the recurrent snapshots (at the
             end of the turn and before its answer) in one transaction, and last the deletion of
@@ -249,6 +251,13 @@ class PageMover:
                 log.warning("session %s: page %d has no valid payload; it stays out", session.session_id, index)
                 pager.pages[index].stored = False
                 continue
+            other = foreign(pager.pages[index], payload)
+            if other:
+                session.persisted.payloads.pop(pager.pages[index].page_id, None)
+                log.warning("session %s: %s; it stays out", session.session_id,
+                            self._report_corrupt(session, pager.pages[index].page_id, other))
+                pager.pages[index].stored = False
+                continue
             asked.append((index, payload))
         # Places in the held order before any of them goes in (ascending, as the call wants).
         files = [self._stored_block(session, payload, index, pager.logical_start(index)) for index, payload in asked]
@@ -359,6 +368,9 @@ class PageMover:
                 continue
             stored = self._stored_block(session, payload, index, 0)
             try:
+                other = foreign(pager.pages[index], payload)
+                if other:
+                    raise BlockFormatError(other)
                 blk = Block.read(stored.path, stored.checksum, stored.size, expect=self.backend.layer_view)
                 stored.check_tokens(blk.token_ids)
             except BlockFormatError as e:
@@ -378,9 +390,9 @@ class PageMover:
         self.tally.count(session, controller_forward_tokens=forwarded)
         return dict(zip(blocks, scores, strict=True))
 
-    def _report_corrupt(self, session: Session, page_id: str, error: BlockFormatError) -> str:
-        """Mark the page CORRUPT in contextd (its payload failed its checks; contextd takes its
-        lease off); return the reason."""
+    def _report_corrupt(self, session: Session, page_id: str, error: BlockFormatError | str) -> str:
+        """Mark the page CORRUPT in contextd (its payload failed its checks, or holds another
+        history's K/V: it is never served; contextd takes its lease off); return the reason."""
         reason = f"page {page_id}: {error}"
         self.contextd.report_corrupt(session.session_id, page_id, reason)
         return reason
@@ -646,6 +658,10 @@ class PageMover:
             if record is None or not record.locator or PageState(record.state) in (
                     PageState.DROPPED, PageState.CORRUPT):
                 raise DataCorrupt(f"session {session.session_id}: resident page {page.index} has no stored payload")
+            other = foreign(page, stored_payload(record))
+            if other:
+                raise DataCorrupt(f"session {session.session_id}: resident "
+                                  f"{self._report_corrupt(session, page.page_id, other)}")
             files.append(self._stored_block(session, stored_payload(record), page.index, self.backend.attention_tokens,
                                             session.persisted.resident_positions.get(page.index)))
         results = self.backend.insert_block_files(files)
@@ -689,7 +705,20 @@ def _settle(commit: Pending[pb.WriteAck] | None) -> None:
 
 def stored_payload(record: pb.Page) -> StoredPayload:
     """The payload a manifest record names."""
-    return StoredPayload(record.locator, record.checksum, record.byte_size)
+    return StoredPayload(record.locator, record.checksum, record.byte_size, record.prefix_hash)
+
+
+def foreign(page: Page, payload: StoredPayload) -> str:
+    """Why `payload` is not `page`'s (its record names another history than the session's
+    transcript gives the page), or "". The checksum, the model and the page's own token ids
+    cannot tell: after an edit that keeps the token count, a later page holds the same tokens
+    with K/V computed after other ones. A page recovery found under the id an earlier version
+    of kv-elision gave it (`Page.stored_as`) may have no prefix hash (partial pages and stores
+    from before contextd's schema 4 had none); its token ids are then all there is to check."""
+    if payload.prefix_hash == page.prefix_hash or (page.stored_as and not payload.prefix_hash):
+        return ""
+    return (f"its payload holds K/V computed after another history (prefix hash "
+            f"{payload.prefix_hash or 'none'}, where the session's transcript gives {page.prefix_hash})")
 
 
 def cold_payload(record: pb.Page | None) -> StoredPayload | None:

@@ -8,9 +8,10 @@ never named), saying so in `Session.recovery_notes`. `bring_back` then has the p
 the empty backend with the resident pages and the recurrent state (streamed copies, never a
 forward pass) and indexes the stored pages for the selector. A resident page that fails its
 checksum is marked corrupt by the mover; recovery then runs again without it, in the same call.
-Pages are found by id, and an id names the page's history (controller.pager.Page.page_id). A
-store written before ids carried the history is read: a page found only under its earlier id
-(`Page.legacy_id`) keeps it until it changes.
+Pages are found by id, and an id names the page's history (controller.pager.Page.page_id); a
+page whose record names another history than the transcript gives it is marked corrupt and
+never served. A store written before ids carried the history is read: a page found only under
+its earlier id (`Page.legacy_id`) keeps it until it changes.
 
 Pages move only through serving.paging.PageMover: this module reads records and payload keys,
 never the backend's cache.
@@ -31,7 +32,7 @@ from contextd.wire import PageState, PinKind
 from controller.keyindex import KeyIndex
 from controller.lexical import LexicalIndex
 from controller.pager import PAGE_TOKENS, Pager, PagerConfig
-from serving.paging import PageMover, SnapshotSlot, Tally, stored_payload
+from serving.paging import PageMover, SnapshotSlot, Tally, foreign, stored_payload
 from serving.session import Session, SessionCounters
 from serving.transcript import Fingerprint, Segment, Transcript
 
@@ -132,6 +133,7 @@ class Recovery:
         resident = dict(zip(record.resident_pages, record.resident_positions, strict=True))
         usable = {page_id for page_id, p in manifest.items()
                   if p.locator and PageState(p.state) not in (PageState.DROPPED, PageState.CORRUPT)}
+        self._refuse_foreign(session_id, pager, manifest, usable, notes)
         lost = [p.index for p in pager.pages if p.index in resident and p.page_id not in usable]
         if lost or (self.hybrid and (snapshot is None or snapshot.stream_tokens != transcript.tokens)):
             # What attention held cannot be put back exactly: the session starts over, and the
@@ -180,6 +182,21 @@ class Recovery:
         for note in notes:
             log.warning("session %s recovered: %s", session_id, note)
         return session
+
+    def _refuse_foreign(self, session_id: str, pager: Pager, manifest: dict[str, pb.Page], usable: set[str],
+                        notes: list[str]) -> None:
+        """Take out of `usable` each page whose record names another history than the transcript
+        gives it (serving.paging.foreign: the same tokens after other ones, such as a store
+        written under an id that did not carry the prefix and replaced by another history's
+        version, or another server's), marking it CORRUPT: it is never served, and the session
+        goes on as it does without a corrupt page (a resident one: from its first message)."""
+        for page in pager.pages:
+            other = foreign(page, stored_payload(manifest[page.page_id])) if page.page_id in usable else ""
+            if other:
+                reason = f"page {page.page_id}: {other}"
+                self.contextd.report_corrupt(session_id, page.page_id, reason)
+                usable.discard(page.page_id)
+                notes.append(f"{reason}; it is marked corrupt and not served")
 
     def _recurrent_snapshots(self, session_id: str, transcript: Transcript) -> dict[SnapshotSlot, RecurrentSnapshot]:
         """The stored recurrent snapshots that belong to `transcript` (by the hash of the tokens

@@ -120,11 +120,14 @@ class LastAnswer:
 
 @dataclass(frozen=True, slots=True)
 class StoredPayload:
-    """Where a stored page's payload is and what it holds, as its manifest record says."""
+    """Where a stored page's payload is and what it holds, as its manifest record says: the
+    prefix hash is the history its K/V were computed after (a restore takes it only for a page
+    whose transcript gives the same)."""
 
     locator: str
     checksum: str
     byte_size: int
+    prefix_hash: str
 
 
 @dataclass

@@ -1,23 +1,28 @@
-"""A page's id names its history.
+"""A page's id names its history, and a page of another history is never served.
 
 After a cut back (a client's edit, a retry, a resample) the regrown pages are other versions of
 the same indices. Their payloads must never replace the ones the last session record names
 until the record replacing it is durable (contextd deletes a replaced payload right after its
-commit). A tiny real model, real contextd processes, nothing of ours faked.
+commit), and a payload whose record names another history than the session's transcript gives
+the page (the same tokens after other ones) must never go into attention: not by a restore, not
+by a recovery. A tiny real model, real contextd processes, nothing of ours faked.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from backends import Backend, load_backend
 from contextd.client import Client, pb
-from contextd.wire import PinKind
-from controller.pager import PAGE_TOKENS
+from contextd.errors import DataCorrupt
+from contextd.wire import PageState, PinKind
+from controller.pager import PAGE_TOKENS, Decision
 from serving.engine import ChatRequest, Engine
 from serving.launcher import ContextdProcess
+from serving.session import Session
 from serving.transcript import TranscriptError
 from tests.serving.engines import restarted_copy, turn
 from tests.serving.test_engine import CONFIG, SYSTEM, engine_on, grow
@@ -93,6 +98,95 @@ def test_a_message_hash_contextd_would_refuse_fails_the_turn_before_anything_is_
     # the session goes on from its last record, with nothing to fix
     result = turn(engine, "q", [*messages, QUESTION])
     assert engine.sessions["q"].recovery_notes == [] and result.counters.recovered_pages > 0
+
+
+@dataclass(frozen=True)
+class Version:
+    """One stored version of a page: its manifest record and its payload's bytes."""
+
+    record: pb.Page
+    data: bytes
+
+
+def version(client: Client, contextd: ContextdProcess, session: Session, index: int) -> Version:
+    record = client.get_pages(session.session_id, [session.pager.pages[index].page_id])[0]
+    return Version(record, (contextd.root / "store" / record.locator).read_bytes())
+
+
+def forge(client: Client, session: Session, index: int, other: Version) -> None:
+    """Give page `index`'s current version the payload and record of `other`, a version of the
+    same tokens after another history: what a store under ids without the history left when a
+    dead turn replaced a version the record named, and what another server on the same contextd
+    may write."""
+    page = session.pager.pages[index]
+    written = client.payloads().write(session.session_id, page.page_id, other.data)
+    forged = pb.Page()
+    forged.CopyFrom(other.record)
+    forged.page_id, forged.state = page.page_id, client.get_pages(session.session_id, [page.page_id])[0].state
+    forged.locator, forged.checksum, forged.byte_size = written.locator, written.checksum, written.byte_size
+    client.upsert_pages(session.session_id, [forged])
+
+
+def regrown(engine: Engine, client: Client, contextd: ContextdProcess, name: str, state: PageState
+            ) -> tuple[list[dict[str, Any]], list[int], dict[int, Version]]:
+    """A session moved to another history by an edit that keeps the token count: the client's
+    messages now, its full pages past the edit in `state`, and each page's version from before
+    the edit (the same tokens, K/V computed after other ones)."""
+    messages = grow(engine, name, 6)
+    session = engine.sessions[name]
+    old_ids, old_hashes = list(session.transcript.ids), list(session.pager.chain.hashes)
+    old = {p.index: version(client, contextd, session, p.index) for p in session.pager.pages[1:-1]}
+    now = edited(messages)
+    now.append({"role": "assistant", "content": turn(engine, name, now).content})
+    pager = session.pager
+    indices = [p.index for p in pager.pages[1:-1] if p.state is state and p.index in old and p.stored]
+    for index in indices:
+        page = pager.pages[index]
+        assert session.transcript.ids[page.token_start:page.token_end] == old_ids[page.token_start:page.token_end]
+        assert pager.chain.hashes[index] != old_hashes[index] and page.tokens == PAGE_TOKENS
+    return now, indices, old
+
+
+def test_a_page_of_another_history_with_the_same_tokens_is_never_restored(
+        backend: Backend, contextd: ContextdProcess, caplog: pytest.LogCaptureFixture) -> None:
+    engine = engine_on(backend, contextd)
+    client = contextd.client
+    assert client is not None
+    _, cold, old = regrown(engine, client, contextd, "w", PageState.COLD)
+    session = engine.sessions["w"]
+    index = cold[0]
+    forge(client, session, index, old[index])
+    page = session.pager.pages[index]
+    held = engine.backend.attention_tokens
+    assert engine.mover.execute(session, Decision(evict=[], restore=[index], plan_used=False)) == []
+    assert engine.backend.attention_tokens == held and page.state is PageState.COLD and not page.stored
+    assert client.get_pages("w", [page.page_id])[0].state == PageState.CORRUPT
+    assert f"page {page.page_id}: its payload holds K/V computed after another history" in caplog.text
+
+
+def test_a_recovery_never_fills_a_resident_page_of_another_history(
+        backend: Backend, contextd: ContextdProcess) -> None:
+    engine = engine_on(backend, contextd)
+    client = contextd.client
+    assert client is not None
+    messages, resident, old = regrown(engine, client, contextd, "r", PageState.HOT)
+    assert len(resident) >= 2
+    # the manifest changes between recovery's read of it and the fill (another server's write)
+    restarted = engine_on(backend, contextd)
+    rebuilt = restarted.recovery.rebuild("r", CONFIG.pager_config())
+    assert rebuilt is not None and rebuilt.recovery_notes == []
+    forge(client, rebuilt, resident[0], old[resident[0]])
+    with pytest.raises(DataCorrupt, match="another history"):
+        restarted.mover.fill_resident(rebuilt)
+    assert client.get_pages("r", [rebuilt.pager.pages[resident[0]].page_id])[0].state == PageState.CORRUPT
+    # ... or before it: recovery reads the record, refuses the page, and the session starts over
+    # as it does without a corrupt resident page
+    forge(client, rebuilt, resident[1], old[resident[1]])
+    again = engine_on(backend, contextd)
+    result = turn(again, "r", [*messages, QUESTION])
+    notes = again.sessions["r"].recovery_notes
+    assert any("another history" in note for note in notes) and any("starts over" in note for note in notes), notes
+    assert result.counters.recovered_pages == 0 and result.prefilled_tokens == result.prompt_tokens
 
 
 def earlier_ids(client: Client, contextd: ContextdProcess, session: str) -> dict[str, str]:
