@@ -12,7 +12,7 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,9 +25,14 @@ CHAT = "/v1/chat/completions"
 ACCEPTABLE_HTTP = set(range(200, 300)) | set(range(400, 500)) | {501, 505}  # 501/505: unknown method, bad version
 
 
-def http_strategies() -> dict[str, Any]:
-    """Kinds of malformed (now and then well-formed) HTTP requests, each a strategy for raw bytes."""
+def http_strategies(auth: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Kinds of malformed (now and then well-formed) HTTP requests, each a strategy for raw bytes.
+    Each request that has headers of its own carries `auth` (the server's Authorization header),
+    so that the fuzzing reaches the routes and not only the 401 that a request without the key
+    gets; a request whose fuzzed headers name Authorization themselves carries only those."""
     from hypothesis import strategies as st
+
+    credentials = [(name.encode(), value.encode()) for name, value in (auth or {}).items()]
 
     json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
                           st.text(max_size=40))
@@ -60,6 +65,8 @@ def http_strategies() -> dict[str, Any]:
         lines = [method + b" " + path + b" " + version, b"Host: 127.0.0.1", b"Connection: close"]
         if payload is not None:
             lines.append(b"Content-Length: " + (length if length is not None else str(len(payload)).encode()))
+        named = {name.lower() for name, _ in headers}
+        lines += [name + b": " + value for name, value in credentials if name.lower() not in named]
         lines += [name + b": " + value for name, value in headers]
         return b"\r\n".join(lines) + b"\r\n\r\n" + (payload or b"")
 
@@ -201,11 +208,14 @@ def _examples(test: Callable[[Any], None], strategy: SearchStrategy[Any], count:
     hseed(seed)(run)()
 
 
-def fuzz_http(port: int, n: int, seed: int = 0, alive: Callable[[], bool] | None = None) -> FuzzTally:
-    """About `n` Hypothesis-generated requests against the server on `port`, every kind in proportion."""
+def fuzz_http(port: int, n: int, seed: int = 0, alive: Callable[[], bool] | None = None,
+              auth: Mapping[str, str] | None = None) -> FuzzTally:
+    """About `n` Hypothesis-generated requests against the server on `port`, every kind in
+    proportion, each with `auth` (ServerProcess.auth_headers: a server wants its key on every
+    route but /health, and a request without it is answered 401 before anything is parsed)."""
 
     tally = FuzzTally()
-    kinds = http_strategies()
+    kinds = http_strategies(auth)
     total = sum(HTTP_WEIGHTS.values())
     for k, (kind, strategy) in enumerate(kinds.items()):
         count = max(1, round(n * HTTP_WEIGHTS[kind] / total))

@@ -22,11 +22,13 @@ from serving.launcher import ServerProcess
 def test_malformed_http_gets_clear_answers_and_the_server_keeps_serving(server: ServerProcess) -> None:
     assert server.proc is not None
     rss = status_field(server.proc.pid, "VmRSS", gone=0)
-    tally = fuzz_http(server.port, 300, seed=7, alive=lambda: server.get("/health").status == 200)
+    tally = fuzz_http(server.port, 300, seed=7, alive=lambda: server.get("/health").status == 200,
+                      auth=server.auth_headers())
     assert not tally.unclear, tally.unclear
     assert server.get("/health").status == 200 and server.proc.poll() is None
     assert status_field(server.proc.pid, "VmRSS", gone=0) - rss < 200 << 10, "the server grew by more than 200 MiB"
     assert tally.answered.get("400", 0) > 100
+    assert tally.answered.get("401", 0) < tally.sent // 10, "most requests never got past the key check"
 
 
 def test_malformed_grpc_and_raw_bytes_get_a_status_and_contextd_keeps_serving(server: ServerProcess) -> None:
@@ -40,6 +42,8 @@ def test_malformed_grpc_and_raw_bytes_get_a_status_and_contextd_keeps_serving(se
 
 
 def exchange(server: ServerProcess, body: bytes, headers: str = "") -> tuple[int | None, Any]:
+    """One raw POST with the server's key (else every answer is the 401 before the body is read)."""
+    headers = "".join(f"{name}: {value}\r\n" for name, value in server.auth_headers().items()) + headers
     raw = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{headers}"
            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
     status, data = http_exchange(server.port, raw)
