@@ -58,7 +58,15 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from backends import DecodeStep
-from contextd.errors import ContextdError, DaemonUnavailable, InvalidArgument, SessionHeld, StoreFull, TierUnavailable
+from contextd.errors import (
+    ContextdError,
+    DaemonUnavailable,
+    DeadlineExceeded,
+    InvalidArgument,
+    SessionHeld,
+    StoreFull,
+    TierUnavailable,
+)
 from contextd.ids import MAX_ID_LENGTH, check_id
 from controller.selectors import SELECTORS, make_selector
 from serving import views
@@ -352,14 +360,17 @@ class Worker(threading.Thread):
 
 
 # What a failed turn answers, by the exception out of the engine: the first row whose type matches
-# wins (DaemonUnavailable, TierUnavailable and StoreFull are ContextdErrors; OSError is EIO, EROFS, ... from the
-# store's disk). Anything else is a 500 "server_error". The reliability campaign's oracle reads it.
+# wins (DaemonUnavailable, TierUnavailable, StoreFull and DeadlineExceeded are ContextdErrors; OSError is
+# EIO, EROFS, ... from the store's disk). A call that outlived its deadline committed nothing (a slow
+# object store, a busy daemon): the client may send it again, so 503, not a 500 that reads as a bug.
+# Anything else is a 500 "server_error". The reliability campaign's oracle reads it.
 ERROR_STATUS: tuple[tuple[type[Exception], HTTPStatus, str], ...] = (
     (TranscriptError, HTTPStatus.BAD_REQUEST, "invalid_request_error"),
     (StoreFull, HTTPStatus.INSUFFICIENT_STORAGE, "store_full"),
     (DaemonUnavailable, HTTPStatus.SERVICE_UNAVAILABLE, "contextd_down"),
     (TierUnavailable, HTTPStatus.SERVICE_UNAVAILABLE, "object_store_unavailable"),
     (SessionHeld, HTTPStatus.CONFLICT, "session_held_elsewhere"),
+    (DeadlineExceeded, HTTPStatus.SERVICE_UNAVAILABLE, "contextd_deadline_exceeded"),
     (ContextdError, HTTPStatus.INTERNAL_SERVER_ERROR, "contextd_error"),
     (OSError, HTTPStatus.SERVICE_UNAVAILABLE, "storage_unavailable"),
 )
@@ -369,7 +380,11 @@ def error_for(exc: BaseException) -> RequestError:
     """The answer to a turn that raised `exc`, from ERROR_STATUS."""
     for kind, status, name in ERROR_STATUS:
         if isinstance(exc, kind):
-            message = f"the store's disk failed: {exc}" if kind is OSError else str(exc)
+            message = str(exc)
+            if kind is OSError:
+                message = f"the store's disk failed: {exc}"
+            elif kind is DeadlineExceeded:
+                message = f"contextd did not finish in time and committed nothing ({exc}); retry: send it again"
             return RequestError(status, message, name)
     return RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}", "server_error")
 

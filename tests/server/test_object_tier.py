@@ -6,23 +6,31 @@ and the session answers again (the same tokens) once the store is back."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from contextd.clock import ENV as CLOCK_ENV
+from harness.faults.network import WAIT_S, S3Proxy
 from harness.rgw import Rgw
 from serving.launcher import ContextdProcess, ServerProcess
+from tests.contextd.conftest import MovedClock, in_thread
 from tests.objectstore import bucket
 from tests.server.test_resident import opening
 
 QUESTIONS = ["What did a say first?", "Repeat a_3.", "Which word came last?"]
 
 
-def tiered_server(server_factory: Any, rgw: Rgw, monkeypatch: pytest.MonkeyPatch, cache_bytes: int) -> ServerProcess:
+def tiered_server(server_factory: Any, rgw: Rgw, monkeypatch: pytest.MonkeyPatch, cache_bytes: int,
+                  endpoint: str = "") -> ServerProcess:
+    """A server whose contextd keeps its payloads in a fresh bucket of `rgw` (reached through
+    `endpoint` when given: a harness.faults.network proxy)."""
     s3 = bucket(rgw, monkeypatch)
     server: ServerProcess = server_factory("tiny-llama", 1024, start=False)
     server.contextd = ContextdProcess(server.root / "contextd", server.socket, log=server.root / "contextd.log",
-                                      extra=["--object-store", s3.config.url, "--object-endpoint", rgw.endpoint,
+                                      extra=["--object-store", s3.config.url,
+                                             "--object-endpoint", endpoint or rgw.endpoint,
                                              "--object-deadline", "2", "--cache-bytes", str(cache_bytes)])
     return server.start()
 
@@ -88,3 +96,31 @@ def test_an_object_store_down_mid_session_fails_the_turn_and_loses_nothing(
     counters = tiered.stats("a")["counters"]
     assert counters["historical_forward_during_restore"] == 0
 
+
+
+def test_a_turn_whose_contextd_call_outlives_its_deadline_answers_503_and_the_retry_goes_through(
+        server_factory: Any, rgw: Rgw, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """contextd refuses to commit a call whose caller has given up on it (DeadlineExceeded): the
+    turn committed nothing, so the client is told to send it again (503), not that the server
+    broke (500); sent again, it goes through. The upload the turn's write-through waits on is held
+    back while contextd's clock passes the call's deadline (contextd.clock), then let go."""
+    monkeypatch.setenv(CLOCK_ENV, str(tmp_path / "clock"))
+    clock = MovedClock(tmp_path / "clock")
+    proxy = S3Proxy(rgw.port)
+    try:
+        server = tiered_server(server_factory, rgw, monkeypatch, 0, endpoint=proxy.endpoint)
+        messages = [{"role": "user", "content": "Say something."}]
+        upload = proxy.hold("PUT", "/payloads/late/")
+        thread, outcome = in_thread(lambda: server.chat(messages, session="late", max_tokens=2))
+        upload.wait()
+        clock.advance(31)    # past the server's 30 s contextd call deadline, on contextd's clock
+        upload.release()
+        thread.join(WAIT_S)
+        assert len(outcome) == 1, "the turn did not end"
+        reply = outcome[0]
+        assert reply.status == 503 and reply.body["error"]["type"] == "contextd_deadline_exceeded", reply.body
+        assert "retry: send it again" in reply.body["error"]["message"], reply.body
+        again = server.chat(messages, session="late", max_tokens=2)
+        assert again.status == 200, again.body
+    finally:
+        proxy.close()
