@@ -1,8 +1,14 @@
 """Where contextd keeps its root and its socket by default.
 
 The root holds `db/` (LMDB), `store/` (payload files) and `contextd.lock`. The socket lives in a
-folder of its own with mode 0700: under `$XDG_RUNTIME_DIR/kv-elision/` when that variable is set
-(a per-user, memory-backed folder), else under `ROOT/run/`.
+folder of its own with mode 0700: `KV_ELISION_SOCKET` when set, else under
+`$XDG_RUNTIME_DIR/kv-elision/` when that variable is set (a per-user, memory-backed folder), else
+under `ROOT/run/`, ROOT being kv-elision's root: `kv-elision serve --root ROOT` keeps the data of
+the contextd it starts under ROOT/contextd and that contextd's socket under ROOT/run/, and a
+contextd started on its own takes ROOT as its data folder. `default_socket` is that rule, the one
+place it is written in Python; the Pi extension's `socketPath` (extension/src/config.ts) is the
+same rule, so its status line finds the server's contextd with no configuration
+(extension/test/serve-socket.test.ts).
 
 Everything under the root is private to the user (folders 0700, files 0600): the transcript in
 LMDB and the K/V payloads are the user's source code. `private_folder` / `private_file` also
@@ -29,6 +35,8 @@ def default_root() -> Path:
 
 
 def default_socket(root: Path | None = None) -> Path:
+    """The socket of the contextd for kv-elision's `root` (default_root() when None): the server's
+    --root, never the contextd data folder under it."""
     explicit = os.environ.get("KV_ELISION_SOCKET")
     if explicit:
         return Path(explicit)

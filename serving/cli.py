@@ -84,7 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         keep_torch_out(args.model)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     root = Path(args.root)
-    socket_path = Path(args.socket) if args.socket else default_socket(root / "contextd")
+    socket_path = Path(args.socket) if args.socket else default_socket(root)
     config = engine_config(args)
     client, daemon = _connect_or_spawn_contextd(root, socket_path)
     try:

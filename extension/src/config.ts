@@ -77,7 +77,8 @@ export function stateRoot(env: KeyEnv = process.env, home: string = homedir()): 
   return env.KV_ELISION_ROOT || join(state, "kv-elision");
 }
 
-// Mirrors contextd/paths.py default_socket(), so both sides agree without configuration.
+// Mirrors contextd/paths.py default_socket(), so both sides agree without configuration: ROOT is
+// the server's --root (the contextd it starts keeps its data in ROOT/contextd, its socket here).
 export function socketPath(env: NodeJS.ProcessEnv = process.env, home: string = homedir()): string {
   if (env.KV_ELISION_SOCKET) return env.KV_ELISION_SOCKET;
   if (env.XDG_RUNTIME_DIR) return join(env.XDG_RUNTIME_DIR, "kv-elision", "contextd.sock");

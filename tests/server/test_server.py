@@ -382,7 +382,7 @@ def test_a_server_started_alone_starts_its_own_contextd_which_ends_with_it(tmp_p
                      lambda: log.read_text(errors="replace"))
         reply = server.chat([SYSTEM, {"role": "user", "content": "Say hi."}], session="alone", max_tokens=2)
         assert reply.status == 200, reply.body
-        socket = root / "contextd" / "run" / SOCKET_NAME
+        socket = root / "run" / SOCKET_NAME
         with Client(socket) as client:
             status = client.wait_ready(timeout=5)
         assert status.root == str(root / "contextd") and status.pid not in (0, proc.pid)

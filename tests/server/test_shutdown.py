@@ -75,7 +75,7 @@ def test_sigterm_drains_the_turn_in_flight_then_stops_contextd(tmp_path: Any) ->
     root, port, log = tmp_path / "root", free_port(), tmp_path / "server.log"
     server = serve(root, port, log)
     assert server.proc is not None
-    with Client(root / "contextd" / "run" / SOCKET_NAME) as client:
+    with Client(root / "run" / SOCKET_NAME) as client:
         daemon_pid = client.wait_ready(timeout=5).pid
     queued = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     try:
