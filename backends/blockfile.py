@@ -36,7 +36,8 @@ import itertools
 import os
 import struct
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,13 +48,19 @@ import xxhash
 __all__ = [
     "FORMAT_VERSION",
     "IO_CHUNK_BYTES",
+    "READ_DEADLINE_ENV",
+    "READ_HANG_ENV",
     "ContainerError",
     "ReadQueue",
+    "ReadStalled",
     "SectionReader",
+    "StuckRead",
     "checksum",
     "pack",
     "read_rows",
     "read_verified",
+    "set_read_hook",
+    "stuck_reads",
     "unpack",
 ]
 
@@ -68,10 +75,106 @@ IO_CHUNK_BYTES = 64 * 1024
 # Copies out of the page cache have no readahead to keep ahead of: bigger requests, fewer calls.
 _CACHED_CHUNK_BYTES = 1024 * 1024
 
+# A wait on a reader fails (ReadStalled) once no byte has arrived for this many seconds: the disk
+# or network file system under the store has hung, and a restore must not wait for it for ever,
+# holding the runtime's lock. KV_ELISION_READ_DEADLINE sets it in a process's environment (the
+# tests' wedged readers; a file system slower than any disk).
+READ_DEADLINE_ENV = "KV_ELISION_READ_DEADLINE"
+READ_DEADLINE_S = float(os.environ.get(READ_DEADLINE_ENV) or 30.0)
+# Tests and the reliability campaign only: KV_ELISION_READ_HANG=FIFO[:N[:reader|caller]] wedges
+# the N-th read (`_HangAt`).
+READ_HANG_ENV = "KV_ELISION_READ_HANG"
+
 
 class ContainerError(ValueError):
     """Bytes that are not a well-formed container of this format version, or that fail their
     checksum; the backends raise it as BlockFormatError."""
+
+
+class ReadStalled(TimeoutError):
+    """No byte of a file being read arrived within READ_DEADLINE_S: its reader is stuck in the
+    kernel (a hung disk or file system). Not a ContainerError: nothing says the file is bad, and a
+    reader that may still write into the caller's buffers leaves them unusable until it returns
+    (`stuck_reads`), so the whole read the caller was doing fails, not one file of it. An OSError,
+    as the disk's own errors are."""
+
+
+@dataclass(frozen=True)
+class StuckRead:
+    """A reader whose wait ran out while its thread was still in a read (`stuck_reads`)."""
+
+    path: str
+    stalled_s: float   # since its last byte arrived
+
+
+class _Progress:
+    """When a reader (or the read queue it is on) last got bytes: a wait's deadline runs from there."""
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at = time.monotonic()
+
+    def touch(self) -> None:
+        self.at = time.monotonic()
+
+
+_STUCK_LOCK = threading.Lock()
+_STUCK: dict[int, SectionReader] = {}   # by id: readers past their deadline whose thread has not returned
+
+
+def stuck_reads() -> list[StuckRead]:
+    """The reads in this process that ran past their deadline and have not returned yet. While
+    there is one, buffers it was given may still be written (a restore's free slots, zeroed again
+    when it returns): a server refuses turns until it has returned, and its /health says so."""
+    now = time.monotonic()
+    with _STUCK_LOCK:
+        return [StuckRead(reader._path, now - reader._progress.at) for reader in _STUCK.values()]
+
+
+ReadHook = Callable[[bool], None]
+
+
+class _HangAt:
+    """The read hook KV_ELISION_READ_HANG=FIFO[:N[:reader|caller]] installs: the N-th read request
+    (1 unless given) on a reader's own thread (`reader`: a read queue's or a reader's thread) or on
+    the thread that opened the file (`caller`: a restore reading a file itself) blocks in open(2)
+    of FIFO until another process opens its writing end. It is stuck in the kernel, as a read from
+    a hung disk is, for as long as the test wants; `O_WRONLY | O_NONBLOCK` on the FIFO releases it
+    (ENXIO: no read has reached it yet)."""
+
+    def __init__(self, spec: str) -> None:
+        fifo, _, rest = spec.partition(":")
+        nth, _, where = rest.partition(":")
+        self.fifo = fifo
+        self.nth = int(nth or 1)
+        self.where = where or "reader"
+        if self.where not in ("reader", "caller") or self.nth < 1 or not fifo:
+            raise ValueError(f"{READ_HANG_ENV} is FIFO[:N[:reader|caller]], not {spec!r}")
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, on_opener: bool) -> None:
+        if on_opener != (self.where == "caller"):
+            return
+        with self.lock:
+            self.count += 1
+            due = self.count == self.nth
+        if due:
+            with open(self.fifo, "rb"):
+                pass
+
+
+_read_hook: ReadHook | None = _HangAt(os.environ[READ_HANG_ENV]) if os.environ.get(READ_HANG_ENV) else None
+
+
+def set_read_hook(hook: ReadHook | None) -> ReadHook | None:
+    """Tests and the reliability campaign: call `hook(on_opener)` before every read request of a
+    SectionReader (`on_opener`: on the thread that opened the file), to wedge a reader or run the
+    garbage collector on a reader's thread. Returns the hook it replaces."""
+    global _read_hook
+    before, _read_hook = _read_hook, hook
+    return before
 
 
 def checksum(data: bytes | bytearray | memoryview) -> str:
@@ -364,6 +467,9 @@ class ReadQueue:
         self._bulk: collections.deque[SectionReader] = collections.deque()
         self._running = 0
         self._idle = 0
+        # Its threads' progress, which its readers' waits share: a file queued behind another that
+        # is being read is not stuck.
+        self.progress = _Progress()
 
     def add(self, reader: SectionReader) -> None:
         with self._cond:
@@ -404,14 +510,16 @@ class ReadQueue:
     def _work(self) -> None:
         while (due := self._next()) is not None:
             reader, head = due
+            self.progress.touch()
             if not head:
                 reader._read_bulk()
             elif reader._read_head():
                 with self._cond:
-                    if reader._stopped.is_set():  # closed while its header was read: not queued again
-                        reader._ended.set()
-                    else:
+                    stopped = reader._stopped.is_set()   # closed while its header was read: not queued again
+                    if not stopped:
                         self._bulk.append(reader)
+                if stopped:
+                    reader._end()
 
 
 class SectionReader:
@@ -435,12 +543,19 @@ class SectionReader:
     reader's buffer and then again by the caller; what it had read before is copied over by
     `land`. The reader does not wait for `land`: waiting until the caller had placed the slots
     cost a warm page ~1 ms (benchmarks.restore, 11.7-12.2 ms against 10.7 without landing).
+
+    Every wait has a deadline: once no byte has arrived for READ_DEADLINE_S (the reader's thread,
+    or its queue's, is stuck in the kernel on a hung disk), `header`, `wait` and `finish` raise
+    ReadStalled, and `close` stops waiting for the thread. That thread may still write what it
+    reads into the caller's buffers: it is listed in `stuck_reads` until it returns, and then
+    zeroes what it wrote there (the caller cleared them meanwhile) and closes the file itself.
     """
 
     def __init__(self, path: str | os.PathLike[str], magic: bytes, expected_checksum: str, size: int,
                  queue: ReadQueue | None = None, landing: frozenset[str] = frozenset(),
                  read_here: bool = False) -> None:
         self._file = _open_sized(path, size)
+        self._path = os.fspath(path)
         self._magic = magic
         self._expected = expected_checksum
         self._size = size
@@ -465,6 +580,11 @@ class SectionReader:
         self._landed: frozenset[str] | None = None if landing else frozenset()
         self._landed_pieces = _Pieces([], [])
         self._queue = queue
+        self._deadline_s = READ_DEADLINE_S
+        self._progress = queue.progress if queue is not None else _Progress()
+        self._opener = threading.get_ident()
+        self._stalled = False     # a wait ran out (ReadStalled): `close` does not wait again
+        self._abandoned = False   # `close` returned with the thread still in a read: it cleans up
         # Whether the caller's thread reads the bulk, as it asks for it (`read_here`).
         self.pulled = read_here and self._read_head_cached()
         if self.pulled:
@@ -506,7 +626,7 @@ class SectionReader:
             self._fail(e)
             return
         if self._got == self._size:
-            self._ended.set()
+            self._end()
 
     def _run(self) -> None:
         if self._read_head():
@@ -544,7 +664,7 @@ class SectionReader:
         except BaseException as e:
             self._fail(e)
             return
-        self._ended.set()
+        self._end()
 
     def land(self, targets: dict[str, list[memoryview]]) -> None:
         """Say where the `landing` sections go: `targets[name]`, byte buffers whose concatenation
@@ -603,7 +723,45 @@ class SectionReader:
         with self._cond:
             self._error = error
             self._cond.notify_all()
-        self._ended.set()
+        self._end()
+
+    def _end(self) -> None:
+        """No thread touches the file or the caller's buffers any more. A reader `close` gave up
+        on closes its file here, and is no longer stuck."""
+        with self._cond:
+            self._ended.set()
+            abandoned = self._abandoned
+        with _STUCK_LOCK:
+            _STUCK.pop(id(self), None)
+        if abandoned:
+            self._file.close()
+
+    def _stall(self, what: str) -> ReadStalled:
+        """A wait ran out: the reader is stuck until its thread returns (`stuck_reads`)."""
+        self._stalled = True
+        with _STUCK_LOCK:
+            if not self._ended.is_set():
+                _STUCK[id(self)] = self
+        return ReadStalled(f"{self._path}: no byte arrived for {self._deadline_s:g} s while {what} (a hung disk "
+                           "or file system); the read failed and nothing of it is used")
+
+    def _await(self, ready: Callable[[], bool], what: str) -> None:
+        """Wait on `_cond` (held) until `ready()`; ReadStalled once no byte has arrived for the
+        deadline, counted from this wait's start or the last byte, whichever is later."""
+        began = time.monotonic()
+        while not ready():
+            left = max(self._progress.at, began) + self._deadline_s - time.monotonic()
+            if left <= 0:
+                raise self._stall(what)
+            self._cond.wait(left)
+
+    def _await_end(self) -> bool:
+        """Wait until no thread touches the file, with `_await`'s deadline; whether it ended."""
+        began = time.monotonic()
+        while True:
+            left = max(self._progress.at, began) + self._deadline_s - time.monotonic()
+            if left <= 0 or self._ended.wait(left):
+                return self._ended.is_set()
 
     def _read(self, upto: int, wait: bool = True) -> None:
         """Read and hash up to byte `upto`, publishing progress. What the page cache holds is
@@ -613,6 +771,8 @@ class SectionReader:
         fd = self._file.fileno()
         got = self._got
         while got < upto and not self._stopped.is_set():
+            if _read_hook is not None:
+                _read_hook(threading.get_ident() == self._opener)
             pieces = self._pieces
             n = 0
             asked = 0
@@ -636,12 +796,19 @@ class SectionReader:
                 if not n:
                     raise ContainerError("file is shorter than its header says" if self._head is None
                                          else "file shrank while reading")
+            self._progress.touch()
             # A whole request read (the usual case) hashes the buffers it was read into as they are.
             read = requests if n == asked else pieces.between(got, got + n)
             for buf in read:
                 self._hasher.update(buf)
             # Publish progress, but wake the consumer only once what it waits for is here.
             with self._cond:
+                if self._abandoned:
+                    # Returned past its deadline: the caller cleared its buffers and went on. What
+                    # landed there now is zeroed again, as the caller left them.
+                    for buf in requests:
+                        np.frombuffer(buf, np.uint8)[:] = 0
+                    raise ContainerError("the read returned after the reader was closed")
                 if self._pieces is not pieces:   # `land` came while these bytes were read
                     self._move_landed(got, got + n)
                 got += n
@@ -651,8 +818,7 @@ class SectionReader:
 
     def _wait_head(self) -> tuple[dict[str, Any], int, dict[str, Section]]:
         with self._cond:
-            while self._head is None and self._error is None:
-                self._cond.wait()
+            self._await(lambda: self._head is not None or self._error is not None, "reading its header")
             if self._head is None:
                 assert self._error is not None
                 raise self._error
@@ -693,8 +859,7 @@ class SectionReader:
             self._pull(end)
         with self._cond:
             self._wanted = end
-            while self._got < end and self._error is None:
-                self._cond.wait()
+            self._await(lambda: self._got >= end or self._error is not None, f"reading its {section!r}")
             if self._error is not None and self._got < end:
                 raise self._error
 
@@ -702,7 +867,8 @@ class SectionReader:
         """Wait for the whole file and verify its checksum."""
         if self.pulled:
             self._pull(self._size)
-        self._ended.wait()
+        if not self._await_end():
+            raise self._stall("reading it to its end")
         if self._error is not None:
             raise self._error
         if self._got != self._size:
@@ -712,17 +878,26 @@ class SectionReader:
 
     def close(self) -> None:
         """Stop reading and release the file once no thread touches it. Whoever still waits on
-        this reader (`wait`, `header`) gets an error instead of waiting for bytes that will not come."""
+        this reader (`wait`, `header`) gets an error instead of waiting for bytes that will not come.
+        A thread still in a read at the deadline (at once, for a reader whose wait ran out) is
+        left to end on its own: it closes the file and zeroes what it read into the caller's
+        buffers after this returned (`_read`), and is in `stuck_reads` until then."""
         with self._cond:
             self._stopped.set()
             if self._error is None and self._got < self._size:
                 self._error = ContainerError("the file was closed before it was read")
             self._cond.notify_all()
         if self.pulled:   # no thread reads it
-            self._ended.set()
+            self._end()
         if self._queue is not None and self._queue.withdraw(self):
             self._fail(ContainerError("the file was closed before it was read"))
-        self._ended.wait()
+        if not self._stalled:
+            self._await_end()
+        with self._cond:
+            self._abandoned = not self._ended.is_set()
+        if self._abandoned:
+            self._stall("closing")
+            return
         self._file.close()
 
     def __enter__(self) -> SectionReader:

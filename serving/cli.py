@@ -26,6 +26,7 @@ from controller.eviction import EVICTION_ORDERS
 from controller.selectors import SELECTORS, make_selector
 from serving.engine import PLACEMENTS, Engine, EngineConfig
 from serving.heap import freeze_loaded_heap
+from serving.http import STUCK_AFTER_S
 from serving.launcher import API_KEY_FILE, ContextdProcess, server_api_key, spawn_tied_contextd
 from serving.scoring import ControllerConfig, ControllerScorer
 
@@ -76,6 +77,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          "with neither it would have nothing to do")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    if args.stuck_after <= 0:
+        raise ValueError(f"--stuck-after must be > 0 seconds, got {args.stuck_after}")
     if args.controller_cache_mb < 0:
         raise ValueError(f"--controller-cache-mb must be >= 0, got {args.controller_cache_mb}")
     if args.backend == "mlx":
@@ -98,7 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         make_selector(args.selector, args.restore_pages), controller)
         server = Server(engine, args.model, args.host, args.port, str(socket_path),
                         args.api_key or server_api_key(root), client_timeout=args.client_timeout,
-                        restore_pages=args.restore_pages)
+                        restore_pages=args.restore_pages, stuck_after=args.stuck_after)
         freeze_loaded_heap()
         # The drain runs beside serve_forever (which its first step ends); contextd is stopped
         # only once it is over, since the turns it finishes or cuts are written through contextd.
@@ -245,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--client-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="a client that stalls this long while sending its request or taking the answer is "
                        "let go (its connection closed), so stalled clients cannot hold server threads")
+    serve.add_argument("--stuck-after", type=float, default=STUCK_AFTER_S, metavar="SECONDS",
+                       help="a step of the worker (a prefill chunk, a turn's restores, a token) running longer than "
+                       "this is stuck (a read hung in the kernel): /health answers 503 and turns are refused until "
+                       "it ends, so a supervisor can restart the server (docs/server.md)")
     serve.set_defaults(run=cmd_serve)
     models = sub.add_parser("models", help="list local models (Hugging Face cache, LM Studio) and whether each can "
                             "be served exactly")

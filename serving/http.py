@@ -57,7 +57,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from backends import DecodeStep
+from backends import DecodeStep, blockfile
 from contextd.errors import (
     ContextdError,
     DaemonUnavailable,
@@ -85,6 +85,9 @@ _DECIMAL = re.compile(r"[0-9]+")
 # session id contextd must accept too.
 BRANCH_SUFFIX_CHARS = len("-branch-") + 12
 WORKER_STOP_S = 60.0  # past a drain's deadline: for the cut turns' last step and write-through
+# A step of the worker (a prefill chunk, a turn's plan and restores, a token) running longer than
+# this is stuck (a read hung in the kernel, a deadlock): /health says so and turns are refused.
+STUCK_AFTER_S = 120.0
 CLIENT_POLL_S = 0.25  # how often a turn's client's socket is looked at, and a waiting handler's worker
 ADVERTISED_CONTEXT_WINDOW = 1_000_000  # the addressable session, not the attention budget
 
@@ -132,22 +135,76 @@ class _Turn:
 class Worker(threading.Thread):
     """The one thread that touches the engine (and so the model). It interleaves the turns of up
     to `resident_sessions` different sessions, a step at a time: each has a cache of its own, so
-    going from one to the next moves no page (Engine.resume)."""
+    going from one to the next moves no page (Engine.resume).
 
-    def __init__(self, engine: Engine) -> None:
+    It says when it cannot be trusted to answer (`stuck`): a step has run past `stuck_after_s`,
+    or a read of the store is stuck in the kernel past its deadline (backends.blockfile). Then
+    /health answers 503, no turn starts, and a client waiting for a stuck step is answered 503:
+    the server fails closed instead of leaving everyone waiting, and a supervisor can restart it."""
+
+    def __init__(self, engine: Engine, stuck_after_s: float = STUCK_AFTER_S) -> None:
         super().__init__(name="kv-elision-worker", daemon=True)
         self.engine = engine
+        self.stuck_after_s = stuck_after_s
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.lock = threading.Lock()  # held during a step; stats readers take it briefly between steps
+        self.busy_since: float | None = None   # (monotonic) when the step running now began
         self.failure: BaseException | None = None  # why the loop ended early, when it did
         self.waiting: deque[_Job] = deque()   # taken from `jobs`, not started yet (their session is busy)
         self.draining = False         # stopping: no turn starts; those running end by `cut_at`
         self.cut_at = math.inf        # (monotonic) when the turns still running are cut
 
+    @contextlib.contextmanager
+    def _working(self) -> Iterator[None]:
+        """A step: the lock, and its start for the watchdog (`stuck`)."""
+        with self.lock:
+            self.busy_since = time.monotonic()
+            try:
+                yield
+            finally:
+                self.busy_since = None
+
+    def step_stuck(self) -> str | None:
+        """Why the step running now counts as stuck (it has run past `stuck_after_s`), or None."""
+        began = self.busy_since
+        if began is None or time.monotonic() - began <= self.stuck_after_s:
+            return None
+        return f"the worker's step has run for {time.monotonic() - began:.0f} s (over {self.stuck_after_s:g} s)"
+
+    def stuck(self) -> str | None:
+        """Why no turn may start now, or None: a stuck step, or a read stuck past its deadline,
+        which may still write into a cache's free slots until it returns (blockfile.stuck_reads)."""
+        reads = blockfile.stuck_reads()
+        if reads:
+            return (f"a read of the store has been stuck for {reads[0].stalled_s:.0f} s ({reads[0].path}; "
+                    f"{len(reads)} in all)")
+        return self.step_stuck()
+
+    def refused(self, reason: str) -> RequestError:
+        """The answer while the worker is stuck (`stuck`)."""
+        return RequestError(HTTPStatus.SERVICE_UNAVAILABLE, f"the server is stuck: {reason}; try again later",
+                            "worker_stuck")
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """The lock, for a reader of the engine's state between steps; 503 once the step holding
+        it is stuck, instead of waiting for it."""
+        while not self.lock.acquire(timeout=CLIENT_POLL_S):
+            reason = self.step_stuck()
+            if reason is not None:
+                raise self.refused(reason)
+        try:
+            yield
+        finally:
+            self.lock.release()
+
     def submit(self, request: ChatRequest, client_gone: Callable[[], bool] | None = None) -> _Job:
         """Queue a turn; `client_gone` says whether its client has closed its end."""
         if self.failure is not None or self.draining:
             raise self.stopped()
+        reason = self.stuck()
+        if reason is not None:
+            raise self.refused(reason)
         job = _Job(request, queue.Queue(), threading.Event())
         if client_gone is not None:
             job.client_gone = client_gone
@@ -158,12 +215,17 @@ class Worker(threading.Thread):
     def next_event(self, job: _Job, wait_s: float) -> TurnEvent | RequestError | None:
         """The job's next event within `wait_s` seconds, else None; once the worker is gone and
         nothing is left for the job (it was submitted as the worker stopped), the answer no
-        worker will send."""
+        worker will send; once a step is stuck, 503 (the job is then let go: ended at its next
+        step, should the worker come back)."""
         try:
             return job.events.get(timeout=wait_s)
         except queue.Empty:
             if not self.is_alive() and job.events.empty():
                 return self.stopped()
+            reason = self.step_stuck()
+            if reason is not None:
+                job.gone.set()
+                return self.refused(reason)
             return None
 
     def stopped(self) -> RequestError:
@@ -240,7 +302,7 @@ class Worker(threading.Thread):
                 continue
             running.remove(turn)
             session_id = turn.job.request.session_id
-            with self.lock:
+            with self._working():
                 try:
                     turn.steps.close()
                 except Exception:  # noqa: BLE001 - every other turn is still cut
@@ -260,7 +322,13 @@ class Worker(threading.Thread):
 
     def _admit(self, waiting: deque[_Job], running: list[_Turn]) -> None:
         """Start the waiting turns, in arrival order, of sessions with no turn running, while
-        fewer than `resident_sessions` run; drop those whose client left."""
+        fewer than `resident_sessions` run; drop those whose client left. While the worker is
+        stuck (a read that may still land in a cache's free slots) none starts: each is answered 503."""
+        reason = self.stuck()
+        if reason is not None:
+            while waiting:
+                waiting.popleft().events.put(self.refused(reason))
+            return
         busy = {turn.job.request.session_id for turn in running}
         for job in list(waiting):
             if job.left():
@@ -286,7 +354,7 @@ class Worker(threading.Thread):
         if not turn.prepared and job.left():
             self._drop(turn)
             return False
-        with self.lock:
+        with self._working():
             try:
                 if turn.started:
                     self.engine.resume(job.request.session_id)
@@ -319,7 +387,7 @@ class Worker(threading.Thread):
         session's next turn starts from what contextd holds; the server's totals count it as a
         cancelled turn."""
         session_id = turn.job.request.session_id
-        with self.lock:
+        with self._working():
             try:
                 turn.steps.close()
             except Exception:  # noqa: BLE001 - the session is forgotten below either way
@@ -346,7 +414,7 @@ class Worker(threading.Thread):
         if not waiting:
             return
         steps = {turn.job.request.session_id: turn.decode for turn in waiting if turn.decode is not None}
-        with self.lock:
+        with self._working():
             try:
                 tokens = self.engine.decode_batch(steps)
             except Exception as exc:  # noqa: BLE001 - each turn fails as its own decode would have
@@ -657,11 +725,18 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
 
         def _health(self) -> None:
             """Liveness for anyone (a supervisor needs no key): the status alone; with the key,
-            also the model, contextd's socket, the queued turns and why a stopped worker stopped."""
+            also the model, contextd's socket, the queued turns and why a stopped worker stopped
+            or a stuck one is stuck. It never waits for the worker: a stuck one is a 503."""
             full = self._authorized()
             if worker.failure is not None:
                 error = worker.stopped()
                 self._json(error.status, {"status": "worker_stopped",
+                                          **({"model": model_id, "error": str(error)} if full else {})})
+                return
+            reason = worker.stuck()
+            if reason is not None:
+                error = worker.refused(reason)
+                self._json(error.status, {"status": "worker_stuck",
                                           **({"model": model_id, "error": str(error)} if full else {})})
                 return
             self._json(HTTPStatus.OK, {"status": "ok", **({"model": model_id, "contextd_socket": contextd_socket,
@@ -683,7 +758,7 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                 elif url.path == "/v1/kv/stats":
                     named = parse_qs(url.query).get("session", [None])[0]
                     session = checked_session(named, url.path) if named else None
-                    with worker.lock:
+                    with worker.held():
                         try:
                             stats = views.stats(worker.engine, session)
                         except KeyError:
@@ -706,7 +781,7 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                 raise RequestError(HTTPStatus.BAD_REQUEST, "text must be 0 or 1")
             if flag == "1":
                 self._loopback_only("page text")
-            with worker.lock:
+            with worker.held():
                 try:
                     return views.page_listing(worker.engine, session, text=flag == "1")
                 except KeyError:
@@ -727,7 +802,7 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
         def _reading(self, query: dict[str, list[str]]) -> dict[str, Any]:
             session = self._session(query, "/v1/kv/score")
             self._loopback_only("what a session's answer read")
-            with worker.lock:
+            with worker.held():
                 reading = worker.engine.readings.get(session)
                 branches = worker.engine.branch_readings.get(session, {})
             if reading is None:
@@ -752,7 +827,7 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                                    f"{MAX_ID_LENGTH - BRANCH_SUFFIX_CHARS} characters (each branch is a session "
                                    f"named ID-branch-<12 hex digits>); this one has {len(session)}")
             self._loopback_only("scoring a session's answers")
-            with worker.lock:
+            with worker.held():
                 try:
                     worker.engine.watch_answer(session, candidates,
                                                [make_selector(name, restore_pages) for name in names])
@@ -1000,11 +1075,15 @@ class Server:
     """The HTTP server and its worker, started and stopped together."""
 
     def __init__(self, engine: Engine, model_id: str, host: str, port: int, contextd_socket: str,
-                 api_key: str | None = None, client_timeout: float = 30.0, restore_pages: int = 8) -> None:
-        """`restore_pages`: the most pages a selector a watch names for its branches restores."""
+                 api_key: str | None = None, client_timeout: float = 30.0, restore_pages: int = 8,
+                 stuck_after: float = STUCK_AFTER_S) -> None:
+        """`restore_pages`: the most pages a selector a watch names for its branches restores;
+        `stuck_after`: seconds a step of the worker may run before the server counts it stuck."""
         if client_timeout <= 0:
             raise ValueError(f"client_timeout must be positive seconds, not {client_timeout}")
-        self.worker = Worker(engine)
+        if stuck_after <= 0:
+            raise ValueError(f"stuck_after must be positive seconds, not {stuck_after}")
+        self.worker = Worker(engine, stuck_after)
         self.client_timeout = client_timeout
         self.answering = _Answering()
         handler = make_handler(self.worker, model_id, engine.config.budget_tokens, engine.config.max_new_tokens,

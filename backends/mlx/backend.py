@@ -9,7 +9,8 @@ Greedy decoding runs one step ahead, as mlx-lm's `generate_step` does, in one ge
 its argmax still on the device, before reading its own logits back, so building one step's graph
 overlaps the previous step's compute. The next decode takes that step when it feeds the same token
 greedily; anything else closes the generator first (`_settle`, which the base calls before every
-prefill, page operation, fork, reset and diagnostic read), and closing puts the step's state back.
+prefill, page operation, fork, reset and diagnostic read), and puts the step's state back. The
+generator itself takes no lock as it closes (the collector may close it on any thread).
 A taken step is placed, advanced and counted by the base's own `_place`, `_advance` and `_landed`
 (the tokens its embedding saw while it was built), so there is one accounting for both paths, and
 it runs the graph the plain step would: tokens, logits and counters are those of the synchronous
@@ -71,6 +72,7 @@ class MlxBackend(SlotBackend):
     _store: MlxSlotStore
     _cache: list[Any]
     _steps: Generator[np.ndarray, int | None, None] | None = None
+    _orphan: _Ahead | None = None   # the step ahead a closed `_greedy_steps` left for `_settle` to put back
     # Greedy decodes run one step ahead (see `_greedy_steps`); a harness that observes every forward
     # the model runs turns it off.
     lookahead = True
@@ -175,8 +177,9 @@ class MlxBackend(SlotBackend):
     def _decode_step(self, feed: int | None, greedy: bool) -> np.ndarray:
         """A greedy step is the session's `_greedy_steps`' next (started by the first one); any other
         closes them first and is the base's plain step."""
-        if not (greedy and self.lookahead):
+        if not (greedy and self.lookahead) or self._orphan is not None:
             self._settle()
+        if not (greedy and self.lookahead):
             return super()._decode_step(feed, greedy)
         # Detached while it runs: a page operation it triggers (a placement's) has nothing to settle.
         steps, self._steps = self._steps, None
@@ -193,7 +196,13 @@ class MlxBackend(SlotBackend):
         nothing, right after a prefill), yields the logits it picks from, and keeps the next step
         dispatched in between. A step ahead that feeds the token sent is taken; otherwise it is put
         back and the step is the base's plain one, after which the next is dispatched again.
-        Closing the generator puts back the step ahead."""
+
+        Closing the generator only hands the step ahead to the session (`_orphan`); `_settle`,
+        which closes it, then puts the step back, before the session's next step or page
+        operation. The generator takes no lock as it closes: the garbage collector finalizes a
+        dropped session's generator on whichever thread allocates, a restore's reader included,
+        while the restore holds the runtime's lock and waits for that reader (a `make test`
+        hung so, both waiting for ever)."""
         ahead: _Ahead | None = None
         try:
             while True:
@@ -210,7 +219,7 @@ class MlxBackend(SlotBackend):
                 feed = yield logits
         finally:
             if ahead is not None:
-                self._drop(ahead)
+                self._orphan = ahead
 
     def _take(self, ahead: _Ahead, token: int) -> tuple[np.ndarray, _Ahead | None]:
         """The step dispatched ahead becomes this decode's: its token takes the slot it was written
@@ -268,10 +277,14 @@ class MlxBackend(SlotBackend):
         st.win_canon, st.win_rot, st.win_v = windows
 
     def _settle(self) -> None:
-        """Close the greedy steps, putting back a step dispatched ahead."""
+        """Close the greedy steps and put back the step they had dispatched ahead (or left behind
+        when a failure ended them)."""
         steps, self._steps = self._steps, None
         if steps is not None:
             steps.close()
+        orphan, self._orphan = self._orphan, None
+        if orphan is not None:
+            self._drop(orphan)
 
     # -- recurrent state -----------------------------------------------------------------------
     # Snapshots use the Hugging Face layout, so they mean the same in both runtimes: conv state
