@@ -23,6 +23,8 @@ Variants (controller.blend's parts):
   devP             the P % of held tokens whose keys at the second and third paged layers moved most
                    when everything was recomputed (CacheBlend's choice, read off the reference)
   A+B              the union of two variants
+  A+B@S            a policy as the server runs it (controller.blend.BlendPolicy): A's tokens, then B's,
+                   cut at S % of the view
 Per variant also the tokens recomputed, as a share of the view, and the recompute's time against
 a fresh prefill of the view's tokens measured in the same place.
 
@@ -47,7 +49,7 @@ import numpy as np
 from backends import Backend, load_backend
 from benchmarks.answers import bootstrap_ci, rank_of
 from benchmarks.compare.play import HELD_OUT_SEEDS, SESSION_DIRS, TUNING_SEED
-from controller.blend import ViewParts, view_parts
+from controller.blend import BlendPolicy, ViewParts, view_parts
 from controller.selectors import make_selector
 from harness.fact_script import (
     SYSTEM_PROMPT,
@@ -66,8 +68,7 @@ from serving.likelihood import continuation_logprobs
 from serving.paging import recompute_scratch, rewind
 from serving.session import Session
 
-DEFAULT_VARIANTS = ("exact,all,new,restored,tail,pins,heads4,heads16,heads32,dev5,dev10,dev15,dev25,"
-                    "new+restored,new+heads4,new+dev10,new+dev15")
+DEFAULT_VARIANTS = "exact,all,new,restored,tail,pins,heads4,heads16,dev10,new+restored,new+heads4,new+restored@20"
 # The layers (among the paged ones) whose key deviation ranks tokens for the devP variants: the
 # first layer's keys do not depend on context at all, so the next two.
 DEVIATION_LAYERS = slice(1, 3)
@@ -91,6 +92,12 @@ def deviation(base: Backend) -> np.ndarray:
 
 
 def variant_indices(name: str, parts: ViewParts, dev: np.ndarray) -> np.ndarray:
+    if "@" in name:   # a policy as the server runs it: its parts in order, cut at a share of the view
+        named, share = name.split("@")
+        heads = [int(n[5:]) for n in named.split("+") if n.startswith("heads")]
+        policy = BlendPolicy(parts=tuple(n for n in named.split("+") if not n.startswith("heads")),
+                             heads=heads[0] if heads else 0, budget=int(share) / 100)
+        return policy.choose(parts)
     if "+" in name:
         return np.unique(np.concatenate([variant_indices(n, parts, dev) for n in name.split("+")]))
     if name == "exact":

@@ -183,7 +183,8 @@ def drive(backend: Backend, client: Any, workload: Workload, budget: int, gap: f
                "advise_ms": advise_ms, "read_ahead_ms": read_ms,
                "historical_forward": counters.historical_forward_during_restore,
                "forward_invariant":
-                   counters.model_forward_tokens == counters.new_prefill_tokens + counters.decoded_tokens}
+                   counters.model_forward_tokens
+                   == counters.new_prefill_tokens + counters.decoded_tokens + counters.blend_forward_tokens}
     return answers, context
 
 

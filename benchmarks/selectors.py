@@ -220,7 +220,8 @@ def measure_session(backend: Backend, client: Any, workload: Workload, budget: i
     counters = fresh.counters  # the serving sessions' own forwards; scoring ran on scratch sessions
     context |= {
         "historical_forward": counters.historical_forward_during_restore,
-        "forward_invariant": counters.model_forward_tokens == counters.new_prefill_tokens + counters.decoded_tokens}
+        "forward_invariant": counters.model_forward_tokens
+        == counters.new_prefill_tokens + counters.decoded_tokens + counters.blend_forward_tokens}
     return results, context
 
 

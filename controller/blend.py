@@ -144,5 +144,8 @@ class BlendPolicy:
         return np.asarray(sorted(chosen), dtype=np.int64)
 
 
-# What `kv-elision serve` recomputes unless told otherwise.
-DEFAULT_BLEND = BlendPolicy()
+# What `kv-elision serve` recomputes unless told otherwise: the turn's new message (its K/V were
+# computed before the turn's restores came back and were placed before it), then the restored
+# pages (computed where they were first read), at most a fifth of the view. Chosen on tuning seed 7
+# (benchmarks.blend; docs/results/blend.md).
+DEFAULT_BLEND = BlendPolicy(parts=("new", "restored"), budget=0.2)

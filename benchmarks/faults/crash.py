@@ -114,7 +114,8 @@ def http_crashes(work: Path, log: Callable[[str], None]) -> list[CaseOutcome]:
                     answers[j] = answer(reply)
                     after.append(answers[j])
                     c = reply.body["kv"]
-                    if c["model_forward_tokens"] != c["new_prefill_tokens"] + c["decoded_tokens"] or \
+                    if c["model_forward_tokens"] != c["new_prefill_tokens"] + c["decoded_tokens"] \
+                            + c["blend_forward_tokens"] or \
                             c["historical_forward_during_restore"]:
                         outcome.fail(f"request {j}: accounting invariant broken")
                 want = twin(completed + list(range(died_at, len(scenario.users))))[len(completed):]

@@ -126,10 +126,12 @@ class Driver:
             want = [tok for p in pager.pages if p.resident for tok in session.transcript.ids[p.token_start:p.token_end]]
             held = engine.backend.held_token_ids()
             why = []
-            if c.model_forward_tokens != c.new_prefill_tokens + c.decoded_tokens:
-                why.append("model_forward_tokens != new_prefill_tokens + decoded_tokens (session)")
-            if t.model_forward_tokens != t.new_prefill_tokens + t.decoded_tokens:
-                why.append("model_forward_tokens != new_prefill_tokens + decoded_tokens (server)")
+            if c.model_forward_tokens != c.new_prefill_tokens + c.decoded_tokens + c.blend_forward_tokens:
+                why.append("model_forward_tokens != new_prefill_tokens + decoded_tokens + blend_forward_tokens "
+                           "(session)")
+            if t.model_forward_tokens != t.new_prefill_tokens + t.decoded_tokens + t.blend_forward_tokens:
+                why.append("model_forward_tokens != new_prefill_tokens + decoded_tokens + blend_forward_tokens "
+                           "(server)")
             if c.historical_forward_during_restore or t.historical_forward_during_restore:
                 why.append("historical_forward_during_restore != 0")
             if not np.array_equal(np.asarray(held), np.asarray(want, dtype=np.asarray(held).dtype)):

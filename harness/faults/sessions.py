@@ -103,7 +103,8 @@ def server_sessions(work: Path, log: Callable[[str], None], restarts: bool = Tru
                     outcome.fail(f"session {k} request {i}: answer differs from the session alone")
             stats = server.stats(f"mixed-{k}")
             c = stats["counters"]
-            if c["model_forward_tokens"] != c["new_prefill_tokens"] + c["decoded_tokens"] or \
+            if c["model_forward_tokens"] != c["new_prefill_tokens"] + c["decoded_tokens"] \
+                    + c["blend_forward_tokens"] or \
                     c["historical_forward_during_restore"]:
                 outcome.fail(f"session {k}: accounting invariant broken: {c}")
             if client is not None:
@@ -116,8 +117,10 @@ def server_sessions(work: Path, log: Callable[[str], None], restarts: bool = Tru
         totals = server.stats()["counters"]
         solo_prefill = sum(server.stats(f"solo-{k}")["counters"]["new_prefill_tokens"] for k in range(len(scenarios)))
         mixed_prefill = sum(server.stats(f"mixed-{k}")["counters"]["new_prefill_tokens"] for k in range(len(scenarios)))
-        if totals["model_forward_tokens"] != totals["new_prefill_tokens"] + totals["decoded_tokens"]:
-            outcome.fail("server totals: model_forward_tokens != new_prefill_tokens + decoded_tokens")
+        if totals["model_forward_tokens"] != totals["new_prefill_tokens"] + totals["decoded_tokens"] \
+                + totals["blend_forward_tokens"]:
+            outcome.fail("server totals: model_forward_tokens != new_prefill_tokens + decoded_tokens "
+                         "+ blend_forward_tokens")
         figures.update(server_interleaved_turns=sum(len(t) for t in together), server_session_mismatches=mismatches,
                        server_cross_session_leaks=leaks, server_switch_prefill_tokens=mixed_prefill - solo_prefill,
                        server_recovered_pages=totals["recovered_pages"],

@@ -39,7 +39,8 @@ def test_thirty_thousand_tokens_through_a_2048_token_budget() -> None:
         assert max(t.attention_tokens for t in run.turns) <= BUDGET
         assert 0 < counters["peak_attention_tokens"] <= BUDGET
         assert counters["historical_forward_during_restore"] == 0
-        assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
+        assert counters["model_forward_tokens"] == \
+            counters["new_prefill_tokens"] + counters["decoded_tokens"] + counters["blend_forward_tokens"]
         assert counters["reprefilled_tokens"] == 0 and counters["rebuilds"] == 0
         # every turn prefilled only what it added
         assert counters["new_prefill_tokens"] == sum(t.prefilled for t in run.turns)

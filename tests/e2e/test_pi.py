@@ -290,7 +290,8 @@ def expected_status(socket: Path, session_id: str) -> tuple[str, Any]:
 
 
 def assert_server_counters_consistent(counters: dict[str, int]) -> None:
-    assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"], counters
+    assert counters["model_forward_tokens"] == \
+        counters["new_prefill_tokens"] + counters["decoded_tokens"] + counters["blend_forward_tokens"], counters
     assert counters["historical_forward_during_restore"] == 0, counters
     assert 0 < counters["peak_attention_tokens"] <= BUDGET, counters
 

@@ -78,7 +78,7 @@ def test_contextd_killed_under_a_live_server_fails_the_turn_in_flight_with_503_a
     assert daemon.client is not None
     assert daemon.client.read_record("kd").record.turn == 3 and not daemon.client.verify("kd").corrupt
     c = reply.body["kv"]
-    assert c["model_forward_tokens"] == c["new_prefill_tokens"] + c["decoded_tokens"]
+    assert c["model_forward_tokens"] == c["new_prefill_tokens"] + c["decoded_tokens"] + c["blend_forward_tokens"]
     assert c["historical_forward_during_restore"] == 0
 
 

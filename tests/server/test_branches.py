@@ -44,7 +44,8 @@ def test_a_branch_prefills_only_what_follows_the_fork_and_answers_as_its_parent_
     assert counters["branches"] == 1 and counters["branch_kept_tokens"] == usage["prompt_tokens"] - prefilled
     assert counters["new_prefill_tokens"] == prefilled and counters["rebuilds"] == 0
     assert counters["historical_forward_during_restore"] == 0
-    assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
+    assert counters["model_forward_tokens"] == \
+        counters["new_prefill_tokens"] + counters["decoded_tokens"] + counters["blend_forward_tokens"]
     with Client(server.socket) as client:
         assert client.get_session("child").labels["branch_of"] == "parent"
         assert not client.verify("child").corrupt

@@ -51,7 +51,8 @@ def test_a_stream_whose_client_stops_reading_ends_its_turn(server_factory: Any) 
         wait_for(cancelled, 90, "the turn of a client that stopped reading did not end")
         counters = server.stats("stall")["counters"]
         assert counters["decoded_tokens"] < 100000
-        assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
+        assert counters["model_forward_tokens"] == \
+            counters["new_prefill_tokens"] + counters["decoded_tokens"] + counters["blend_forward_tokens"]
     finally:
         sock.close()
     assert server.chat([SYSTEM, {"role": "user", "content": "hi"}], session="next", max_tokens=2).status == 200
@@ -83,4 +84,5 @@ def test_a_client_that_leaves_during_its_prefill_ends_the_turn_before_its_prompt
     assert again.status == 200, again.body
     counters = server.stats("left")["counters"]
     assert counters["turns"] == 1
-    assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
+    assert counters["model_forward_tokens"] == \
+        counters["new_prefill_tokens"] + counters["decoded_tokens"] + counters["blend_forward_tokens"]

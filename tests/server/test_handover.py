@@ -66,7 +66,8 @@ def test_a_session_moves_between_servers_with_the_tokens_of_one_that_never_moved
     for server, adoptions in ((b, 1), (a, 2)):   # the session's counters travel with it
         counters = server.stats("a")["counters"]
         assert counters["adoptions"] == adoptions and counters["historical_forward_during_restore"] == 0
-        assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
+        assert counters["model_forward_tokens"] == \
+            counters["new_prefill_tokens"] + counters["decoded_tokens"] + counters["blend_forward_tokens"]
         assert counters["recovered_pages"] > 0 and counters["reprefilled_tokens"] == 0
 
     long = a.stream([*moving.messages, {"role": "user", "content": "Write a long story."}], session="a",

@@ -62,7 +62,8 @@ def test_pages_come_back_through_the_object_store_and_answers_equal_a_local_serv
     assert answers["tiered"] == answers["local"]
     counters = tiered.stats("a")["counters"]
     assert counters["restored_pages"] > 0 and counters["historical_forward_during_restore"] == 0
-    assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
+    assert counters["model_forward_tokens"] == \
+        counters["new_prefill_tokens"] + counters["decoded_tokens"] + counters["blend_forward_tokens"]
     stored = counters["stored_bytes"]
     assert stored > 4 * cache and folder_bytes(tiered) <= cache + stored // counters["stored_pages"] * 8
     assert tiered.contextd is not None and tiered.contextd.client is not None

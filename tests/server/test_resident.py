@@ -63,7 +63,8 @@ def test_resident_sessions_switch_without_page_io_and_answer_as_one_cache_does(s
     for s in stats:
         counters = s["counters"]
         assert counters["historical_forward_during_restore"] == 0
-        assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
+        assert counters["model_forward_tokens"] == \
+            counters["new_prefill_tokens"] + counters["decoded_tokens"] + counters["blend_forward_tokens"]
     # on one cache every switch restores the other session's working set
     single_stats = single.stats("a")["counters"]
     assert single_stats["recovered_pages"] > 0
@@ -164,7 +165,8 @@ def test_sessions_decoding_at_once_share_forwards_and_answer_as_each_alone(serve
     for session in prompts:
         counters = batching.stats(session)["counters"]
         assert counters["batched_decode_tokens"] > 0, counters
-        assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
+        assert counters["model_forward_tokens"] == \
+            counters["new_prefill_tokens"] + counters["decoded_tokens"] + counters["blend_forward_tokens"]
         assert counters["historical_forward_during_restore"] == 0
     alone: ServerProcess = server_factory("tiny-llama", 1024, "--resident-sessions", "3", "--no-batch-decode")
     assert answer_all(alone) == together

@@ -38,7 +38,8 @@ def grow(server: ServerProcess, session: str, files: int) -> list[dict[str, Any]
 
 def exact(stats: dict[str, Any]) -> None:
     counters = stats["counters"]
-    assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
+    assert counters["model_forward_tokens"] == \
+        counters["new_prefill_tokens"] + counters["decoded_tokens"] + counters["blend_forward_tokens"]
     assert counters["historical_forward_during_restore"] == 0
     assert stats["attention_tokens"] <= stats["budget_tokens"]
 

@@ -56,7 +56,8 @@ def test_each_turn_prefills_only_the_new_messages(server_factory: Any, tokenizer
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - expected
     counters = server.stats("s1")["counters"]
     assert counters["new_prefill_tokens"] == total_prefilled
-    assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
+    assert counters["model_forward_tokens"] == \
+        counters["new_prefill_tokens"] + counters["decoded_tokens"] + counters["blend_forward_tokens"]
     assert counters["historical_forward_during_restore"] == 0
     assert counters["reprefilled_tokens"] == 0 and counters["rebuilds"] == 0
 
@@ -92,7 +93,8 @@ def test_fingerprint_mismatches_are_detected_and_nothing_mismatched_is_reused(se
     assert "thinking changed" in rebuilt(server.chat(edited, session="f", reasoning_effort="high"))
     stats = server.stats("f")["counters"]
     assert stats["rebuilds"] == 3 and stats["reprefilled_tokens"] > 0
-    assert stats["model_forward_tokens"] == stats["new_prefill_tokens"] + stats["decoded_tokens"]
+    assert stats["model_forward_tokens"] == \
+        stats["new_prefill_tokens"] + stats["decoded_tokens"] + stats["blend_forward_tokens"]
     # the same request again reuses everything it can: no rebuild
     again = server.chat([*edited, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "next"}],
                         session="f", reasoning_effort="high")
@@ -255,7 +257,8 @@ def test_hybrid_model_serves_turns_and_rebuilds_from_a_recurrent_snapshot(server
     prefilled = int(reply.headers["x-kv-prefilled-tokens"])
     assert prefilled < stats["session_tokens"] / 2, "rebuilt from scratch instead of from a snapshot"
     counters = server.stats("h")["counters"]
-    assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
+    assert counters["model_forward_tokens"] == \
+        counters["new_prefill_tokens"] + counters["decoded_tokens"] + counters["blend_forward_tokens"]
 
 
 def test_a_client_that_leaves_ends_its_turn_and_the_next_turn_is_served(server_factory: Any) -> None:
@@ -294,7 +297,8 @@ def test_a_client_that_leaves_ends_its_turn_and_the_next_turn_is_served(server_f
     counters = server.stats("gone")["counters"]
     assert counters["cancelled_turns"] == 2, counters
     assert counters["decoded_tokens"] < 20000
-    assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
+    assert counters["model_forward_tokens"] == \
+        counters["new_prefill_tokens"] + counters["decoded_tokens"] + counters["blend_forward_tokens"]
 
 
 def test_with_an_api_key_every_route_but_health_wants_the_bearer_token(server_factory: Any) -> None:

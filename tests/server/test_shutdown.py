@@ -108,7 +108,8 @@ def test_sigterm_drains_the_turn_in_flight_then_stops_contextd(tmp_path: Any) ->
         assert reply.status == 200, reply.body
         counters = again.stats("t")["counters"]
         assert counters["turns"] == 2 and counters["cancelled_turns"] == 1, counters
-        assert counters["model_forward_tokens"] == counters["new_prefill_tokens"] + counters["decoded_tokens"]
+        assert counters["model_forward_tokens"] == \
+            counters["new_prefill_tokens"] + counters["decoded_tokens"] + counters["blend_forward_tokens"]
     finally:
         again.proc.send_signal(signal.SIGTERM)
         assert again.proc.wait(timeout=60) == 0

@@ -132,7 +132,8 @@ def test_a_watched_turn_answers_as_an_unwatched_one_and_its_reading_describes_th
     a, b = turn(watched, "w", asked), turn(plain, "p", asked)
     assert a.content == b.content
     assert a.counters.model_forward_tokens == b.counters.model_forward_tokens
-    assert a.counters.model_forward_tokens == a.counters.new_prefill_tokens + a.counters.decoded_tokens
+    assert a.counters.model_forward_tokens == \
+        a.counters.new_prefill_tokens + a.counters.decoded_tokens + a.counters.blend_forward_tokens
     assert a.counters.historical_forward_during_restore == 0
     reading = watched.readings["w"]
     assert "p" not in plain.readings and "w" not in watched.watched
@@ -169,7 +170,8 @@ def test_a_turn_answered_in_branches_reads_as_the_turn_itself_and_leaves_the_ses
     answer = turn(branching, "b", asked)
     assert answer.content == turn(plain, "n", asked).content
     assert branching.totals.decoded_tokens == plain.totals.decoded_tokens, "the branches' answers are not the server's"
-    assert answer.counters.model_forward_tokens == answer.counters.new_prefill_tokens + answer.counters.decoded_tokens
+    assert answer.counters.model_forward_tokens == \
+        answer.counters.new_prefill_tokens + answer.counters.decoded_tokens + answer.counters.blend_forward_tokens
     own, branches = branching.readings["b"], branching.branch_readings["b"]
     assert set(branches) == {"hybrid", "recency"}
     same = branches["hybrid"]

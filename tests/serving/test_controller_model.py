@@ -126,7 +126,8 @@ def test_on_a_hybrid_model_the_advice_orders_evictions_and_history_is_never_forw
     counters = session.counters
     assert counters.evicted_pages > 0 and counters.controller_forward_tokens > 0
     assert counters.historical_forward_during_restore == 0
-    assert counters.model_forward_tokens == counters.new_prefill_tokens + counters.decoded_tokens
+    assert counters.model_forward_tokens == \
+        counters.new_prefill_tokens + counters.decoded_tokens + counters.blend_forward_tokens
     assert counters.peak_attention_tokens <= CONFIG.budget_tokens
 
 
@@ -141,7 +142,8 @@ def test_the_reranker_scores_cold_pages_of_a_hybrid_model(serving: Backend, cont
     assert probe.restore and probe.controller_forward_tokens > 0
     counters = engine.sessions["r"].counters
     assert counters.historical_forward_during_restore == 0
-    assert counters.model_forward_tokens == counters.new_prefill_tokens + counters.decoded_tokens
+    assert counters.model_forward_tokens == \
+        counters.new_prefill_tokens + counters.decoded_tokens + counters.blend_forward_tokens
 
 
 def test_the_controller_keeps_what_its_memory_holds_and_reads_again_what_it_let_go(

@@ -70,7 +70,8 @@ def test_pages_move_only_through_the_mover_and_the_manifest_says_where_each_is(b
     counts = client.get_session("m").pages
     assert {"hot": counts.hot, "cold": counts.cold, "pinned": counts.pinned} == pager.counts()
     counters = session.counters
-    assert counters.model_forward_tokens == counters.new_prefill_tokens + counters.decoded_tokens
+    assert counters.model_forward_tokens == \
+        counters.new_prefill_tokens + counters.decoded_tokens + counters.blend_forward_tokens
     assert counters.historical_forward_during_restore == 0
     assert counters.peak_attention_tokens <= CONFIG.budget_tokens
     assert engine.backend.attention_tokens == pager.hot_tokens
@@ -225,7 +226,8 @@ def test_an_answer_the_client_does_not_replay_leaves_the_tail_with_no_forward_an
     assert again.rebuilt == "" and again.prefilled_tokens == n_tokens(engine, opener)
     counters = session.counters
     assert (counters.tail_drops, counters.rebuilds, counters.reprefilled_tokens) == (2, 0, 0)
-    assert counters.model_forward_tokens == counters.new_prefill_tokens + counters.decoded_tokens
+    assert counters.model_forward_tokens == \
+        counters.new_prefill_tokens + counters.decoded_tokens + counters.blend_forward_tokens
     np.testing.assert_array_equal(engine.backend.held_token_ids(), session.transcript.ids)
     # an edit of the client's own history is a rebuild, and says so
     edited, _ = prepared(engine, "t", [SYSTEM, {"role": "user", "content": "List the passing tests."}, u2])

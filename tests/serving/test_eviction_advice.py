@@ -51,7 +51,8 @@ def test_the_least_likely_of_the_oldest_pages_leave_first_and_the_accounting_hol
     counters = session.counters
     assert counters.controller_forward_tokens > 0
     assert counters.historical_forward_during_restore == 0
-    assert counters.model_forward_tokens == counters.new_prefill_tokens + counters.decoded_tokens
+    assert counters.model_forward_tokens == \
+        counters.new_prefill_tokens + counters.decoded_tokens + counters.blend_forward_tokens
     assert counters.peak_attention_tokens <= CONFIG.budget_tokens
     client = contextd.client
     assert client is not None

@@ -50,7 +50,8 @@ def test_a_chat_turn_on_gemma3_270m(engine: Engine) -> None:
     assert first.content.strip(), first
     assert first.completion_tokens > 0 and first.rebuilt == ""
     counters = first.counters
-    assert counters.model_forward_tokens == counters.new_prefill_tokens + counters.decoded_tokens
+    assert counters.model_forward_tokens == \
+        counters.new_prefill_tokens + counters.decoded_tokens + counters.blend_forward_tokens
     assert counters.historical_forward_during_restore == 0
 
     # The next turn reuses the cache: the answer is not prefilled again, only the answer's turn end
