@@ -1,4 +1,5 @@
-"""The reliability campaign (issue 15): crashes, storage faults, fuzzing, concurrency, access.
+"""The reliability campaign (issue 15): crashes, storage faults, fuzzing, connections, concurrency,
+access, hangs and the object-store tier.
 
     python -m benchmarks.faults                    # the whole campaign (slow: ~20-40 min on 2 cores)
     python -m benchmarks.faults --parts crash --crash-points 40    # a part, smaller
@@ -26,10 +27,22 @@ check compares against an oracle, never against "it did not crash":
            chunked encodings, slow clients, invalid UTF-8, deep and huge JSON) to a real server,
            malformed gRPC requests and raw bytes to a real contextd. Checked: a clear 4xx (gRPC: a
            status other than INTERNAL / UNKNOWN), both processes keep serving, memory bounded.
+  connections  hostile Content-Length values (refused before the client timeout), slowloris
+           clients trickling headers or body (let go at --client-timeout, /health answering
+           meanwhile), a client that stops reading its stream (its turn ended, the next served).
   sessions 4 clients, 4 sessions, one server, interleaved: each session's answers equal its solo
            twin's, no forward pass on a switch, no page of one session in another's attention;
            contextd killed and restarted under a live server.
-  access   socket and store modes, loopback binding, the API key.
+  access   socket and store modes, loopback binding, the API key; another uid (`nobody`, as
+           root) trying every route of a server on its default key: every one but /health denied.
+  hangs    a read wedged in the kernel on a read queue's thread and on the worker's own (the
+           turn 503 within its deadline, /health 503 while stuck, the server as its twin once the
+           read returns); the MLX greedy-step finalizer run on a restore's reader thread.
+  objects  on a Ceph RGW the part starts (root and Debian's ceph packages; skipped, saying why,
+           without them): a lost reply on every conditional PUT of the object-store tier, each
+           case against the script with none lost (stuck: a call that differs, fails or waits);
+           cache pressure (a store folder smaller than a page) while sessions are streamed back,
+           no page reported corrupt, the answers those of a server on local disk.
 
 Turns run on the tiny random-weight models. The serving engine runs in-process in children forked
 from a "zygote" that loaded the models once (a fork costs milliseconds; loading a model ~10 s),
@@ -38,6 +51,7 @@ servers) is ended by pid.
 
 The machinery (the zygote, the driver, the twins, each part's cases and checks) is harness.faults,
 which tests/reliability drives too; this package runs the parts at campaign size and reports: one
-module per part (`crash`, `storage`, `fuzz`, `sessions`, `access`), the summary table (`report`)
-and the command line (`__main__`). Depends on harness.faults, benchmarks.stats and serving.
+module per part (`crash`, `storage`, `fuzz`, `connections`, `sessions`, `access`, `hangs`,
+`objects`), the summary table (`report`) and the command line (`__main__`). Depends on
+harness.faults, benchmarks.stats and serving.
 """

@@ -17,8 +17,11 @@ from typing import Any
 
 import benchmarks.faults
 from benchmarks.faults.access import run_access_part
+from benchmarks.faults.connections import run_connections_part
 from benchmarks.faults.crash import run_crash_part
 from benchmarks.faults.fuzz import run_fuzz_part
+from benchmarks.faults.hangs import run_hangs_part
+from benchmarks.faults.objects import run_objects_part
 from benchmarks.faults.report import print_table
 from benchmarks.faults.sessions import run_sessions_part
 from benchmarks.faults.storage import run_storage_part
@@ -27,15 +30,18 @@ from harness.faults.processes import short_tempdir
 from harness.faults.scenarios import SCENARIOS
 from harness.faults.zygote import Zygote
 
-PARTS = ("crash", "storage", "fuzz", "sessions", "access")
+PARTS = ("crash", "storage", "fuzz", "connections", "sessions", "access", "hangs", "objects")
 
 PART_RUNNERS: dict[str, Callable[[argparse.Namespace, Path, Any, Callable[[str], None]],
                                  tuple[dict[str, Any], list[CaseOutcome]]]] = {
     "crash": run_crash_part,
     "storage": run_storage_part,
     "fuzz": run_fuzz_part,
+    "connections": run_connections_part,
     "sessions": run_sessions_part,
     "access": run_access_part,
+    "hangs": run_hangs_part,
+    "objects": run_objects_part,
 }
 
 
@@ -49,6 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--fuzz-grpc", type=int, default=10_000, help="malformed gRPC requests and raw socket writes")
     parser.add_argument("--http-crashes", type=int, default=1, help="also crash the real server over HTTP (0: no)")
     parser.add_argument("--session-trials", type=int, default=3, help="interleavings of 4 sessions (in-process)")
+    parser.add_argument("--pressure-rounds", type=int, default=4,
+                        help="objects: rounds of two sessions taking turns on one cache under cache pressure")
     parser.add_argument("--json-out", default=None, help="also write the JSON line to this file")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, stores)")
     args = parser.parse_args(argv)

@@ -40,7 +40,7 @@ def run_fuzz_part(args: argparse.Namespace, work: Path, zygote: Any, log: Callab
 
         log(f"fuzz: {args.fuzz_http} HTTP requests (server pid {pids['server']}, warm-up {warm.status})")
         http = fuzz_http(server.port, args.fuzz_http, alive=alive, auth=server.auth_headers())
-        slow = slow_clients(server.port)
+        slow = slow_clients(server.port, auth=server.auth_headers())
         log(f"fuzz: {args.fuzz_grpc} gRPC calls and raw writes (contextd pid {pids['contextd']})")
         grpc_tally = fuzz_grpc(server.socket, args.fuzz_grpc)
         after = server.chat([{"role": "user", "content": "hello"}], session="warm-2", max_tokens=2)

@@ -29,13 +29,39 @@ def print_table(figures: dict[str, Any], failures: dict[str, list[str]]) -> None
             ("", "cross-session leaks", "cross_session_leaks", "0"),
             ("", "forward tokens spent on switches", "switch_forward_tokens", "0"),
             ("", "contextd restarts under load: turns lost", "contextd_restart_lost", "0"),
-            ("access", "access checks failed", "access_failures", "0")]
-    print(f"{'part':<9} {'measure':<44} {'value':>10}  goal", flush=True)
+            ("connections", "hostile Content-Length values", "hostile_content_length.cases", ""),
+            ("", "refused before the client timeout", "hostile_content_length.refused_at_once", "= cases"),
+            ("", "slowloris clients", "slowloris.cases", ""),
+            ("", "let go at the client timeout", "slowloris.let_go", "= cases"),
+            ("", "clients that stopped reading", "stopped_reading.cases", ""),
+            ("", "their turn ended", "stopped_reading.turn_ended", "= cases"),
+            ("access", "access checks failed", "access_failures", "0"),
+            ("", "routes another uid tried", "other_user_denied.routes", ""),
+            ("", "denied", "other_user_denied.denied", "= routes"),
+            ("hangs", "cases (wedged reads, MLX finalizer)", "hang_cases.cases", ""),
+            ("", "wedged reads answered 503 in the deadline", "hang_cases.answered_503_in_deadline", "= wedged"),
+            ("", "answered in the deadline", "hang_cases.answered_in_deadline", "= cases"),
+            ("objects", "conditional PUTs with their reply lost", "lost_reply_cases.cases", ""),
+            ("", "stuck", "lost_reply_cases.stuck", "0"),
+            ("", "sessions streamed back under cache pressure", "cache_pressure_cases.cases", ""),
+            ("", "pages reported corrupt", "cache_pressure_cases.false_corrupt", "0")]
+    print(f"{'part':<11} {'measure':<44} {'value':>10}  goal", flush=True)
     for part, what, key, goal in rows:
-        if key in figures:
-            print(f"{part:<9} {what:<44} {figures[key]!s:>10}  {goal}")
+        value = _figure(figures, key)
+        if value is not None:
+            print(f"{part:<11} {what:<44} {value!s:>10}  {goal}")
     for part, lines in failures.items():
         if lines:
             print(f"\n{part}: {len(lines)} cases did not hold" + (", the first 12:" if len(lines) > 12 else ":"))
         for line in lines[:12]:
             print(f"  - {line[:400]}")
+
+
+def _figure(figures: dict[str, Any], key: str) -> Any:
+    """The figure at `key`, a name or a dotted path into a part's object (None when absent)."""
+    value: Any = figures
+    for name in key.split("."):
+        if not isinstance(value, dict) or name not in value:
+            return None
+        value = value[name]
+    return value

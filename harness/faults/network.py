@@ -219,6 +219,11 @@ class S3Proxy:
         """Close, unsent, every `method` request whose path holds `fragment` until the fault's `release`."""
         return self._arm(Fault(method, fragment, "refuse"))
 
+    def disarm(self, fault: Fault) -> None:
+        """Take back a fault that has not fired (a step that sent no such request)."""
+        with self._lock:
+            self._faults = [armed for armed in self._faults if armed is not fault]
+
     def _arm(self, fault: Fault) -> Fault:
         with self._lock:
             self._faults.append(fault)

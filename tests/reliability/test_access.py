@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.faults.access import access_checks, precreated_root_checks
+from harness.faults.access import access_checks, other_user_attempts, other_user_missing, precreated_root_checks
 from harness.faults.processes import Daemon, environ_set
 from harness.faults.scenarios import CRASH_ENV
 from serving.launcher import ServerProcess
@@ -80,3 +80,24 @@ def test_a_root_left_readable_by_an_older_contextd_is_tightened_on_start(work: P
     exposed = [f"{p.relative_to(root)} {oct(p.stat().st_mode & 0o777)}" for p in [root, *root.rglob("*")]
                if p.stat().st_mode & 0o077]
     assert not exposed, exposed
+
+
+def test_another_uid_is_denied_every_route_of_a_server_on_its_default_key(work: Path) -> None:
+    """The campaign's other_user_denied, small: `nobody` tries every route, with no key and with
+    the one the Pi extension guesses; every one but /health's bare status is denied."""
+    reason = other_user_missing()
+    if reason:
+        pytest.skip(reason)
+    server = ServerProcess(root=work / "default-key" / "root", model="tiny-llama", budget=1024,
+                           extra=["--tail-tokens", "256", "--max-new-tokens", "2"])
+    with environ_set(CRASH_ENV, None), environ_set("KV_ELISION_API_KEY", None):
+        server.start()
+    try:
+        secret = [{"role": "user", "content": "The vault code in src/vault.py is 4821. Remember it."}]
+        assert server.chat(secret, session="secret", max_tokens=2).status == 200
+        seen = other_user_attempts(server, "secret", "4821")
+        assert not seen.problems, seen.problems
+        assert seen.routes == seen.denied == 14 and seen.health_minimal and seen.key_file == "denied"
+        assert server.stats("secret")["counters"]["turns"] == 1
+    finally:
+        server.stop()

@@ -9,79 +9,34 @@ model, a real contextd, the real Pi.
 
 from __future__ import annotations
 
-import json
 import os
-import pwd
 import shutil
 import stat
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from harness.faults.access import other_user_attempts, other_user_missing
 from harness.pi import EXTENSION, PI_BIN, Pi, pi_env
 from serving.launcher import ServerProcess
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. Be brief."}
 SECRET = {"role": "user", "content": "The vault code in src/vault.py is 4821. Remember it."}
 
-# Run as another uid: every route without the key (it cannot have it), then with the guess the
-# Pi extension sends when it has none, then a read of the key file. Standard library only: the
-# repository's interpreter lives under /root, which another user cannot enter.
-OTHER_USER = r"""
-import http.client, json, sys
-port, key_file = int(sys.argv[1]), sys.argv[2]
-chat = json.dumps({"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
-routes = [("GET", "/health", None), ("GET", "/v1/models", None), ("GET", "/v1/kv/stats", None),
-          ("GET", "/v1/kv/stats?session=secret", None), ("GET", "/v1/kv/pages?session=secret&text=1", None),
-          ("GET", "/v1/kv/score?session=secret", None), ("POST", "/v1/chat/completions", chat),
-          ("POST", "/v1/kv/score", json.dumps({"session": "secret", "candidates": ["4821"]}))]
-answers = []
-for auth in ({}, {"Authorization": "Bearer kv-elision"}):
-    for method, path, body in routes:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        conn.request(method, path, body=body, headers={"Content-Type": "application/json", "X-KV-Session": "secret",
-                                                        **auth})
-        reply = conn.getresponse()
-        answers.append([method, path, bool(auth), reply.status, reply.read().decode(errors="replace")])
-        conn.close()
-try:
-    open(key_file).read()
-    key = "read"
-except PermissionError:
-    key = "denied"
-except FileNotFoundError:
-    key = "absent"
-print(json.dumps({"answers": answers, "key": key, "uid": __import__("os").getuid()}))
-"""
-
 
 def test_another_local_user_is_refused_on_every_route_and_cannot_read_the_key(server_factory: Any) -> None:
+    reason = other_user_missing()
+    if reason:
+        pytest.skip(reason)
     server: ServerProcess = server_factory("tiny-llama", 1024)
     assert server.chat([SYSTEM, SECRET], session="secret", max_tokens=2).status == 200
-    key_file = server.root / "api-key"
-    # The test's folders are private to root; open the way to the key file, so that its own mode
-    # is what keeps the other user out.
-    for folder in (server.root.parent, server.root):
-        os.chmod(folder, 0o755)
-    nobody = pwd.getpwnam("nobody")
-    run = subprocess.run(["/usr/bin/python3", "-c", OTHER_USER, str(server.port), str(key_file)],
-                         user=nobody.pw_uid, group=nobody.pw_gid, extra_groups=[], cwd="/",
-                         env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    seen = json.loads(run.stdout)
-    assert seen["uid"] == nobody.pw_uid
-    for method, path, guessed, status, body in seen["answers"]:
-        if path == "/health":
-            assert status == 200 and json.loads(body) == {"status": "ok"}, (guessed, body)
-        else:
-            assert status in (401, 403), (method, path, guessed, status, body)
-            assert "4821" not in body and "secret" not in body, (method, path, body)
+    seen = other_user_attempts(server, "secret", "4821")
+    assert not seen.problems, seen.problems
+    assert seen.routes == seen.denied == 14 and seen.health_minimal and seen.key_file == "denied"
     assert server.stats("secret")["counters"]["turns"] == 1, "a refused request ran a turn"
-    assert seen["key"] == "denied"
-    mode = key_file.stat()
+    mode = (server.root / "api-key").stat()
     assert stat.S_IMODE(mode.st_mode) == 0o600 and mode.st_uid == os.getuid(), oct(mode.st_mode)
 
 
