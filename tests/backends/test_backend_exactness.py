@@ -142,6 +142,7 @@ def test_evict_decode_restore_decode_accounting(models: Models, model: str) -> N
         # The page went back into its own position gap: only its own keys were rotated.
         "reanchored_keys": PAGE,
         "compactions": 0,
+        "blend_forward_tokens": 0,
     }
     assert_accounting(be)
     assert be.attention_tokens == PREFILL_TOKENS + 47
