@@ -698,10 +698,8 @@ class Engine:
         policy = self.blend
         if policy.off:
             return
-        blending = time.perf_counter()
         parts = view_parts(session.pager, restored, new_tokens, self.backend.positions())
-        self.mover.blend(policy.choose(parts))
-        session.timed("blend", blending)
+        self.mover.blend(policy.choose(parts))   # a forward: its time is the turn's forward_ms
 
     # ------------------------------------------------------------------ reading answers
 
