@@ -103,9 +103,10 @@ def view_parts(pager: Pager, restored: Iterable[int], new_tokens: int, positions
 
 @dataclasses.dataclass(frozen=True)
 class BlendPolicy:
-    """What a turn recomputes: the named parts, the first `heads` tokens of every run, all within
-    `budget` (a share of the view's tokens; what does not fit is cut, the parts' order deciding).
-    An empty policy recomputes nothing (the exact cache: no forward over history at all)."""
+    """What a turn that restored pages recomputes: the named parts, the first `heads` tokens of every
+    run, all within `budget` (a share of the view's tokens; what does not fit is cut, the parts'
+    order deciding). An empty policy recomputes nothing (the exact cache: no forward over history
+    at all)."""
 
     parts: tuple[str, ...] = ()
     heads: int = 0
@@ -126,8 +127,11 @@ class BlendPolicy:
 
     def choose(self, parts: ViewParts) -> np.ndarray:
         """The logical indices to recompute, at most `budget` of the view, in the policy's order of
-        preference (heads first, then the parts as named), returned sorted."""
-        if self.off:
+        preference (heads first, then the parts as named), returned sorted. Nothing on a turn that
+        brought nothing back: its new tokens were computed in the view they are read in, and the
+        pages held were computed in views this turn did not change (only evictions took tokens
+        out), so a turn that reads files pays no blend."""
+        if self.off or not parts.restored.shape[0]:
             return np.zeros(0, dtype=np.int64)
         room = int(self.budget * parts.held)
         wanted = [parts.heads(self.heads)] if self.heads else []
