@@ -69,7 +69,7 @@ typecheck: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check contextd backends controller serving harness benchmarks tests
 
-test: $(STAMP) $(EXT_STAMP) ceph
+test: $(STAMP) $(EXT_STAMP) ceph wordlist
 	$(PY) -m ruff check contextd backends controller serving harness benchmarks tests
 	$(PY) -m mypy contextd controller serving backends harness
 	$(PY) -m pytest -q -n auto --dist worksteal --durations=25
@@ -88,6 +88,12 @@ ceph:
 	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$sudo apt-get update -q && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
 	    ceph-mon ceph-osd radosgw; }
+
+# Debian's word list (wamerican): the RULER benchmark's word keys (benchmarks/ruler, tests/e2e/test_ruler.py).
+.PHONY: wordlist
+wordlist:
+	@test -r /usr/share/dict/words || { sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$sudo apt-get update -q && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q wamerican; }
 
 # The inner loop (<= 5 minutes on 2 cores): no end-to-end tests, and of the backend matrix one
 # attention-only and one hybrid family per runtime plus the protocol cases (make test runs all).
