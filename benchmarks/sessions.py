@@ -105,7 +105,7 @@ def branch(server: ServerProcess, size: int, seed: int) -> dict[str, Any]:
             "fresh_ttft_ms_estimate": round(prompt / prefill_rate * 1e3, 1),
             "branches": counters["branches"], "historical_forward": counters["historical_forward_during_restore"],
             "forward_invariant": counters["model_forward_tokens"] == counters["new_prefill_tokens"]
-            + counters["decoded_tokens"]}
+            + counters["decoded_tokens"] + counters["blend_forward_tokens"]}
 
 
 def switches(server: ServerProcess, budget: int, resident: int, seed: int) -> dict[str, Any]:

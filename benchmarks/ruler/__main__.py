@@ -51,7 +51,7 @@ Plan = dict[int, tuple[tuple[str, ...], int]]
 EIGHT_K_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue", "vt", "cwe")
 LONG_TASKS = ("niah_multikey_1",)
 PLAN: Plan = {n: (tuple(TASKS) if n == 4096 else EIGHT_K_TASKS if n == 8192 else LONG_TASKS, 1) for n in LENGTHS}
-QUICK_PLAN: Plan = {4096: (("niah_single_1", "vt"), 1), 8192: (("niah_single_1", "vt"), 1)}
+QUICK_PLAN: Plan = {4096: (("niah_single_1", "vt"), 1)}
 QUICK_ARMS = ("kv-2048", "full", "llama")
 # What `estimate` assumes per 2 CPU cores (how they were come by: docs/results/ruler.md): the prefill
 # rate of kv-elision's servers (both models), llama.cpp's (assumed, not measured), the seconds of a

@@ -50,7 +50,8 @@ def job_sessions(rep: Reporter, loaded: dict[str, tuple[Any, Any]], p: dict[str,
         active = d.sid
         answers[k][i] = result.content
         forward = after.model_forward_tokens - before.model_forward_tokens
-        fed = (after.new_prefill_tokens - before.new_prefill_tokens) + (after.decoded_tokens - before.decoded_tokens)
+        fed = sum(getattr(after, name) - getattr(before, name)
+                  for name in ("new_prefill_tokens", "decoded_tokens", "blend_forward_tokens"))
         rep.event(ack=i, session=k, content=result.content, checks=d.checks(), prefilled=result.prefilled_tokens,
                   forward_not_fed=forward - fed, counters=engine.totals.as_dict())
     rep.event(done=True, switches=switches, totals=engine.totals.as_dict())

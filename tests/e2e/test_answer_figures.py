@@ -45,7 +45,7 @@ def test_compare_reports_answers_by_likelihood_per_role(tmp_path: Path) -> None:
     full = next(f for f in arms.values() if f["role"] == "full")
     assert full["held_out"]["view_tokens_mean"] > default["held_out"]["view_tokens_mean"]
     final = next(iter(summary["kv_final"]["11"].values()))
-    assert final["forward"] == final["prompt"] + final["decoded"] and final["historical"] == 0
+    assert final["forward"] == final["prompt"] + final["decoded"] + final["blend"] and final["historical"] == 0
     assert "### Answers by likelihood" in run.stdout
     same = arms["kv-elision / hybrid / branch: hybrid"]["held_out"]
     assert same["recall_at_1"] == default["held_out"]["recall_at_1"]
