@@ -716,6 +716,20 @@ class Backend(Protocol):
         """Put back the exact K/V of every recomputed held token; return how many."""
         ...
 
+    def observe_attention(self, queries: int, layers: Sequence[int]) -> None:
+        """From now on the last forward of every `prefill` / `extend` reports the softmax weights
+        its last `queries` tokens put on each held token at the paged layers `layers` (positions
+        in `layer_view.attention_layers`), from the attention that forward computes anyway: no forward of
+        its own. 0 queries or no layers: stop. ValueError for a layer the model does not page."""
+        ...
+
+    def attention_weights(self) -> np.ndarray | None:
+        """The last forward's reported weights, float64 [attention_tokens] in held order: per held
+        token, the weight a watched query put on it, averaged over watched layers, heads and
+        queries (the rest of a query's weight is on sliding-window keys or a sink). None when that
+        forward was not watched, or a forward or page operation came after it."""
+        ...
+
     def compact_positions(self) -> int:
         """Renumber held tokens densely from 0; re-anchor only keys whose position changed.
         Returns the number of token keys re-anchored."""

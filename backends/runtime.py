@@ -53,7 +53,7 @@ from .protocol import (
     Tokenizer,
     UnsupportedModelError,
 )
-from .slot_store import Landing, Redo, SlotStore
+from .slot_store import Landing, Redo, SlotStore, Watch
 from .slots import BatchPlan, checked_token_ids, pick_token, plan_inserts
 
 __all__ = ["SlotBackend", "keep_torch_out"]
@@ -195,6 +195,9 @@ class SlotBackend(abc.ABC):
         self._last_logits: np.ndarray | None = None
         self._broken: str | None = None
         self._scoring: SlotBackend | None = None  # see _scoring_session
+        self._watch: Watch | None = None           # see observe_attention
+        # The last watched forward's weights per held token, and the stream length they belong to.
+        self._weights: tuple[int, np.ndarray] | None = None
         self._reads = blockfile.ReadQueue(READ_THREADS, READ_LINGER_S)
 
     @classmethod
@@ -404,11 +407,38 @@ class SlotBackend(abc.ABC):
         for i in range(0, len(ids), self.prefill_chunk):
             chunk = ids[i:i + self.prefill_chunk]
             last = i + self.prefill_chunk >= len(ids)
-            got = self._run_model(chunk, every=every, logits=every or (logits and last))
+            self._store.watch = self._watch if last else None
+            try:
+                got = self._run_model(chunk, every=every, logits=every or (logits and last))
+            finally:
+                self._store.watch = None
             if got is not None:
                 out.append(got)
             self._counters.new_prefill_tokens += len(chunk)
+        if self._watch is not None:
+            per_slot = self._store.take_watched()
+            if per_slot is not None:
+                self._weights = (self._stream_tokens, per_slot[self._store.order])
         return out
+
+    # -- the model's own attention, read off the forward a prefill makes anyway -----------------
+    def observe_attention(self, queries: int, layers: Sequence[int]) -> None:
+        if queries < 0:
+            raise ValueError(f"queries must be >= 0, got {queries}")
+        paged = len(self._rt.roles.paged)
+        outside = sorted({int(a) for a in layers if not 0 <= int(a) < paged})
+        if outside:
+            raise ValueError(f"paged layers {outside} do not exist: this model pages {paged} layers")
+        if queries and layers and not paged:
+            raise UnsupportedModelError(f"{self.model_name} has no paged attention layer to observe")
+        self._watch = Watch(queries, frozenset(int(a) for a in layers)) if queries and layers else None
+        self._weights = None
+
+    def attention_weights(self) -> np.ndarray | None:
+        weights = self._weights
+        if weights is None or weights[0] != self._stream_tokens or weights[1].shape[0] != self.attention_tokens:
+            return None
+        return weights[1].copy()
 
     def score_after_blocks(self, blocks: Sequence[Block], token_ids: Sequence[int],
                            sink: Block | None = None) -> tuple[np.ndarray, int]:
@@ -581,6 +611,7 @@ class SlotBackend(abc.ABC):
         forward; returns the logits (`_forward`'s). `positions` (consecutive, past every held one)
         only for the load-time rotation check."""
         slots, positions = self._place(ids, positions)
+        self._weights = None
         started = time.perf_counter_ns()
         try:
             out = self._forward(ids, positions, slots, self._store.high_water(), every, logits)
@@ -1051,6 +1082,7 @@ class SlotBackend(abc.ABC):
         other._last_logits = None if self._last_logits is None else self._last_logits.copy()
         other._broken = self._broken
         other._scoring = None
+        other._watch, other._weights = self._watch, None
         other._reads = blockfile.ReadQueue(READ_THREADS, READ_LINGER_S)
         return other
 
@@ -1076,6 +1108,7 @@ class SlotBackend(abc.ABC):
         entering the model meanwhile is counted as a historical forward."""
         self._settle()
         self._check_usable()
+        self._weights = None   # the held tokens may move: weights of the last forward describe none
         self._rt.page_op = self
         try:
             yield

@@ -22,7 +22,7 @@ from .loaded_model import KeyLayout, LoadedModel
 from .protocol import storage_dtype
 from .slots import pick_free_slots
 
-__all__ = ["Landing", "Redo", "SlotStore"]
+__all__ = ["Landing", "Redo", "SlotStore", "Watch"]
 
 S = TypeVar("S", bound="SlotStore")
 
@@ -55,6 +55,15 @@ class Redo:
     positions: np.ndarray
     keys: list[Any]
     values: list[Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Watch:
+    """What a watched forward reports (`SlotBackend.observe_attention`): the softmax weights of
+    its last `queries` queries at the paged layers `layers` (positions in the paged layers' list)."""
+
+    queries: int
+    layers: frozenset[int]
 
 
 class SlotStore(abc.ABC):
@@ -103,6 +112,13 @@ class SlotStore(abc.ABC):
         self.exact_slots = np.zeros(0, dtype=np.int64)
         self.exact_keys: np.ndarray | None = None
         self.exact_values: np.ndarray | None = None
+        # Set for the duration of one watched forward (`SlotBackend.observe_attention`): which paged
+        # layers, and how many of the forward's last queries, report their softmax weights. The
+        # runtime's attention adds each watched layer's weights, summed over heads and queries, to
+        # `watched` (per slot, in its tensors) and the rows it summed to `watched_rows`.
+        self.watch: Watch | None = None
+        self.watched: Any = None
+        self.watched_rows = 0
         self.grow(capacity)
 
     def grow(self, capacity: int) -> None:
@@ -122,6 +138,19 @@ class SlotStore(abc.ABC):
             self.grow(max(2 * self.capacity, self.capacity + n - free.shape[0]))
             free = np.flatnonzero(~self.occupied)
         return pick_free_slots(free, n, self.high_water())
+
+    def take_watched(self) -> np.ndarray | None:
+        """The watched forward's mean attention weight on each slot below its high-water mark
+        (float64; None when no watched layer ran), and the accumulator emptied."""
+        watched, rows = self.watched, self.watched_rows
+        self.watched, self.watched_rows = None, 0
+        if watched is None or rows == 0:
+            return None
+        return self._weights_to_host(watched) / rows
+
+    @abc.abstractmethod
+    def _weights_to_host(self, t: Any) -> np.ndarray:
+        """A runtime vector of attention weights as float64 numpy."""
 
     def take_entered(self) -> int:
         """The tokens the embedding saw since the last call (see `entered`)."""

@@ -92,6 +92,35 @@ _SHORTCUTS = threading.local()
 # The batched decode running on this thread, if any (`_BatchRows`): attention runs row by row over
 # each session's own slots.
 _BATCH = threading.local()
+# The slot store of the forward running on this thread when that forward is watched (its `watch`):
+# the attention of its watched layers reports its weights there.
+_WATCHED = threading.local()
+
+
+def _watch_weights(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor,
+                   scaling: float | None, s_aux: torch.Tensor | None) -> None:
+    """Add this layer's softmax weights of the watched queries, summed over heads and queries, to
+    the store's per-slot accumulator: the same scores the layer's SDPA computes, for the last few
+    queries only (SDPA does not hand its weights out)."""
+    st: _SlotStore | None = getattr(_WATCHED, "store", None)
+    if st is None or st.watch is None:
+        return
+    a = st.rt.paged_index.get(getattr(module, "layer_idx", -1))
+    if a is None or a not in st.watch.layers:
+        return
+    n = min(st.watch.queries, query.shape[2])
+    q = query[:, :, -n:].float()
+    k = repeat_kv(key, query.shape[1] // key.shape[1]).float()
+    logits = (q @ k.transpose(-1, -2)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
+    logits = logits.masked_fill(~mask[..., -n:, :], float("-inf"))
+    if s_aux is not None:
+        sink = s_aux.float().view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+        weights = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        weights = torch.softmax(logits, dim=-1)
+    summed = weights.sum(dim=(0, 1, 2))
+    st.watched = summed if st.watched is None else st.watched + summed
+    st.watched_rows += int(weights.shape[0] * weights.shape[1] * n)
 
 
 def _slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -115,6 +144,7 @@ def _slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         outs = [_slot_attention(module, query[b:b + 1], k, v, mask, dropout, scaling, s_aux, **kwargs)[0]
                 for b, (k, v, mask) in enumerate(reads)]
         return torch.cat(outs, dim=0), None
+    _watch_weights(module, query, key, attention_mask, scaling, s_aux)
     shortcut = getattr(_SHORTCUTS, "masks", {}).get(id(attention_mask))
     if s_aux is None:
         if shortcut is not None and tuple(attention_mask.shape[-2:]) == (query.shape[2], key.shape[2]):
@@ -515,6 +545,10 @@ class _SlotStore(SlotStore):
     def _to_host(self, t: Any) -> np.ndarray:
         return _np_from_tensor(t)
 
+    def _weights_to_host(self, t: Any) -> np.ndarray:
+        weights: np.ndarray = t.double().cpu().numpy()
+        return weights
+
     def _from_host(self, a: np.ndarray) -> Any:
         return _tensor_from_np(a, self.rt.dtype, self.rt.device).clone()
 
@@ -901,13 +935,13 @@ class TorchBackend(SlotBackend):
         try:
             with rt.lock, torch.no_grad():
                 rt.active = st
-                _SHORTCUTS.masks = shortcuts
+                _SHORTCUTS.masks, _WATCHED.store = shortcuts, st if st.watch is not None else None
                 try:
                     out = rt.model(input_ids=input_ids, position_ids=position_ids, attention_mask=masks,
                                    cache=self._cache, use_cache=True, logits_to_keep=0 if every else 1)
                 finally:
                     rt.active = None
-                    _SHORTCUTS.masks = {}
+                    _SHORTCUTS.masks, _WATCHED.store = {}, None
         finally:
             st.fwd_slots = None
         if not logits:   # transformers computes one row's anyway (`logits_to_keep` has no "none")

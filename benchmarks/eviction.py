@@ -2,10 +2,11 @@
 
     python -m benchmarks.eviction [--shapes prose,code,config,paraphrase,near_duplicate]
         [--seeds held-out|tuning|101,102] [--budgets 2048] [--tokens 30000] [--gap 1.0]
-        [--orders recency,model] [--model smollm2-135m] [--controller-model NAME]
+        [--orders recency,model,attention] [--model smollm2-135m] [--controller-model NAME]
 
 For each shape (harness.shapes), seed, budget and eviction order (`EngineConfig.evict_order`:
-recency, the pager's own; model, controller.eviction), one session is driven through the real
+recency, the pager's own; model, controller.eviction's likelihood advice; attention, its
+attention order), one session is driven through the real
 engine (real contextd process, real weights, the default `hybrid` selector) the way an agent
 drives a server: one request per turn, the whole transcript in each. A turn reads one file (the
 assistant's `read` call and its result) and the user asks for a note on it; but right after the
@@ -34,9 +35,14 @@ turn's new pages took the controller to read after its answer (over turns that r
 model_forward_tokens == new_prefill_tokens + decoded_tokens held. Tuning seeds are
 harness.shapes.TUNING_SEEDS; the advice's defaults were set before any run and tuned on none.
 
+With the attention order, `attention_watch_cost`: what reading its weights adds to the forward
+it rides on (a 512-token chunk over a budget less 512 held tokens, p50 with and without, on
+forks of one session: `watch_cost`); its `advise` time is the host's share (scores and order).
+
 Last line: one JSON object: `rows` (per order, shape, seed and budget), `summary` (per order and
 budget, over every question: kept, question_kept, meanwhile_kept of meanwhile, recall_at_1, the
-answers' mean log-probability, the advice's p95 and controller tokens), `sessions`,
+answers' mean log-probability, the advice's p95 and controller tokens), `attention_watch_cost`
+(null without the attention order), `sessions`,
 `other_processes_cpu_share` and `reliable`.
 """
 
@@ -59,7 +65,7 @@ from typing import Any
 from backends import Backend, load_backend
 from benchmarks.selectors import controller_backend, locate, names_of, pages_over, seeds_of, token_spans
 from benchmarks.stats import percentile, reliable, unreliable_warning
-from controller.eviction import EVICTION_ORDERS
+from controller.eviction import EVICTION_ORDERS, AttentionOrderConfig
 from harness.procfs import machine_cpu_seconds, other_cpu_share, process_cpu_seconds
 from harness.shapes import SHAPES, TUNING_SEEDS, Question, Workload, approx_tokens, make
 from serving.chat_format import ChatFormat
@@ -223,6 +229,29 @@ def summarise(rows: list[dict[str, Any]], answers: dict[tuple[str, int], list[di
     return out
 
 
+def watch_cost(backend: Backend, held: int, chunk: int = 512, repeats: int = 7) -> dict[str, float]:
+    """What reading the attention order's weights adds to the forward it rides on: a `chunk`-token
+    prefill over `held` held tokens, timed with the engine's watch (controller.eviction's defaults)
+    and without, alternating, on forks of one prefilled session; p50 of each, in ms."""
+    order = AttentionOrderConfig()
+    layers = order.watched_layers(len(backend.layer_view.attention_layers))
+    base = backend.fork()
+    base.observe_attention(0, [])
+    ids = base.tokenizer.encode(" ".join(f"line {i} of the file holds value {i * 7919 % 1000}." for i in range(held)))
+    base.prefill(ids[:held])
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeats):
+        for watched in (False, True):
+            twin = base.fork()
+            twin.observe_attention(order.queries if watched else 0, layers if watched else [])
+            started = time.perf_counter()
+            twin.extend(ids[held:held + chunk])
+            times[watched].append((time.perf_counter() - started) * 1e3)
+    plain, watched_ms = percentile(times[False], 50), percentile(times[True], 50)
+    return {"held_tokens": held, "chunk_tokens": chunk, "forward_p50_ms": round(plain, 1),
+            "watched_forward_p50_ms": round(watched_ms, 1), "watch_ms": round(watched_ms - plain, 1)}
+
+
 def run(shapes: Sequence[str], seeds: Sequence[int], budgets: Sequence[int], tokens: int, gap: float,
         orders: Sequence[str], model: str = MODEL, log: Any = print, controller_model: str | None = None
         ) -> dict[str, Any]:
@@ -252,9 +281,10 @@ def run(shapes: Sequence[str], seeds: Sequence[int], budgets: Sequence[int], tok
                 f"  log p {r['answer_logprob']}"
                 f"  advise p95 {r['advise_p95_ms']} ms  read ahead p95 {r['read_ahead_p95_ms']} ms"
                 f"  scored {r['controller_forward_tokens']} tokens")
+    cost = watch_cost(backend, max(budgets) - 512) if "attention" in orders else None
     other = other_cpu_share(machine0, machine_cpu_seconds(), process_cpu_seconds(os.getpid()) - own0 + contextd_s)
     return {"model": model, "controller_model": controller_model, "tokens": tokens, "gap": gap, "rows": rows,
-            "summary": summarise(rows, answers, advise),
+            "summary": summarise(rows, answers, advise), "attention_watch_cost": cost,
             "sessions": sessions, "tuning_seeds": sorted(set(seeds) & set(TUNING_SEEDS)),
             "other_processes_cpu_share": other, "reliable": reliable(other)}
 
@@ -289,6 +319,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{entry['question_kept']}, read meanwhile {entry['meanwhile_kept']}/{entry['meanwhile']})  recall@1 "
                   f"{entry['recall_at_1']}  log p {entry['answer_logprob']}  advise p95 {entry['advise_p95_ms']} ms  "
                   f"scored {entry['controller_forward_tokens']} tokens")
+    if result["attention_watch_cost"] is not None:
+        cost = result["attention_watch_cost"]
+        print(f"attention watch: a {cost['chunk_tokens']}-token chunk over {cost['held_tokens']} held tokens, "
+              f"p50 {cost['forward_p50_ms']} ms plain, {cost['watched_forward_p50_ms']} ms watched "
+              f"(+{cost['watch_ms']} ms)")
     print(json.dumps(result, ensure_ascii=False))
     return 0
 

@@ -30,6 +30,21 @@ pages that have nothing to do with it leave in its place.
   order     the window, least likely first (ties: older first); the pager then evicts in that
             order until it is under its low watermark, and past the window in its own.
 
+The attention order (`--evict-order attention`) asks the serving model's own attention instead,
+read off the forwards a turn makes anyway (`AttentionOrder`; H2O's accumulation, SnapKV's
+observation window, at page granularity):
+
+  watch     the last `queries` tokens of every prefill chunk report their softmax weights over
+            the held tokens at `layers` paged layers spread over the middle of the stack
+            (`Backend.observe_attention`): no forward of its own, a few score rows per layer.
+  score     each held page from before the turn gets its share of those weights (its tokens'
+            weights summed) added to its score; every score first decays by half each `half_life_tokens` new tokens, so
+            a page the task's question read stays ahead of files read after it for a while,
+            and a page nothing has read for long falls behind. Scores of a cut are forgotten.
+  order     the `window` oldest pages the pager may evict now, least attended first (ties:
+            older first); past the window the pager's own order. The host's rules decide what
+            is evictable, as for the advice above.
+
 Depends on numpy, controller.pager and controller.rerank.
 """
 
@@ -40,7 +55,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from controller.pager import Pager
+from controller.pager import PAGE_TOKENS, Pager
 from controller.rerank import mean_logprob, question_ids
 
 # The host's query likelihood over pages in attention: for held page indices and token ids, every
@@ -49,7 +64,7 @@ from controller.rerank import mean_logprob, question_ids
 # its own tokens).
 HeldScorer = Callable[[list[int], list[int]], dict[int, np.ndarray]]
 
-EVICTION_ORDERS = ("recency", "model")
+EVICTION_ORDERS = ("recency", "model", "attention")
 
 
 @dataclass(frozen=True)
@@ -113,3 +128,73 @@ class EvictionAdvisor:
                 return []   # nothing to order by (the focus had no words the scorer could read)
         # Stable: of two pages that score alike, the older goes first, as the pager would have it.
         return sorted(window, key=lambda page: self.scores[page])
+
+
+@dataclass(frozen=True)
+class AttentionOrderConfig:
+    window: int = 8                  # the oldest evictable pages that are ordered
+    queries: int = 32                # the newest tokens of each prefill chunk whose attention is read
+    layers: int = 4                  # paged layers read, spread over the middle of the stack
+    half_life_tokens: int = 2048     # new tokens after which a page's score counts half
+
+    def __post_init__(self) -> None:
+        if self.window < 2:
+            raise ValueError(f"window must be >= 2 (one page leaves no choice), got {self.window}")
+        if self.queries < 1 or self.layers < 1:
+            raise ValueError(f"queries and layers must be >= 1, got {self.queries} and {self.layers}")
+        if self.half_life_tokens < 1:
+            raise ValueError(f"half_life_tokens must be >= 1, got {self.half_life_tokens}")
+
+    def watched_layers(self, paged: int) -> list[int]:
+        """`layers` positions among `paged` paged layers, evenly spaced strictly inside the stack
+        (the first layer's attention is mostly positional, the last one's mostly about the next
+        token); all of them when there are no more."""
+        if paged <= self.layers:
+            return list(range(paged))
+        return sorted({round((i + 1) * (paged - 1) / (self.layers + 1)) for i in range(self.layers)})
+
+
+class AttentionOrder:
+    """One session's held pages scored by the attention the model paid them."""
+
+    def __init__(self, config: AttentionOrderConfig) -> None:
+        self.config = config
+        self.scores: dict[int, float] = {}
+        self._turn_first_page: int | None = None   # the first page the running turn writes to
+
+    def begin_turn(self) -> None:
+        """A turn starts: the pages its new tokens go to are known at its first forward."""
+        self._turn_first_page = None
+
+    def observe(self, pager: Pager, weights: np.ndarray, new_tokens: int) -> None:
+        """A forward over `new_tokens` new tokens, which the pager now holds last, reported
+        `weights` over the held tokens (in held order: resident pages in order, all full but the
+        last). Only pages from before the turn are scored: what a turn's tokens put on the text
+        right before them is mostly nearness (a file's last lines read its first), and a turn's
+        own pages sit in the tail or come next in line anyway."""
+        if self._turn_first_page is None:
+            self._turn_first_page = (pager.total_tokens - new_tokens) // PAGE_TOKENS
+        keep = 0.5 ** (new_tokens / self.config.half_life_tokens)
+        for page in self.scores:
+            self.scores[page] *= keep
+        for k, page in enumerate(pager.resident):
+            start = k * PAGE_TOKENS
+            end = start + pager.pages[page].tokens
+            if page >= self._turn_first_page or end > weights.shape[0]:
+                break
+            self.scores[page] = self.scores.get(page, 0.0) + float(weights[start:end].sum())
+
+    def forget_scores(self, pages: Iterable[int]) -> None:
+        """These pages now hold other tokens than they were scored for (a cut)."""
+        for page in pages:
+            self.scores.pop(page, None)
+
+    def order(self, pager: Pager, incoming_tokens: int) -> list[int]:
+        """The pages to evict first for `incoming_tokens` more, least attended first; [] when there
+        is no choice."""
+        window = pager.evictable()[:self.config.window]
+        need = pager.pages_to_free(incoming_tokens, window)
+        if need == 0 or len(window) <= need:
+            return []
+        # Stable: of two pages that score alike, the older goes first, as the pager would have it.
+        return sorted(window, key=lambda page: self.scores.get(page, 0.0))

@@ -199,10 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--blend-budget", type=float, default=DEFAULT_BLEND.budget, metavar="SHARE",
                        help="at most this share of the view's tokens is recomputed per turn (0..1)")
     serve.add_argument("--evict-order", default=EngineConfig.evict_order, choices=list(EVICTION_ORDERS),
-                       help="which pages leave attention first: the oldest (recency), or, of the oldest the pager may "
+                       help="which pages leave attention first: the oldest (recency); of the oldest the pager may "
                        "evict, those least related to the last user message, scored by the serving model over their "
-                       "K/V or by --controller-model (model: a scoring forward when the budget is crossed; "
-                       "docs/controller.md measures it)")
+                       "K/V or by --controller-model (model: a scoring forward when the budget is crossed); or those "
+                       "the model's own attention read least in the forwards it ran anyway (attention; "
+                       "docs/controller.md measures them)")
     serve.add_argument("--controller-model", default=None, metavar="NAME",
                        help="a separate full-attention model (any name --model takes) that scores pages for "
                        "--selector rerank and --evict-order model from their text, instead of the serving model over "

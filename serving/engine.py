@@ -48,7 +48,13 @@ from contextd.client import Client, pb
 from contextd.errors import ContextdError, FailedPrecondition, NotFound, StoreFull
 from contextd.wire import PinKind
 from controller.blend import DEFAULT_BLEND, BlendPolicy, view_parts
-from controller.eviction import EVICTION_ORDERS, EvictionAdviceConfig, EvictionAdvisor
+from controller.eviction import (
+    EVICTION_ORDERS,
+    AttentionOrder,
+    AttentionOrderConfig,
+    EvictionAdviceConfig,
+    EvictionAdvisor,
+)
 from controller.keyindex import KeyIndex, KeyIndexConfig
 from controller.lexical import DEFAULT_LEXICAL, LexicalConfig, LexicalIndex
 from controller.pager import Decision, Pager, PagerConfig, Plan, PrefixChain
@@ -107,8 +113,11 @@ class EngineConfig:
     resident_sessions: int = 1     # sessions whose caches stay in memory (each a budget's worth of K/V)
     batch_decode: bool = True      # resident sessions decoding at once share one forward (Engine.decode_batch)
     session_lease_s: float = 30.0  # with an object store: how long a turn holds its session unrenewed
-    evict_order: str = "recency"   # "model": the pages least related to the last user message leave first
+    # "model": the pages least related to the last user message leave first; "attention": the
+    # pages the model's attention read least (controller.eviction)
+    evict_order: str = "recency"
     eviction: EvictionAdviceConfig = field(default_factory=EvictionAdviceConfig)
+    attention_order: AttentionOrderConfig = field(default_factory=AttentionOrderConfig)
 
     def __post_init__(self) -> None:
         if self.prefill_chunk <= 0 or self.max_new_tokens <= 0:
@@ -229,6 +238,11 @@ class Engine:
         self.selector: Selector = selector or RecencySelector()
         self._check_scoring(self.selector, controller)
         self.blend = self._blend_policy(config.blend)
+        # The attention order reads the weights of every prefill chunk (so does every fork of the
+        # backend); the other orders read none.
+        watch = config.attention_order if config.evict_order == "attention" else None
+        backend.observe_attention(watch.queries if watch else 0,
+                                  watch.watched_layers(len(backend.layer_view.attention_layers)) if watch else [])
         self.tally = Tally()
         self.mover = PageMover(backend, contextd, self.tally, compress=config.compress_pages, controller=controller,
                                opening=chat_format.user_opening)
@@ -353,6 +367,8 @@ class Engine:
                                            fingerprint=fingerprint.combined(), budget_tokens=self.config.budget_tokens)
             if self.config.evict_order == "model":
                 session.eviction = EvictionAdvisor(self.config.eviction, self.format.template_ids)
+            elif self.config.evict_order == "attention":
+                session.attention = AttentionOrder(self.config.attention_order)
             self.sessions[session_id] = session
         else:
             self.tally.count(session, recovered_pages=self.mover.fill_resident(session))
@@ -475,6 +491,8 @@ class Engine:
         session.render_memo = rendering.memo
         rendered = rendering.text
         session.pager.begin_turn()
+        if session.attention is not None:
+            session.attention.begin_turn()
         self.tally.count(session, turns=1)
         session.counters.restored_pages_turn = session.counters.evicted_pages_turn = 0
 
@@ -679,7 +697,7 @@ class Engine:
             session.last_selection = f"{self.selector.name}: {selection.note} ({selection.decided_ms:.0f} ms)"
             self.tally.count(session, selector_ms=int(selection.decided_ms))
         if plan is not None:
-            if session.eviction is not None and not plan.evict_first:
+            if (session.eviction is not None or session.attention is not None) and not plan.evict_first:
                 coming = pager.incoming_for(plan)
                 if pager.must_evict_for(coming):
                     plan = dataclasses.replace(plan, evict_first=self.mover.advise_evictions(session, coming))
@@ -815,6 +833,7 @@ class Engine:
                 self.backend.extend(part)
             crashpoints.reached("serving.prefill.chunk")
             session.pager.append(part, pin=pin)
+            self.mover.observe_attention(session, len(part))
             self.tally.peak(session, self.backend.attention_tokens)
             yield TurnEvent()
         session.transcript.append(segment)

@@ -133,10 +133,29 @@ class PageMover:
             order = self.advise_evictions(session, incoming)
             self.execute(session, pager.decide(Plan(evict_first=order) if order else None, incoming_tokens=incoming))
 
+    def observe_attention(self, session: Session, new_tokens: int) -> None:
+        """The weights the forward over `new_tokens` just reported (`Backend.attention_weights`)
+        join the session's attention order's scores; nothing without the order or a report. Its
+        time is the turn's `advise` phase (the weights' rows inside the forward are not)."""
+        if session.attention is None:
+            return
+        observing = time.perf_counter()
+        weights = self.backend.attention_weights()
+        if weights is not None:
+            session.attention.observe(session.pager, weights, new_tokens)
+        session.timed("advise", observing)
+
     def advise_evictions(self, session: Session, incoming: int) -> list[int]:
         """The pages to evict first for `incoming` more tokens, by the session's eviction advice
-        (controller.eviction: the pages least related to the last user message first); [] without
-        advice or when there is nothing to choose. Its time is the turn's `advise` phase."""
+        (controller.eviction: the pages least related to the last user message first, or least
+        attended); [] without advice or when there is nothing to choose. Its time is the turn's
+        `advise` phase."""
+        if session.attention is not None:
+            advising = time.perf_counter()
+            try:
+                return session.attention.order(session.pager, incoming)
+            finally:
+                session.timed("advise", advising)
         advisor = session.eviction
         if advisor is None:
             return []
@@ -531,8 +550,9 @@ class PageMover:
         session.persisted.segments = min(session.persisted.segments, keep_segments)
 
     def _truncate(self, session: Session, tokens: int) -> None:
-        if session.eviction is not None:   # the page the cut is in, and every page after it
-            session.eviction.forget_scores(range(tokens // PAGE_TOKENS, len(session.pager.pages)))
+        for order in (session.eviction, session.attention):   # the page the cut is in, and every page after it
+            if order is not None:
+                order.forget_scores(range(tokens // PAGE_TOKENS, len(session.pager.pages)))
         session.unread_pages = [i for i in session.unread_pages if i < tokens // PAGE_TOKENS]
         # Stored versions of pages the cut removes go once the record no longer names them.
         persisted = session.persisted

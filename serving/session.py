@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from backends import RecurrentSnapshot
-from controller.eviction import EvictionAdvisor
+from controller.eviction import AttentionOrder, EvictionAdvisor
 from controller.keyindex import KeyIndex
 from controller.lexical import LexicalIndex
 from controller.pager import Pager
@@ -165,6 +165,7 @@ class Session:
     unread_pages: list[int] = field(default_factory=list)  # full pages stored this turn, for a controller to read
     read_ahead_ms: float = 0.0  # the controller's reading of them after the last turn's answer was out
     eviction: EvictionAdvisor | None = None  # the model's eviction advice (--evict-order model), else the pager's order
+    attention: AttentionOrder | None = None  # the attention order (--evict-order attention), else the pager's order
 
     def timed(self, phase: str, started: float) -> None:
         """Add the time since `started` (time.perf_counter) to this turn's `phase`."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -36,7 +36,7 @@ from mlx_lm.models.cache import ArraysCache
 from ..protocol import Backend, BlockMismatchError, RecurrentSnapshot
 from ..runtime import SlotBackend
 from ..slots import as_run, pick_token
-from .cache import SlotLayer, WindowLayer, copy_arrays_cache, window_mask
+from .cache import SlotLayer, WindowLayer, copy_arrays_cache, watch_attention, window_mask
 from .host import DTYPE_NAMES, DTYPES, from_numpy, to_numpy
 from .model import MlxModel, load_model
 from .rotary import position_runs
@@ -86,6 +86,12 @@ class MlxBackend(SlotBackend):
 
     def _device_name(self) -> str:
         return "cpu" if self._rt.device.type == mx.cpu else "gpu"
+
+    def observe_attention(self, queries: int, layers: Sequence[int]) -> None:
+        if queries and layers:
+            rt = self._rt
+            watch_attention(rt.family, (rt.structure.attention[layer] for layer in rt.roles.paged))
+        super().observe_attention(queries, layers)
 
     def _new_store(self, capacity: int) -> MlxSlotStore:
         return MlxSlotStore(self._rt, capacity)

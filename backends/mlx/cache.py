@@ -12,15 +12,18 @@ Dependency rules: mlx, mlx-lm's cache classes, backends.protocol and this packag
 from __future__ import annotations
 
 import copy
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
-from ..protocol import BackendError
+from ..protocol import BackendError, UnsupportedModelError
 from .slot_store import MlxSlotStore
 
-__all__ = ["SlotLayer", "WindowLayer", "copy_arrays_cache", "window_mask"]
+__all__ = ["SlotLayer", "WindowLayer", "copy_arrays_cache", "watch_attention", "window_mask"]
 
 
 class SlotLayer:
@@ -96,3 +99,31 @@ def copy_arrays_cache(c: ArraysCache) -> ArraysCache:
     out = copy.copy(c)
     out.cache = list(c.cache)  # the layers rebind entries, never write into them
     return out
+
+
+def watch_attention(family: str, attention: Iterable[Any]) -> None:
+    """Make the SDPA that these attention modules call report the weights of a watched forward
+    (`MlxSlotStore.watch`): mlx-lm's attention modules call `scaled_dot_product_attention` of
+    their own module, whose name is wrapped in place, once; the wrapper passes every call through
+    and reads only calls whose cache is a watched layer's `SlotLayer`."""
+    for module in {sys.modules[type(attn).__module__] for attn in attention}:
+        inner = getattr(module, "scaled_dot_product_attention", None)
+        if inner is None:
+            raise UnsupportedModelError(f"{family}: its attention ({module.__name__}) does not call mlx-lm's "
+                                        "scaled_dot_product_attention, so its weights cannot be observed")
+        if not getattr(inner, "watches", False):
+            module.scaled_dot_product_attention = _watching(inner)  # type: ignore[attr-defined]
+
+
+def _watching(inner: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
+                                     scale: float, mask: mx.array | str | None,
+                                     sinks: mx.array | None = None) -> mx.array:
+        if type(cache) is SlotLayer:   # not a WindowLayer: window layers are never watched
+            watch = cache.store.watch
+            if watch is not None and cache.index in watch.layers:
+                cache.store.add_watched(queries, keys, mask, scale, sinks)
+        return inner(queries, keys, values, cache, scale, mask, sinks)
+
+    scaled_dot_product_attention.watches = True  # type: ignore[attr-defined]
+    return scaled_dot_product_attention

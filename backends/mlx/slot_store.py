@@ -208,6 +208,37 @@ class MlxSlotStore(SlotStore):
         with mx.stream(self.rt.device):
             return to_numpy(t)
 
+    def _weights_to_host(self, t: Any) -> np.ndarray:
+        with mx.stream(self.rt.device):
+            return np.array(t.astype(mx.float32)).astype(np.float64)
+
+    def add_watched(self, queries: mx.array, keys: mx.array, mask: mx.array | str | None, scale: float,
+                    sinks: mx.array | None) -> None:
+        """Add one watched layer's softmax weights of the last watched queries, summed over heads
+        and queries, to the per-slot accumulator: the scores mlx-lm's SDPA computes (`mask` as it
+        takes it: None, "causal" or an array, boolean or additive), for those queries only."""
+        assert self.watch is not None
+        n = min(self.watch.queries, int(queries.shape[2]))
+        q = queries[:, :, -n:].astype(mx.float32)
+        k = keys.astype(mx.float32)
+        if q.shape[1] != k.shape[1]:
+            k = mx.repeat(k, q.shape[1] // k.shape[1], axis=1)
+        logits = (q @ k.swapaxes(-1, -2)) * scale
+        s = int(k.shape[2])
+        if isinstance(mask, str):   # causal: the forward's queries are the last keys
+            logits = mx.where(mx.arange(s)[None, :] <= (s - n + mx.arange(n))[:, None], logits, -mx.inf)
+        elif mask is not None:
+            rows = mask[..., -n:, :]
+            logits = mx.where(rows, logits, -mx.inf) if rows.dtype == mx.bool_ else logits + rows.astype(mx.float32)
+        if sinks is not None:
+            sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, -1, 1, 1), (*logits.shape[:3], 1))
+            weights = mx.softmax(mx.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+        else:
+            weights = mx.softmax(logits, axis=-1)
+        summed = weights.sum(axis=(0, 1, 2))
+        self.watched = summed if self.watched is None else self.watched + summed
+        self.watched_rows += int(weights.shape[0] * weights.shape[1] * n)
+
     def _from_host(self, a: np.ndarray) -> Any:
         with mx.stream(self.rt.device):
             return from_numpy(a, self.rt.dtype)

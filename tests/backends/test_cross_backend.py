@@ -218,3 +218,20 @@ def test_smollm2_block_saved_by_one_runtime_restores_in_the_other(smollm2: Pair)
         np.testing.assert_array_equal(restored.positions(), np.arange(SMOLLM2_PROMPT))
         np.testing.assert_array_equal(restored.held_token_ids(), np.asarray(smollm2.ids))
         assert_restore_matches_own_reference(dst, restored, 30)
+
+
+def test_smollm2_attention_weights_agree_between_runtimes(smollm2: Pair) -> None:
+    """The weights the attention eviction order reads (`Backend.observe_attention`) are the model's
+    own: the two runtimes, whose SDPA kernels differ, read the same weights off the same forward
+    (to float32 rounding) and put the same pages first."""
+    weights = []
+    for be in (smollm2.torch, smollm2.mlx):
+        fork = be.fork()
+        fork.observe_attention(32, [7, 15, 22])
+        fork.prefill(smollm2.ids[:200])
+        got = fork.attention_weights()
+        assert got is not None
+        weights.append(got)
+    np.testing.assert_allclose(weights[0], weights[1], rtol=1e-3, atol=1e-6)
+    pages = [np.add.reduceat(w[:1152], np.arange(0, 1152, 128)) for w in weights]
+    assert list(np.argsort(-pages[0])) == list(np.argsort(-pages[1]))

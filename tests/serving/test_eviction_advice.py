@@ -128,3 +128,46 @@ def test_a_restarted_server_takes_the_focus_from_the_request(backend: Backend, c
     turn(restarted, "s", messages)
     advice = restarted.sessions["s"].eviction
     assert advice is not None and advice.focus == focus
+
+
+def test_the_attention_order_evicts_the_least_attended_and_reads_no_forward_of_its_own(
+        backend: Backend, contextd: ContextdProcess) -> None:
+    """`--evict-order attention`: the turns' own forwards report their weights, the pages from
+    before each turn are scored, and of the oldest evictable pages the least attended leave first;
+    no scoring forward, the accounting holds; a cut forgets the scores of the pages it rewrites."""
+    engine = engine_on(backend, contextd, dataclasses.replace(CONFIG, evict_order="attention"))
+    messages: list[dict[str, object]] = [SYSTEM, {"role": "user", "content": "What does handler retry_limit do?"}]
+    turn(engine, "a", messages)
+    session = engine.sessions["a"]
+    order = session.attention
+    assert order is not None and session.eviction is None
+    for n in range(8):
+        before = len(session.pager.pages)
+        messages += file_turn(n)
+        turn(engine, "a", messages)
+        # Each turn scored pages from before it, and none of its own full pages.
+        assert max(order.scores, default=-1) < before
+    assert len(order.scores) > 8
+    pager = session.pager
+    incoming = pager.config.high_tokens - pager.hot_tokens + 1
+    window = pager.evictable()[:order.config.window]
+    need = pager.pages_to_free(incoming, window)
+    assert 0 < need < len(window)
+    engine.mover.make_room(session, incoming)
+    evicted = [p for p in window if not pager.pages[p].resident]
+    assert set(evicted) == set(sorted(window, key=lambda p: order.scores.get(p, 0.0))[:need])
+    assert evicted != window[:need], "the scores happened to agree with the pager's own order"
+    counters = session.counters
+    assert counters.controller_forward_tokens == 0 and counters.historical_forward_during_restore == 0
+    assert counters.model_forward_tokens == \
+        counters.new_prefill_tokens + counters.decoded_tokens + counters.blend_forward_tokens
+    # An earlier tool result edited: the cut's page and every later one lose their scores.
+    edited = [dict(m) for m in messages]
+    edited[7]["content"] = "# f2.py\n" + "other_value = 3\n" * 40
+    scored = dict(order.scores)
+    segments = session.transcript.segments
+    turn(engine, "a", edited)
+    cut_page = sum(len(s.ids) for s in segments[:next(k for k, s in enumerate(segments) if "f2.py" in s.text)]) // 128
+    assert session.counters.rebuilds >= 1 and any(p >= cut_page for p in scored)
+    # The pages the cut rewrote were written again by this turn, which scores only what came before it.
+    assert order.scores and all(p < cut_page for p in order.scores)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from contextd.wire import PinKind
-from controller.eviction import EvictionAdviceConfig, EvictionAdvisor
+from controller.eviction import AttentionOrder, AttentionOrderConfig, EvictionAdviceConfig, EvictionAdvisor
 from controller.pager import PAGE_TOKENS, Decision, Pager, PagerConfig, Plan
 
 TEMPLATE = (1, 2)
@@ -137,3 +137,73 @@ def test_a_window_the_scorer_could_not_score_is_not_ordered() -> None:
     pager = full_pager(16)
     advice = advisor(window=4)
     assert advice.order(pager, 128, lambda pages, ids: {}) == []
+
+
+# ---------------------------------------------------------------- the attention order
+
+def weights_on(pager: Pager, per_page: dict[int, float]) -> np.ndarray:
+    """Weights over the held tokens (held order) that put `per_page[p]` on page p, spread evenly."""
+    weights = np.zeros(pager.hot_tokens)
+    for k, page in enumerate(pager.resident):
+        weights[k * PAGE_TOKENS:(k + 1) * PAGE_TOKENS] = per_page.get(page, 0.0) / PAGE_TOKENS
+    return weights
+
+
+def test_the_attention_config_is_validated_and_reads_layers_inside_the_stack() -> None:
+    for bad in (dict(window=1), dict(queries=0), dict(layers=0), dict(half_life_tokens=0)):
+        with pytest.raises(ValueError):
+            AttentionOrderConfig(**bad)  # type: ignore[arg-type]
+    config = AttentionOrderConfig(layers=4)
+    assert config.watched_layers(30) == [6, 12, 17, 23]
+    assert config.watched_layers(3) == [0, 1, 2]
+    assert AttentionOrderConfig(layers=1).watched_layers(30) == [14]
+
+
+def test_the_least_attended_of_the_oldest_evictable_pages_leave_first() -> None:
+    pager = full_pager(16)
+    order = AttentionOrder(AttentionOrderConfig(window=4))
+    order.observe(pager, weights_on(pager, {1: 0.5, 2: 0.01, 3: 0.2, 4: 0.0, 5: 0.9}), new_tokens=0)
+    # The window is the four oldest evictable pages (1-4); page 5's weight does not matter yet.
+    assert order.order(pager, incoming_tokens=PAGE_TOKENS) == [4, 2, 3, 1]
+    decision = pager.decide(Plan(evict_first=order.order(pager, PAGE_TOKENS)), incoming_tokens=PAGE_TOKENS)
+    assert decision.evict[:2] == [4, 2] and 1 not in decision.evict
+    # No choice (nothing needs to leave) -> no order.
+    assert order.order(pager, incoming_tokens=0) == []
+
+
+def test_scores_add_up_over_forwards_and_fade_by_half_each_half_life() -> None:
+    pager = full_pager(16)
+    order = AttentionOrder(AttentionOrderConfig(half_life_tokens=1000))
+    order.observe(pager, weights_on(pager, {1: 0.4}), new_tokens=0)
+    order.observe(pager, weights_on(pager, {2: 0.3}), new_tokens=1000)
+    assert order.scores[1] == pytest.approx(0.2) and order.scores[2] == pytest.approx(0.3)
+    order.observe(pager, weights_on(pager, {1: 0.3}), new_tokens=2000)
+    assert order.scores[1] == pytest.approx(0.05 + 0.3) and order.scores[2] == pytest.approx(0.075)
+    order.forget_scores([1])
+    assert 1 not in order.scores and order.order(pager, PAGE_TOKENS)[0] == 1   # unscored: least attended
+
+
+def test_weights_of_a_shorter_view_score_only_the_pages_they_cover() -> None:
+    """Weights read before the pager took the newest chunk cover fewer tokens: pages past them are
+    not scored (nothing is read out of bounds)."""
+    pager = full_pager(6)
+    order = AttentionOrder(AttentionOrderConfig())
+    order.observe(pager, np.full(3 * PAGE_TOKENS, 1 / (3 * PAGE_TOKENS)), new_tokens=0)
+    assert set(order.scores) == {0, 1, 2}
+
+
+def test_a_turn_scores_only_the_pages_from_before_it() -> None:
+    """What a turn's tokens put on the turn's own pages is not counted: a file's last lines read its
+    first ones because they are near, not because the task needs them."""
+    pager = full_pager(16)
+    order = AttentionOrder(AttentionOrderConfig())
+    order.begin_turn()
+    pager.append(list(range(2 * PAGE_TOKENS)))          # the turn's first chunk: pages 16 and 17
+    order.observe(pager, weights_on(pager, {3: 0.2, 16: 0.5, 17: 0.3}), new_tokens=2 * PAGE_TOKENS)
+    pager.append(list(range(PAGE_TOKENS)))              # its next chunk: page 18
+    order.observe(pager, weights_on(pager, {3: 0.1, 16: 0.4, 18: 0.5}), new_tokens=PAGE_TOKENS)
+    assert set(order.scores) <= set(range(16)) and order.scores[3] > 0.2
+    order.begin_turn()                                  # the next turn reads pages 16-18 as history
+    pager.append(list(range(PAGE_TOKENS)))
+    order.observe(pager, weights_on(pager, {16: 0.5}), new_tokens=PAGE_TOKENS)
+    assert order.scores[16] == pytest.approx(0.5)
