@@ -37,10 +37,16 @@ observation window, at page granularity):
   watch     the last `queries` tokens of every prefill chunk report their softmax weights over
             the held tokens at `layers` paged layers spread over the middle of the stack
             (`Backend.observe_attention`): no forward of its own, a few score rows per layer.
-  score     each held page from before the turn gets its share of those weights (its tokens'
-            weights summed) added to its score; every score first decays by half each `half_life_tokens` new tokens, so
-            a page the task's question read stays ahead of files read after it for a while,
-            and a page nothing has read for long falls behind. Scores of a cut are forgotten.
+  vote      a user message's chunks, and the answer's opening after one, vote: each held page
+            from before the message gets its share of the weights (its tokens' weights summed)
+            added to its score, and the message's own pages the largest share (the message is
+            the observation window, kept as SnapKV keeps it). A tool result does not: what a
+            file's lines put on the text before them is mostly nearness (every file would vote
+            for the one read before it).
+  decay     every score halves each `half_life_tokens` new tokens, so the file the task's
+            question read stays ahead of files read after it for a while, and a page no user
+            message has read for long falls behind. A cut forgets the scores of the pages it
+            rewrites.
   order     the `window` oldest pages the pager may evict now, least attended first (ties:
             older first); past the window the pager's own order. The host's rules decide what
             is evictable, as for the advice above.
@@ -160,29 +166,48 @@ class AttentionOrder:
     def __init__(self, config: AttentionOrderConfig) -> None:
         self.config = config
         self.scores: dict[int, float] = {}
-        self._turn_first_page: int | None = None   # the first page the running turn writes to
+        self._own_first_page: int | None = None   # the first page the message being read writes to
+        self._voting = False                       # whether the message being read is the user's
 
-    def begin_turn(self) -> None:
-        """A turn starts: the pages its new tokens go to are known at its first forward."""
-        self._turn_first_page = None
+    def begin_message(self, from_user: bool) -> None:
+        """A message starts; it votes if the user wrote it. Its pages are known at its first forward."""
+        self._own_first_page, self._voting = None, from_user
+
+    def begin_opening(self) -> None:
+        """The answer's opening starts: it votes as the message before it did, on that message too."""
+        self._own_first_page = None
 
     def observe(self, pager: Pager, weights: np.ndarray, new_tokens: int) -> None:
         """A forward over `new_tokens` new tokens, which the pager now holds last, reported
         `weights` over the held tokens (in held order: resident pages in order, all full but the
-        last). Only pages from before the turn are scored: what a turn's tokens put on the text
-        right before them is mostly nearness (a file's last lines read its first), and a turn's
-        own pages sit in the tail or come next in line anyway."""
-        if self._turn_first_page is None:
-            self._turn_first_page = (pager.total_tokens - new_tokens) // PAGE_TOKENS
+        last). Every score decays; a user message's forward (and the opening after it) adds its
+        weights to the pages from before it, and the top one of them to its own pages. A tool
+        result does not vote: what a file's lines put
+        on the text before them is mostly nearness, so every file would vote for the one read just
+        before it, the task's file no more than any other."""
+        if self._own_first_page is None:
+            self._own_first_page = (pager.total_tokens - new_tokens) // PAGE_TOKENS
         keep = 0.5 ** (new_tokens / self.config.half_life_tokens)
         for page in self.scores:
             self.scores[page] *= keep
+        if not self._voting:
+            return
+        votes: dict[int, float] = {}
+        own: list[int] = []
         for k, page in enumerate(pager.resident):
             start = k * PAGE_TOKENS
             end = start + pager.pages[page].tokens
-            if page >= self._turn_first_page or end > weights.shape[0]:
+            if end > weights.shape[0]:
                 break
-            self.scores[page] = self.scores.get(page, 0.0) + float(weights[start:end].sum())
+            if page >= self._own_first_page:
+                own.append(page)
+            else:
+                votes[page] = float(weights[start:end].sum())
+        # The message itself is kept as SnapKV keeps its observation window: its pages rank with
+        # the page it read most.
+        top = max(votes.values(), default=0.0)
+        for page, vote in [*votes.items(), *((page, top) for page in own)]:
+            self.scores[page] = self.scores.get(page, 0.0) + vote
 
     def forget_scores(self, pages: Iterable[int]) -> None:
         """These pages now hold other tokens than they were scored for (a cut)."""

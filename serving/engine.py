@@ -491,8 +491,6 @@ class Engine:
         session.render_memo = rendering.memo
         rendered = rendering.text
         session.pager.begin_turn()
-        if session.attention is not None:
-            session.attention.begin_turn()
         self.tally.count(session, turns=1)
         session.counters.restored_pages_turn = session.counters.evicted_pages_turn = 0
 
@@ -533,7 +531,7 @@ class Engine:
         body, opener = (pieces[:-1], pieces[-1:]) if pieces[-1].segment.opener else (pieces, [])
         self._keep_focus(session, request)
         for n, piece in enumerate(body, start=1):
-            self._take_focus(session, piece)
+            self._begin_message(session, piece)
             yield from self._prefill(session, piece.segment, piece.pin, logits=n == len(body) and not opener)
             if piece.tool_call:
                 session.pager.mark_ledger(len(session.pager.pages) - 1)
@@ -545,6 +543,8 @@ class Engine:
         if opener:   # the opening's forward gives the answer logits that read the recomputed view
             self._blend(session, restored, new_tokens)
         for piece in opener:
+            if session.attention is not None:
+                session.attention.begin_opening()
             yield from self._prefill(session, piece.segment, piece.pin, logits=True)
         watched = self._capture_answer_view(session, restored)
         yield TurnEvent(prepared=Prepared(prefilled_tokens=len(prompt_ids), rebuilt=rebuilt))
@@ -662,11 +662,14 @@ class Engine:
             advisor.set_focus(self.format.encode(content_text(asked.get("content"), "the last user message")))
 
     @staticmethod
-    def _take_focus(session: Session, piece: PromptPiece) -> None:
+    def _begin_message(session: Session, piece: PromptPiece) -> None:
         """A user message's words are the eviction advice's focus from that message on: the room
-        its own prefill needs is made by it, the earlier pieces' was not."""
+        its own prefill needs is made by it, the earlier pieces' was not. For the attention
+        order, a message starts (a user's votes)."""
         if piece.from_user and session.eviction is not None:
             session.eviction.set_focus(piece.segment.ids)
+        if session.attention is not None:
+            session.attention.begin_message(piece.from_user)
 
     def _selection_context(self, session: Session, new_tokens: int) -> SelectionContext:
         ids = session.transcript.ids
@@ -993,7 +996,7 @@ class Engine:
         for piece in self._prompt_pieces(session, request, rendering, alignment.new_text):
             if piece.segment.opener:
                 continue  # as in a turn: the plan is made before the answer's opening is prefilled
-            self._take_focus(session, piece)
+            self._begin_message(session, piece)
             for _ in self._prefill(session, piece.segment, piece.pin, logits=False):
                 pass   # a probe runs alone: nothing to interleave at its pauses
             new_tokens += len(piece.segment.ids)

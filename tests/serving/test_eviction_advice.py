@@ -132,9 +132,10 @@ def test_a_restarted_server_takes_the_focus_from_the_request(backend: Backend, c
 
 def test_the_attention_order_evicts_the_least_attended_and_reads_no_forward_of_its_own(
         backend: Backend, contextd: ContextdProcess) -> None:
-    """`--evict-order attention`: the turns' own forwards report their weights, the pages from
-    before each turn are scored, and of the oldest evictable pages the least attended leave first;
-    no scoring forward, the accounting holds; a cut forgets the scores of the pages it rewrites."""
+    """`--evict-order attention`: the turns' own forwards report their weights; a user message
+    votes on the pages before it (and its own rank with the page it read most), a tool result
+    does not; of the oldest evictable pages the least attended leave first; no scoring forward,
+    the accounting holds; a cut forgets the scores of the pages it rewrites."""
     engine = engine_on(backend, contextd, dataclasses.replace(CONFIG, evict_order="attention"))
     messages: list[dict[str, object]] = [SYSTEM, {"role": "user", "content": "What does handler retry_limit do?"}]
     turn(engine, "a", messages)
@@ -142,11 +143,14 @@ def test_the_attention_order_evicts_the_least_attended_and_reads_no_forward_of_i
     order = session.attention
     assert order is not None and session.eviction is None
     for n in range(8):
-        before = len(session.pager.pages)
+        scored = set(order.scores)
         messages += file_turn(n)
         turn(engine, "a", messages)
-        # Each turn scored pages from before it, and none of its own full pages.
-        assert max(order.scores, default=-1) < before
+        assert set(order.scores) <= scored, "a tool result voted"   # (a cut may forget a page)
+        if n % 2:
+            messages.append({"role": "user", "content": f"What is value_{n - 1} in f{n - 1}.py?"})
+            turn(engine, "a", messages)
+            assert set(order.scores) - scored, "a user message did not vote"
     assert len(order.scores) > 8
     pager = session.pager
     incoming = pager.config.high_tokens - pager.hot_tokens + 1
@@ -161,13 +165,16 @@ def test_the_attention_order_evicts_the_least_attended_and_reads_no_forward_of_i
     assert counters.controller_forward_tokens == 0 and counters.historical_forward_during_restore == 0
     assert counters.model_forward_tokens == \
         counters.new_prefill_tokens + counters.decoded_tokens + counters.blend_forward_tokens
-    # An earlier tool result edited: the cut's page and every later one lose their scores.
-    edited = [dict(m) for m in messages]
-    edited[7]["content"] = "# f2.py\n" + "other_value = 3\n" * 40
-    scored = dict(order.scores)
+    # A cut (how an edited history is rebuilt) forgets the scores of every page it rewrites; the
+    # pages read again are scored again.
     segments = session.transcript.segments
-    turn(engine, "a", edited)
-    cut_page = sum(len(s.ids) for s in segments[:next(k for k, s in enumerate(segments) if "f2.py" in s.text)]) // 128
-    assert session.counters.rebuilds >= 1 and any(p >= cut_page for p in scored)
-    # The pages the cut rewrote were written again by this turn, which scores only what came before it.
+    keep = next(k for k, segment in enumerate(segments) if "# f2.py" in segment.text)
+    cut_page = sum(len(segment.ids) for segment in segments[:keep]) // 128
+    assert any(p >= cut_page for p in order.scores)
+    engine.mover.cut(session, keep)
     assert order.scores and all(p < cut_page for p in order.scores)
+    turn(engine, "a", messages)
+    assert any(p >= cut_page for p in order.scores)
+    counters = session.counters
+    assert counters.historical_forward_during_restore == 0 and counters.model_forward_tokens == \
+        counters.new_prefill_tokens + counters.decoded_tokens + counters.blend_forward_tokens

@@ -162,6 +162,7 @@ def test_the_attention_config_is_validated_and_reads_layers_inside_the_stack() -
 def test_the_least_attended_of_the_oldest_evictable_pages_leave_first() -> None:
     pager = full_pager(16)
     order = AttentionOrder(AttentionOrderConfig(window=4))
+    order.begin_message(from_user=True)
     order.observe(pager, weights_on(pager, {1: 0.5, 2: 0.01, 3: 0.2, 4: 0.0, 5: 0.9}), new_tokens=0)
     # The window is the four oldest evictable pages (1-4); page 5's weight does not matter yet.
     assert order.order(pager, incoming_tokens=PAGE_TOKENS) == [4, 2, 3, 1]
@@ -174,6 +175,7 @@ def test_the_least_attended_of_the_oldest_evictable_pages_leave_first() -> None:
 def test_scores_add_up_over_forwards_and_fade_by_half_each_half_life() -> None:
     pager = full_pager(16)
     order = AttentionOrder(AttentionOrderConfig(half_life_tokens=1000))
+    order.begin_message(from_user=True)
     order.observe(pager, weights_on(pager, {1: 0.4}), new_tokens=0)
     order.observe(pager, weights_on(pager, {2: 0.3}), new_tokens=1000)
     assert order.scores[1] == pytest.approx(0.2) and order.scores[2] == pytest.approx(0.3)
@@ -188,22 +190,32 @@ def test_weights_of_a_shorter_view_score_only_the_pages_they_cover() -> None:
     not scored (nothing is read out of bounds)."""
     pager = full_pager(6)
     order = AttentionOrder(AttentionOrderConfig())
+    order.begin_message(from_user=True)
     order.observe(pager, np.full(3 * PAGE_TOKENS, 1 / (3 * PAGE_TOKENS)), new_tokens=0)
     assert set(order.scores) == {0, 1, 2}
 
 
-def test_a_turn_scores_only_the_pages_from_before_it() -> None:
-    """What a turn's tokens put on the turn's own pages is not counted: a file's last lines read its
-    first ones because they are near, not because the task needs them."""
+def test_a_user_message_votes_on_the_pages_before_it_and_a_tool_result_does_not() -> None:
+    """What a file's lines put on the text before them is nearness: a tool result does not vote. A
+    user message does, on the pages before it, and its own pages rank with the page it read most
+    (SnapKV keeps its observation window); the answer's opening votes as the message before it."""
     pager = full_pager(16)
-    order = AttentionOrder(AttentionOrderConfig())
-    order.begin_turn()
-    pager.append(list(range(2 * PAGE_TOKENS)))          # the turn's first chunk: pages 16 and 17
-    order.observe(pager, weights_on(pager, {3: 0.2, 16: 0.5, 17: 0.3}), new_tokens=2 * PAGE_TOKENS)
-    pager.append(list(range(PAGE_TOKENS)))              # its next chunk: page 18
-    order.observe(pager, weights_on(pager, {3: 0.1, 16: 0.4, 18: 0.5}), new_tokens=PAGE_TOKENS)
-    assert set(order.scores) <= set(range(16)) and order.scores[3] > 0.2
-    order.begin_turn()                                  # the next turn reads pages 16-18 as history
+    order = AttentionOrder(AttentionOrderConfig(half_life_tokens=1 << 30))
+    order.begin_message(from_user=False)                # a tool result: pages 16 and 17
+    pager.append(list(range(2 * PAGE_TOKENS)))
+    order.observe(pager, weights_on(pager, {3: 0.2, 15: 0.5}), new_tokens=2 * PAGE_TOKENS)
+    assert order.scores == {}
+    order.begin_message(from_user=True)                 # the user's question: page 18
     pager.append(list(range(PAGE_TOKENS)))
-    order.observe(pager, weights_on(pager, {16: 0.5}), new_tokens=PAGE_TOKENS)
-    assert order.scores[16] == pytest.approx(0.5)
+    order.observe(pager, weights_on(pager, {3: 0.1, 17: 0.4, 18: 0.5}), new_tokens=PAGE_TOKENS)
+    assert order.scores[3] == pytest.approx(0.1) and order.scores[17] == pytest.approx(0.4)
+    assert order.scores[18] == pytest.approx(0.4)       # its own weight on itself is not counted
+    order.begin_opening()                               # the answer's opening reads the question too
+    pager.append(list(range(PAGE_TOKENS)))
+    order.observe(pager, weights_on(pager, {18: 0.3, 19: 0.6}), new_tokens=PAGE_TOKENS)
+    assert order.scores[18] == pytest.approx(0.7) and order.scores[19] == pytest.approx(0.3)
+    before = dict(order.scores)
+    order.begin_message(from_user=False)                # the next tool result votes for nothing
+    pager.append(list(range(PAGE_TOKENS)))
+    order.observe(pager, weights_on(pager, {19: 0.9}), new_tokens=PAGE_TOKENS)
+    assert order.scores == pytest.approx(before)
