@@ -408,6 +408,8 @@ class SlotBackend(abc.ABC):
             chunk = ids[i:i + self.prefill_chunk]
             last = i + self.prefill_chunk >= len(ids)
             self._store.watch = self._watch if last else None
+            if self._store.watch is not None:
+                self._store.take_watched()   # what a forward that failed may have left
             try:
                 got = self._run_model(chunk, every=every, logits=every or (logits and last))
             finally:

@@ -71,6 +71,7 @@ from controller.rerank import mean_logprob, question_ids
 HeldScorer = Callable[[list[int], list[int]], dict[int, np.ndarray]]
 
 EVICTION_ORDERS = ("recency", "model", "attention")
+SCORE_FLOOR = 1e-6   # an attention score below this is dropped (see AttentionOrder.observe)
 
 
 @dataclass(frozen=True)
@@ -188,8 +189,9 @@ class AttentionOrder:
         if self._own_first_page is None:
             self._own_first_page = (pager.total_tokens - new_tokens) // PAGE_TOKENS
         keep = 0.5 ** (new_tokens / self.config.half_life_tokens)
-        for page in self.scores:
-            self.scores[page] *= keep
+        # A vote is at most 1: below SCORE_FLOOR (20 half-lives on) a score orders nothing an
+        # unscored page would not, and dropping it keeps the table to the recently read pages.
+        self.scores = {page: score * keep for page, score in self.scores.items() if score * keep >= SCORE_FLOOR}
         if not self._voting:
             return
         votes: dict[int, float] = {}
@@ -207,7 +209,8 @@ class AttentionOrder:
         # the page it read most.
         top = max(votes.values(), default=0.0)
         for page, vote in [*votes.items(), *((page, top) for page in own)]:
-            self.scores[page] = self.scores.get(page, 0.0) + vote
+            if vote >= SCORE_FLOOR:
+                self.scores[page] = self.scores.get(page, 0.0) + vote
 
     def forget_scores(self, pages: Iterable[int]) -> None:
         """These pages now hold other tokens than they were scored for (a cut)."""

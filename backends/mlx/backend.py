@@ -119,10 +119,12 @@ class MlxBackend(SlotBackend):
             # Without logits only the states are evaluated: the lazy graph then never runs the last
             # layer past its keys and values (mlx-lm's prefill does the same; a quarter of the tiny
             # hybrid's prefill, docs/backends.md), and the states' bits are the same either way.
+            # A watched forward's weights are evaluated with it, under the runtime's lock.
+            watched = [] if self._store.watched is None else [self._store.watched]
             if not logits:
-                mx.eval(self._state())
+                mx.eval(self._state(), *watched)
                 return None
-            mx.eval(out, self._state())
+            mx.eval(out, self._state(), *watched)
         return np.array(out)
 
     def _build(self, ids: mx.array, positions: np.ndarray, slots: np.ndarray, high_water: int,

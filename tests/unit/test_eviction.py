@@ -219,3 +219,15 @@ def test_a_user_message_votes_on_the_pages_before_it_and_a_tool_result_does_not(
     pager.append(list(range(PAGE_TOKENS)))
     order.observe(pager, weights_on(pager, {19: 0.9}), new_tokens=PAGE_TOKENS)
     assert order.scores == pytest.approx(before)
+
+
+def test_a_score_nothing_has_renewed_for_twenty_half_lives_is_dropped() -> None:
+    pager = full_pager(16)
+    order = AttentionOrder(AttentionOrderConfig(half_life_tokens=100))
+    order.begin_message(from_user=True)
+    order.observe(pager, weights_on(pager, {2: 1.0}), new_tokens=0)
+    order.begin_message(from_user=False)
+    order.observe(pager, weights_on(pager, {}), new_tokens=1900)
+    assert order.scores[2] == pytest.approx(2.0 ** -19)
+    order.observe(pager, weights_on(pager, {}), new_tokens=200)
+    assert 2 not in order.scores
