@@ -32,19 +32,22 @@ def file_turn(n: int) -> list[dict[str, object]]:
             {"role": "tool", "tool_call_id": f"call_{n}", "content": f"# f{n}.py\n" + f"value_{n} = {n * 7}\n" * 40}]
 
 
-def evicts_the_least_likely_of_the_window(engine: Engine, session: Session) -> None:
-    """One eviction, made the way a prefill chunk makes room: of the advice's window, exactly the
-    least likely pages leave, and not the ones the pager's own order would have taken."""
-    advice = session.eviction
-    assert advice is not None
+def evicts_the_least_scored_of_the_window(engine: Engine, session: Session) -> None:
+    """One eviction, made the way a prefill chunk makes room: of the session's eviction order's
+    window (the likelihood advice's or the attention order's), exactly the least scored pages
+    leave, and not the ones the pager's own order would have taken."""
+    order = session.eviction or session.attention
+    assert order is not None
     pager = session.pager
     incoming = pager.config.high_tokens - pager.hot_tokens + 1
-    window = pager.evictable()[:advice.config.window]
+    window = pager.evictable()[:order.config.window]
     need = pager.pages_to_free(incoming, window)
     assert 0 < need < len(window)
     engine.mover.make_room(session, incoming)
     evicted = [p for p in window if not pager.pages[p].resident]
-    assert set(evicted) == set(sorted(window, key=lambda p: advice.scores[p])[:need])
+    # The advice orders only a window it scored whole; the attention order reads unscored as 0.
+    least = sorted(window, key=lambda p: order.scores[p] if session.eviction else order.scores.get(p, 0.0))[:need]
+    assert set(evicted) == set(least)
     assert evicted != window[:need], "the scores happened to agree with the pager's own order"
 
 

@@ -16,7 +16,7 @@ from serving.launcher import ContextdProcess
 from serving.scoring import ControllerConfig, ControllerScorer
 from serving.session import Session
 from tests.serving.engines import AGENT_SYSTEM as SYSTEM
-from tests.serving.engines import evicts_the_least_likely_of_the_window, file_turn, turn
+from tests.serving.engines import evicts_the_least_scored_of_the_window, file_turn, turn
 
 CONFIG = EngineConfig(budget_tokens=2048, tail_tokens=256, max_new_tokens=1, evict_order="model")
 ASK = {"role": "user", "content": "What does handler retry_limit do?"}
@@ -122,7 +122,7 @@ def test_on_a_hybrid_model_the_advice_orders_evictions_and_history_is_never_forw
     engine = engine_on(serving, contextd, ControllerScorer(controller, serving.tokenizer))
     grown(engine, "h", 8)
     session = engine.sessions["h"]
-    evicts_the_least_likely_of_the_window(engine, session)
+    evicts_the_least_scored_of_the_window(engine, session)
     counters = session.counters
     assert counters.evicted_pages > 0 and counters.controller_forward_tokens > 0
     assert counters.historical_forward_during_restore == 0
