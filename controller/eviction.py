@@ -34,9 +34,10 @@ The attention order (`--evict-order attention`) asks the serving model's own att
 read off the forwards a turn makes anyway (`AttentionOrder`; H2O's accumulation, SnapKV's
 observation window, at page granularity):
 
-  watch     the last `queries` tokens of every prefill chunk report their softmax weights over
-            the held tokens at `layers` paged layers spread over the middle of the stack
-            (`Backend.observe_attention`): no forward of its own, a few score rows per layer.
+  watch     the last `queries` tokens of every prefill chunk that votes (below) report their
+            softmax weights over the held tokens at `layers` paged layers spread over the middle
+            of the stack (`Backend.observe_attention`): no forward of its own, a few score rows
+            per layer; the other chunks run unwatched.
   vote      a user message's chunks, and the answer's opening after one, vote: each held page
             from before the message gets its share of the weights (its tokens' weights summed)
             added to its score, and the message's own pages the largest share (the message is
@@ -174,25 +175,29 @@ class AttentionOrder:
         """A message starts; it votes if the user wrote it. Its pages are known at its first forward."""
         self._own_first_page, self._voting = None, from_user
 
+    @property
+    def voting(self) -> bool:
+        """Whether the message being read votes (the host reads its chunks' weights only then)."""
+        return self._voting
+
     def begin_opening(self) -> None:
         """The answer's opening starts: it votes as the message before it did, on that message too."""
         self._own_first_page = None
 
-    def observe(self, pager: Pager, weights: np.ndarray, new_tokens: int) -> None:
+    def observe(self, pager: Pager, weights: np.ndarray | None, new_tokens: int) -> None:
         """A forward over `new_tokens` new tokens, which the pager now holds last, reported
         `weights` over the held tokens (in held order: resident pages in order, all full but the
-        last). Every score decays; a user message's forward (and the opening after it) adds its
+        last; None: it reported none). Every score decays; a user message's forward (and the opening after it) adds its
         weights to the pages from before it, and the top one of them to its own pages. A tool
-        result does not vote: what a file's lines put
-        on the text before them is mostly nearness, so every file would vote for the one read just
-        before it, the task's file no more than any other."""
+        result does not vote: what a file's lines put on the text before them is mostly nearness,
+        so every file would vote for the one read just before it, the task's no more than any."""
         if self._own_first_page is None:
             self._own_first_page = (pager.total_tokens - new_tokens) // PAGE_TOKENS
         keep = 0.5 ** (new_tokens / self.config.half_life_tokens)
         # A vote is at most 1: below SCORE_FLOOR (20 half-lives on) a score orders nothing an
         # unscored page would not, and dropping it keeps the table to the recently read pages.
         self.scores = {page: score * keep for page, score in self.scores.items() if score * keep >= SCORE_FLOOR}
-        if not self._voting:
+        if not self._voting or weights is None:
             return
         votes: dict[int, float] = {}
         own: list[int] = []

@@ -238,11 +238,9 @@ class Engine:
         self.selector: Selector = selector or RecencySelector()
         self._check_scoring(self.selector, controller)
         self.blend = self._blend_policy(config.blend)
-        # The attention order reads the weights of every prefill chunk (so does every fork of the
-        # backend); the other orders read none.
-        watch = config.attention_order if config.evict_order == "attention" else None
-        backend.observe_attention(watch.queries if watch else 0,
-                                  watch.watched_layers(len(backend.layer_view.attention_layers)) if watch else [])
+        # No forward reports its attention weights but the chunks an attention order takes a vote
+        # from (PageMover.watch_attention turns it on for them).
+        backend.observe_attention(0, [])
         self.tally = Tally()
         self.mover = PageMover(backend, contextd, self.tally, compress=config.compress_pages, controller=controller,
                                opening=chat_format.user_opening)
@@ -830,6 +828,7 @@ class Engine:
         for i in range(0, len(segment.ids), chunk):
             part = segment.ids[i:i + chunk]
             self.mover.make_room(session, len(part))
+            self.mover.watch_attention(session)
             if logits and i + chunk >= len(segment.ids):
                 self.backend.prefill(part)
             else:

@@ -133,16 +133,26 @@ class PageMover:
             order = self.advise_evictions(session, incoming)
             self.execute(session, pager.decide(Plan(evict_first=order) if order else None, incoming_tokens=incoming))
 
+    def watch_attention(self, session: Session) -> None:
+        """Before a prefill chunk: the backend reports the chunk's attention weights only where the
+        session's attention order takes a vote from it (`AttentionOrder.voting`); other chunks run
+        unwatched, at no cost."""
+        order = session.attention
+        if order is None or not order.voting:
+            self.backend.observe_attention(0, [])
+        else:
+            self.backend.observe_attention(
+                order.config.queries, order.config.watched_layers(len(self.backend.layer_view.attention_layers)))
+
     def observe_attention(self, session: Session, new_tokens: int) -> None:
-        """The weights the forward over `new_tokens` just reported (`Backend.attention_weights`)
-        join the session's attention order's scores; nothing without the order or a report. Its
-        time is the turn's `advise` phase (the weights' rows inside the forward are not)."""
-        if session.attention is None:
+        """After a prefill chunk of `new_tokens`: the session's attention order decays its scores
+        and, from a voting chunk, adds the weights the forward reported (`Backend.attention_weights`).
+        Its time is the turn's `advise` phase (the weights' rows inside the forward are not)."""
+        order = session.attention
+        if order is None:
             return
         observing = time.perf_counter()
-        weights = self.backend.attention_weights()
-        if weights is not None:
-            session.attention.observe(session.pager, weights, new_tokens)
+        order.observe(session.pager, self.backend.attention_weights() if order.voting else None, new_tokens)
         session.timed("advise", observing)
 
     def advise_evictions(self, session: Session, incoming: int) -> list[int]:
