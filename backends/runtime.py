@@ -196,8 +196,9 @@ class SlotBackend(abc.ABC):
         self._broken: str | None = None
         self._scoring: SlotBackend | None = None  # see _scoring_session
         self._watch: Watch | None = None           # see observe_attention
-        # The last watched forward's weights per held token, and the stream length they belong to.
-        self._weights: tuple[int, np.ndarray] | None = None
+        # The last watched prefill's weights per held token; every forward that lands after it, a
+        # page operation and a reset drop them.
+        self._weights: np.ndarray | None = None
         self._reads = blockfile.ReadQueue(READ_THREADS, READ_LINGER_S)
 
     @classmethod
@@ -420,7 +421,7 @@ class SlotBackend(abc.ABC):
         if self._watch is not None:
             per_slot = self._store.take_watched()
             if per_slot is not None:
-                self._weights = (self._stream_tokens, per_slot[self._store.order])
+                self._weights = per_slot[self._store.order]
         return out
 
     # -- the model's own attention, read off the forward a prefill makes anyway -----------------
@@ -437,10 +438,7 @@ class SlotBackend(abc.ABC):
         self._weights = None
 
     def attention_weights(self) -> np.ndarray | None:
-        weights = self._weights
-        if weights is None or weights[0] != self._stream_tokens or weights[1].shape[0] != self.attention_tokens:
-            return None
-        return weights[1].copy()
+        return None if self._weights is None else self._weights.copy()
 
     def score_after_blocks(self, blocks: Sequence[Block], token_ids: Sequence[int],
                            sink: Block | None = None) -> tuple[np.ndarray, int]:
@@ -613,7 +611,6 @@ class SlotBackend(abc.ABC):
         forward; returns the logits (`_forward`'s). `positions` (consecutive, past every held one)
         only for the load-time rotation check."""
         slots, positions = self._place(ids, positions)
-        self._weights = None
         started = time.perf_counter_ns()
         try:
             out = self._forward(ids, positions, slots, self._store.high_water(), every, logits)
@@ -671,6 +668,7 @@ class SlotBackend(abc.ABC):
         self._counters.model_forward_tokens += entered
         self._counters.forward_ns += time.perf_counter_ns() - started
         self._last_logits = last_logits
+        self._weights = None   # they described the view before this forward (a recompute's too)
 
     # -- recomputing held tokens in place (the blend) ------------------------------------------
     def recompute(self, indices: Sequence[int] | np.ndarray) -> int:
@@ -1101,6 +1099,7 @@ class SlotBackend(abc.ABC):
         self._stream_tokens = 0
         self._pending = None
         self._last_logits = None
+        self._weights = None
         self._broken = None
 
     # -- checks --------------------------------------------------------------------------------

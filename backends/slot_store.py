@@ -139,6 +139,12 @@ class SlotStore(abc.ABC):
             free = np.flatnonzero(~self.occupied)
         return pick_free_slots(free, n, self.high_water())
 
+    def accumulate_weights(self, summed: Any, rows: int) -> None:
+        """Add one watched layer's weights (a runtime vector per slot, summed over `rows` query
+        rows: heads times queries) to the forward's accumulator."""
+        self.watched = summed if self.watched is None else self.watched + summed
+        self.watched_rows += rows
+
     def take_watched(self) -> np.ndarray | None:
         """The watched forward's mean attention weight on each slot below its high-water mark
         (float64; None when no watched layer ran), and the accumulator emptied."""

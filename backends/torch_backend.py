@@ -118,9 +118,7 @@ def _watch_weights(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         weights = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
     else:
         weights = torch.softmax(logits, dim=-1)
-    summed = weights.sum(dim=(0, 1, 2))
-    st.watched = summed if st.watched is None else st.watched + summed
-    st.watched_rows += int(weights.shape[0] * weights.shape[1] * n)
+    st.accumulate_weights(weights.sum(dim=(0, 1, 2)), int(weights.shape[0] * weights.shape[1] * n))
 
 
 def _slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -235,9 +235,7 @@ class MlxSlotStore(SlotStore):
             weights = mx.softmax(mx.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
         else:
             weights = mx.softmax(logits, axis=-1)
-        summed = weights.sum(axis=(0, 1, 2))
-        self.watched = summed if self.watched is None else self.watched + summed
-        self.watched_rows += int(weights.shape[0] * weights.shape[1] * n)
+        self.accumulate_weights(weights.sum(axis=(0, 1, 2)), int(weights.shape[0] * weights.shape[1] * n))
 
     def _from_host(self, a: np.ndarray) -> Any:
         with mx.stream(self.rt.device):

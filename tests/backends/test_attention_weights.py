@@ -72,12 +72,17 @@ def test_the_weights_follow_held_order_not_slots(models: Models, model: str) -> 
 
 
 def test_weights_describe_the_last_forward_only(models: Models) -> None:
-    """After a page operation, a decode or a forward without a watch there are no weights: they
-    would describe a view that is no longer held. A fork watches as its parent does; 0 queries
-    stops; a layer the model does not page is refused."""
+    """After a page operation, a recompute, a decode or a forward without a watch there are no
+    weights: they would describe a view that is no longer held. A fork watches as its parent
+    does; 0 queries stops; a layer the model does not page is refused."""
     be = watched(models, "tiny-llama")
     be.prefill(models.tokens[:200])
     assert be.attention_weights() is not None
+    blended = be.fork()
+    blended.prefill(models.tokens[200:210])
+    assert blended.attention_weights() is not None
+    blended.recompute(range(0, 20))   # the held K/V changed, not the stream
+    assert blended.attention_weights() is None
     fork = be.fork()
     be.decode()
     be.decode()
