@@ -167,7 +167,7 @@ def drive(backend: Backend, client: Any, workload: Workload, budget: int, gap: f
             read_ms.append(session.read_ahead_ms)
         if turn.answers is None:
             continue
-        reading = engine.readings.pop(session_id)
+        reading = engine.answers.take_reading(session_id)
         held = set(reading.resident_pages)
         text, spans = token_spans(engine, session_id)
         task, *others = locate(text, spans, dataclasses.replace(workload, questions=(turn.answers,

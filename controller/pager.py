@@ -280,6 +280,7 @@ class Pager:
             last.token_end = tokens
             last.stored = False
             last.prefix_hash, last.stored_as = self.chain.hash_to(tokens), ""
+            self.lease(last.index, 0)   # the open page now: the tail keeps it, no lease does
             if last.resident:
                 self._hot_tokens -= cut
             if last.index in self._pinned:

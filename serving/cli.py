@@ -167,7 +167,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(budget_tokens=args.budget, max_new_tokens=args.max_new_tokens,
                         tail_tokens=args.tail_tokens, lease_turns=args.lease_turns,
                         compress_pages=args.compress == "zstd", placement=args.placement, blend=blend,
-                        resident_sessions=args.resident_sessions, batch_decode=args.batch_decode,
+                        resident_sessions=args.resident_sessions, sessions_in_memory=args.sessions_in_memory,
+                        batch_decode=args.batch_decode,
                         session_lease_s=args.session_lease, evict_order=args.evict_order)
 
 
@@ -217,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sessions whose caches stay in memory, least recently used out (each holds a budget's "
                        "worth of K/V: kv_bytes_per_token x (budget + 256)); a turn for a resident session moves no "
                        "page, another restores its working set from the store")
+    serve.add_argument("--sessions-in-memory", type=int, default=EngineConfig.sessions_in_memory, metavar="N",
+                       help="sessions whose transcript, pager and page indexes stay in memory, least recently used "
+                       "out (at least --resident-sessions); one that left comes back from contextd at its next turn, "
+                       "with no prefill of history")
     serve.add_argument("--batch-decode", action=argparse.BooleanOptionalAction, default=True,
                        help="resident sessions that decode at once share one forward per token (torch, models "
                        "without recurrent or kv-shared layers); a row's logits then equal its own decode's to "

@@ -33,7 +33,6 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -66,6 +65,7 @@ from serving.paging import PageMover, Tally
 from serving.recovery import Recovery
 from serving.scoring import ControllerScorer
 from serving.session import LastAnswer, Session, SessionCounters, TurnTimings
+from serving.session_table import SessionTable, TurnState
 from serving.transcript import (
     Alignment,
     Fingerprint,
@@ -76,6 +76,7 @@ from serving.transcript import (
     parse_tool_calls,
     recomputed_tokens,
 )
+from serving.watch import AnswerWatch
 
 log = logging.getLogger("kv_elision.engine")
 
@@ -86,8 +87,6 @@ INCOMING_IDS = 1024
 # Where a turn's restored pages sit (in RoPE positions) while its answer is read and written:
 # at their place in the timeline, or right before the new message (PageMover.place_near_question).
 PLACEMENTS = ("timeline", "question")
-# The most candidate answers one watched turn scores (each costs a few one-token forwards).
-MAX_WATCHED_CANDIDATES = 64
 # A new session branches from a stored one only when they share at least this many whole pages:
 # one page of system prompt saves a ~128-token prefill, less than copying a long parent's manifest.
 MIN_BRANCH_PAGES = 2
@@ -111,6 +110,9 @@ class EngineConfig:
     key_index: KeyIndexConfig = field(default_factory=KeyIndexConfig)
     lexical_index: LexicalConfig = DEFAULT_LEXICAL
     resident_sessions: int = 1     # sessions whose caches stay in memory (each a budget's worth of K/V)
+    # Sessions whose state (transcript, pager, indexes) stays in memory; beyond it the least recently
+    # used idle one leaves, and its next turn brings it back from contextd (serving.session_table).
+    sessions_in_memory: int = 16
     batch_decode: bool = True      # resident sessions decoding at once share one forward (Engine.decode_batch)
     session_lease_s: float = 30.0  # with an object store: how long a turn holds its session unrenewed
     # "model": the pages least related to the last user message leave first; "attention": the
@@ -126,6 +128,9 @@ class EngineConfig:
             raise ValueError(f"session_lease_s must be positive, got {self.session_lease_s}")
         if self.resident_sessions < 1:
             raise ValueError(f"resident_sessions must be >= 1, got {self.resident_sessions}")
+        if self.sessions_in_memory < self.resident_sessions:
+            raise ValueError(f"sessions_in_memory ({self.sessions_in_memory}) must be at least "
+                             f"resident_sessions ({self.resident_sessions})")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, not {self.placement!r}")
         if self.evict_order not in EVICTION_ORDERS:
@@ -228,34 +233,29 @@ class Engine:
     `self.backend` (and the mover's) is the cache of the session being served."""
 
     def __init__(self, backend: Backend, chat_format: ChatFormat, contextd: Client, config: EngineConfig,
-                 selector: Selector | None = None, controller: ControllerScorer | None = None) -> None:
+                 selector: Selector | None = None, controller: ControllerScorer | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """`controller`: a separate model that scores pages for the re-ranker and the eviction advice
-        (serving.scoring); without one the serving model scores them over their K/V."""
-        self.backend = backend
+        (serving.scoring); without one the serving model scores them over their K/V. `clock`: what
+        lease renewals are timed by (seconds, monotonic)."""
         self.format = chat_format
         self.contextd = contextd
         self.config = config
         self.selector: Selector = selector or RecencySelector()
+        self.tally = Tally()
+        # The page mover holds the cache being served (`self.backend`): one current backend.
+        self.mover = PageMover(backend, contextd, self.tally, compress=config.compress_pages, controller=controller,
+                               opening=chat_format.user_opening)
         self._check_scoring(self.selector, controller)
         self.blend = self._blend_policy(config.blend)
         # No forward reports its attention weights but the chunks an attention order takes a vote
         # from (PageMover.watch_attention turns it on for them).
         backend.observe_attention(0, [])
-        self.tally = Tally()
-        self.mover = PageMover(backend, contextd, self.tally, compress=config.compress_pages, controller=controller,
-                               opening=chat_format.user_opening)
         self.recovery = Recovery(self.mover, contextd, self.tally, self._indexes)
-        self.sessions: dict[str, Session] = {}
-        self.active: str | None = None                 # the session whose cache `self.backend` is
-        self.caches: OrderedDict[str, Backend] = OrderedDict()  # resident session -> its cache, oldest first
-        self.spare_caches: list[Backend] = [backend]   # empty caches no session holds
-        self.turning: set[str] = set()                 # sessions with a turn in progress (their caches stay)
-        self.paused_ms: dict[str, float] = {}          # per turn in progress: time other turns ran meanwhile
-        self.watched: dict[str, list[str]] = {}        # session -> candidate answers to score at its next turn
-        self.readings: dict[str, ViewReading] = {}     # session -> what its last watched turn's answer read
-        self.watched_branches: dict[str, list[Selector]] = {}          # session -> selectors for its next turn
-        self.branch_readings: dict[str, dict[str, ViewReading]] = {}   # session -> selector -> its branch's reading
-        self.held_at: dict[str, float] = {}            # per turn in progress: when its lease was last renewed
+        self.sessions = SessionTable(backend, resident=config.resident_sessions,
+                                     in_memory=config.sessions_in_memory, fork=backend.fork, clock=clock)
+        self.answers = AnswerWatch()   # what watched turns' answers read (measurement: serving.watch)
+        self.sessions.on_drop(self.answers.forget)
         self.stop_ids = chat_format.stop_ids
         self.observer: TurnObserver | None = None      # measurement hooks (serving.observe), benchmarks only
 
@@ -287,6 +287,16 @@ class Engine:
         return asked
 
     @property
+    def backend(self) -> Backend:
+        """The cache of the session being served (the page mover's)."""
+        return self.mover.backend
+
+    @property
+    def active(self) -> str | None:
+        """The session whose cache `backend` is now."""
+        return self.sessions.active
+
+    @property
     def totals(self) -> SessionCounters:
         return self.tally.totals
 
@@ -306,40 +316,26 @@ class Engine:
 
     def _take_cache(self, session_id: str) -> None:
         """Point the engine at `session_id`'s cache: its own when it is resident (nothing moves),
-        else a spare one, a new fork while fewer than `resident_sessions` exist, or the least
-        recently used session's (that session keeps its pages in the store and its state in memory;
-        `_activate` fills the cache)."""
-        cache = self.caches.get(session_id)
-        session = self.sessions.get(session_id)
-        if cache is not None and session is not None:
-            self.caches.move_to_end(session_id)
-            if self.active != session_id:
-                self.tally.count(session, session_switches=1)
-                self.active = session_id
-            self._use(cache)
-            return
-        if cache is None:
-            if self.spare_caches:
-                cache = self.spare_caches.pop()
-            elif len(self.caches) < self.config.resident_sessions:
-                cache = self.backend.fork()
-            else:
-                oldest = next((s for s in self.caches if s not in self.turning), None)
-                if oldest is None:
-                    raise RuntimeError(f"all {len(self.caches)} caches hold a turn in progress")
-                cache = self.caches.pop(oldest)
-            self.caches[session_id] = cache
-        self._use(cache)
+        else one the table hands it (serving.session_table; `_activate` fills it)."""
+        table = self.sessions
+        own = table.cache_of(session_id)
+        session = table.get(session_id)
+        if own is not None and session is not None and table.active != session_id:
+            self.tally.count(session, session_switches=1)
+            table.active = session_id
+        self._use(table.take_cache(session_id))
 
     def _use(self, cache: Backend) -> None:
-        self.backend = cache
         self.mover.backend = cache
 
     def resume(self, session_id: str) -> None:
         """Point the engine back at a session whose turn is in progress, before its next step (the
         server's worker interleaves the turns of resident sessions): its cache, as it left it."""
-        self._use(self.caches[session_id])
-        self.active = session_id
+        cache = self.sessions.cache_of(session_id)
+        if cache is None:
+            raise RuntimeError(f"session {session_id} has no cache to resume its turn in")
+        self._use(cache)
+        self.sessions.active = session_id
 
     def activate(self, session_id: str, fingerprint: Fingerprint) -> Session:
         """Bring `session_id` into a cache of its own, as a turn does first (the fault campaign's
@@ -349,12 +345,14 @@ class Engine:
 
     def _activate(self, session_id: str, fingerprint: Fingerprint) -> Session:
         """Make `session_id` the backend's session: from memory, from contextd, or new."""
-        session = self.sessions.get(session_id)
-        if self.active == session_id and session is not None:
+        table = self.sessions
+        session = table.get(session_id)
+        if table.active == session_id and session is not None:
+            table.touch(session_id)
             return session
-        switched = self.active is not None   # another session's cache leaves the backend
+        switched = table.active is not None   # another session's cache leaves the backend
         self.mover.empty()
-        self.active = None
+        table.active = None
         if session is None:
             session = self.recovery.bring_back(session_id, self.config.pager_config())
             if session is None:
@@ -367,12 +365,15 @@ class Engine:
                 session.eviction = EvictionAdvisor(self.config.eviction, self.format.template_ids)
             elif self.config.evict_order == "attention":
                 session.attention = AttentionOrder(self.config.attention_order)
-            self.sessions[session_id] = session
+            for let_go in table.add(session):
+                log.info("session %s left memory (more than %d sessions); contextd keeps it", let_go,
+                         table.in_memory)
         else:
+            table.touch(session_id)
             self.tally.count(session, recovered_pages=self.mover.fill_resident(session))
         if switched:
             self.tally.count(session, session_switches=1)
-        self.active = session_id
+        table.active = session_id
         return session
 
     # ------------------------------------------------------------------ the turn
@@ -387,8 +388,7 @@ class Engine:
         session_id = request.session_id
         # Before the turn marks its session busy: a branch may need the session's cache.
         branches = self._read_branches(request)
-        self.turning.add(session_id)
-        self.paused_ms[session_id] = 0.0
+        turn = self.sessions.begin_turn(session_id)
         steps = self._turn(request, branches)
         answer: int | None = None
         failure: Exception | None = None
@@ -403,18 +403,17 @@ class Engine:
                 answer, failure = None, None
                 answered = answered or event.final is not None
                 if not answered:   # renewing after the final record would take the lease again
-                    self._renew(session_id)
+                    self._renew(session_id, turn)
                 paused = time.perf_counter()
                 try:
                     answer = yield event
                 except Exception as exc:  # noqa: BLE001 - handed to the turn, which raises it
                     failure = exc
-                self.paused_ms[session_id] += (time.perf_counter() - paused) * 1e3
+                turn.paused_ms += (time.perf_counter() - paused) * 1e3
         finally:
             steps.close()
-            self.turning.discard(session_id)
-            self.paused_ms.pop(session_id, None)
-            if self.held_at.pop(session_id, None) is not None and not answered:
+            self.sessions.end_turn(session_id)
+            if turn.held_at is not None and not answered:
                 self._release(session_id)
 
     def decode_batch(self, steps: dict[str, DecodeStep]) -> list[int]:
@@ -426,8 +425,9 @@ class Engine:
         spent = (time.perf_counter() - started) * 1e3
         batched = len(steps) > 1 and self.backend.batches_decode
         for session_id in steps:
-            if session_id in self.paused_ms:
-                self.paused_ms[session_id] -= spent
+            turn = self.sessions.turn(session_id)
+            if turn is not None:
+                turn.paused_ms -= spent
             if batched:
                 self.tally.count(self.sessions[session_id], batched_decode_tokens=1)
         return tokens
@@ -439,19 +439,21 @@ class Engine:
         session in memory is stale; the session comes back from contextd as after a restart.
         Returns whether it was adopted."""
         hold = self.contextd.hold_session(session_id, self.backend.model_name, self.config.session_lease_s, renew)
-        self.held_at[session_id] = time.monotonic()
+        turn = self.sessions.turn(session_id)
+        if turn is not None:
+            turn.held_at = self.sessions.clock()
         if hold.adopted:
             log.info("session %s adopted from %s (token %d)", session_id, hold.previous_node or "a deletion",
                      hold.token)
             self.forget(session_id)
         return hold.adopted
 
-    def _renew(self, session_id: str) -> None:
+    def _renew(self, session_id: str, turn: TurnState) -> None:
         """Between two steps of a turn: renew its lease once a third of it has passed, so a long
         prefill or answer keeps its session. A session taken over meanwhile fails the turn
         (SessionHeld): it is never taken back from inside a turn."""
-        held = self.held_at.get(session_id)
-        if held is not None and time.monotonic() - held >= self.config.session_lease_s / 3:
+        held = turn.held_at
+        if held is not None and self.sessions.clock() - held >= self.config.session_lease_s / 3:
             self._hold(session_id, renew=True)
 
     def _release(self, session_id: str) -> None:
@@ -560,8 +562,7 @@ class Engine:
         if watched is not None:
             # After the answer is out: the worker still holds its lock, so a reader of the
             # reading waits for it, and the answer did not wait for the scoring.
-            self.readings[session.session_id] = watched.read()
-            self.branch_readings[session.session_id] = branches
+            self.answers.publish(session.session_id, watched.read(), branches)
         yield from self._read_ahead(session)
 
     def _read_ahead(self, session: Session) -> Generator[TurnEvent, int | None, None]:
@@ -728,12 +729,9 @@ class Engine:
         the result. For measuring what the model reads (benchmarks.answers); the turn itself
         answers as it would unwatched. With `branches`, the same request is first answered once
         per selector in a branch of the session (`answer_in_branches`), before the turn itself;
-        `branch_readings` keeps those readings, published with the turn's own."""
-        if not 0 < len(candidates) <= MAX_WATCHED_CANDIDATES or not all(c.strip() for c in candidates):
-            raise ValueError(f"give 1 to {MAX_WATCHED_CANDIDATES} non-blank candidate answers")
+        `branch_readings` keeps those readings, published with the turn's own (serving.watch)."""
         self._check_branches(branches)
-        self.watched[session_id] = list(candidates)
-        self.watched_branches[session_id] = list(branches)
+        self.answers.watch(session_id, candidates, branches)
 
     def _check_branches(self, selectors: Sequence[Selector]) -> None:
         names = [selector.name for selector in selectors]
@@ -777,12 +775,12 @@ class Engine:
                     for event in self.chat(dataclasses.replace(request, session_id=branch, max_tokens=1,
                                                                plan=None, cancelled=None)):
                         final = event.final or final
-                    if final is None or branch not in self.readings:
+                    reading = self.answers.reading(branch)
+                    if final is None or reading is None:
                         raise RuntimeError(f"the branch of {request.session_id} answered nothing")
-                    out[selector.name] = (self.readings[branch], final.prefilled_tokens)
+                    out[selector.name] = (reading, final.prefilled_tokens)
                 finally:
-                    for kept in (self.watched, self.watched_branches, self.readings, self.branch_readings):
-                        kept.pop(branch, None)
+                    self.answers.forget(branch)
                     try:
                         self.forget(branch)
                     finally:
@@ -796,21 +794,21 @@ class Engine:
         """`answer_in_branches` for a watched turn, before the turn itself. It only measures: if a
         branch fails, that is logged, the turn has no branch readings, and it runs as it would
         have."""
-        selectors = self.watched_branches.pop(request.session_id, [])
-        if not selectors:
+        selectors = self.answers.take_branches(request.session_id)
+        candidates = self.answers.candidates(request.session_id)
+        if not selectors or candidates is None:
             return {}
         try:
             return {name: reading for name, (reading, _) in
-                    self.answer_in_branches(request, self.watched[request.session_id], selectors).items()}
+                    self.answer_in_branches(request, candidates, selectors).items()}
         except Exception:  # noqa: BLE001 - a measurement never fails the turn it measures
             log.warning("session %s: its turn was not answered in branches", request.session_id, exc_info=True)
             return {}
 
     def _capture_answer_view(self, session: Session, restored: list[int]) -> ViewCapture | None:
-        candidates = self.watched.pop(session.session_id, None)
+        candidates = self.answers.take_candidates(session.session_id)
         if candidates is None:
             return None
-        self.readings.pop(session.session_id, None)
         return capture_view(self.backend, session.pager, session.transcript.ids, candidates,
                             [self.format.encode(c) for c in candidates], restored)
 
@@ -956,7 +954,8 @@ class Engine:
         persisting = time.perf_counter()
         self.mover.persist(session, lambda: self._record(session))
         session.timed("persist", persisting)
-        elapsed_ms = (time.perf_counter() - started) * 1e3 - self.paused_ms.get(session.session_id, 0.0)
+        turn = self.sessions.turn(session.session_id)
+        elapsed_ms = (time.perf_counter() - started) * 1e3 - (turn.paused_ms if turn is not None else 0.0)
         session.last_turn = TurnTimings(total_ms=elapsed_ms + session.phase_ms["receive"],
                                         forward_ms=(after.forward_ns - before.forward_ns) / 1e6,
                                         phases=dict(session.phase_ms))
@@ -1038,13 +1037,8 @@ class Engine:
         """After a failed turn of `session_id` its cache's state is unknown: empty that cache (no
         other session's) and drop the session from memory; its next turn reloads from contextd.
         A cache that cannot be emptied is not kept as a spare (a fork replaces it when needed)."""
-        self.sessions.pop(session_id, None)
-        cache = self.caches.pop(session_id, None)
-        try:
-            if cache is not None:
-                self._use(cache)
-                self.mover.empty()
-                self.spare_caches.append(cache)
-        finally:
-            if self.active == session_id or cache is not None:
-                self.active = None
+        cache = self.sessions.drop(session_id)
+        if cache is not None:
+            self._use(cache)
+            self.mover.empty()
+            self.sessions.give_back(cache)

@@ -642,7 +642,9 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
                  contextd_socket: str, api_key: str | None, client_timeout: float,
                  restore_pages: int, answering: _Answering) -> type[BaseHTTPRequestHandler]:
     expected = f"Bearer {api_key}".encode() if api_key else None
-    bodies = BodyParser()
+    # The last body of each session the engine keeps in memory, forgotten with it.
+    bodies = BodyParser(worker.engine.config.sessions_in_memory)
+    worker.engine.sessions.on_drop(bodies.forget)
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -803,8 +805,8 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
             session = self._session(query, "/v1/kv/score")
             self._loopback_only("what a session's answer read")
             with worker.held():
-                reading = worker.engine.readings.get(session)
-                branches = worker.engine.branch_readings.get(session, {})
+                reading = worker.engine.answers.reading(session)
+                branches = worker.engine.answers.branch_readings(session)
             if reading is None:
                 raise RequestError(HTTPStatus.NOT_FOUND, f"no watched turn of session {session!r} has run yet",
                                    "reading_not_found")

@@ -583,7 +583,14 @@ class PageMover:
             else []
         if across:
             self.execute(session, Decision(evict=[], restore=across, plan_used=False))
+        # The page cut into a partial one (now the open page: the tail keeps it) loses its lease
+        # here and in contextd alike, or a server that recovers the session would not hold one
+        # the live server holds, and their next answers could differ.
+        unleased = [cut_page.page_id] if cut_page is not None and tokens < cut_page.token_end \
+            and cut_page.lease_until_turn > pager.turn else []
         pager.truncate(tokens)
+        if unleased:
+            self.contextd.set_leases(session.session_id, remove=unleased)
         if session.key_index is not None:
             session.key_index.truncate(tokens // PAGE_TOKENS)
         if session.lexical_index is not None:

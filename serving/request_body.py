@@ -68,6 +68,11 @@ class BodyParser:
                     self._remembered.popitem(last=False)
         return value
 
+    def forget(self, session: str) -> None:
+        """The server let go of `session`: its next body is parsed whole."""
+        with self._lock:
+            self._remembered.pop(session, None)
+
 
 def _skip(text: str, pos: int) -> int:
     match = _WHITESPACE.match(text, pos)

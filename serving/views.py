@@ -56,7 +56,8 @@ def stats(engine: Engine, session_id: str | None) -> dict[str, Any]:
     if session_id is None:
         return {"counters": engine.totals.as_dict(), "sessions": sorted(engine.sessions),
                 "budget_tokens": engine.config.budget_tokens, "active_session": engine.active,
-                "resident_sessions": [s for s in engine.caches if s in engine.sessions],
+                "resident_sessions": engine.sessions.residents,
+                "sessions_left_memory": engine.sessions.dropped,
                 "attention_tokens": backend.attention_tokens, "kv_bytes_per_token": kv_bytes_per_token(backend),
                 "heap": heap_figures()}
     session = engine.sessions[session_id]

@@ -135,8 +135,8 @@ def test_a_watched_turn_answers_as_an_unwatched_one_and_its_reading_describes_th
     assert a.counters.model_forward_tokens == \
         a.counters.new_prefill_tokens + a.counters.decoded_tokens + a.counters.blend_forward_tokens
     assert a.counters.historical_forward_during_restore == 0
-    reading = watched.readings["w"]
-    assert "p" not in plain.readings and "w" not in watched.watched
+    reading = watched.answers.reading("w")
+    assert plain.answers.reading("p") is None and watched.answers.candidates("w") is None
     assert reading.candidates == codes and len(reading.logprobs) == len(codes)
     assert reading.scoring_forward_tokens > 0
     ids = reading.transcript_ids
@@ -172,7 +172,7 @@ def test_a_turn_answered_in_branches_reads_as_the_turn_itself_and_leaves_the_ses
     assert branching.totals.decoded_tokens == plain.totals.decoded_tokens, "the branches' answers are not the server's"
     assert answer.counters.model_forward_tokens == \
         answer.counters.new_prefill_tokens + answer.counters.decoded_tokens + answer.counters.blend_forward_tokens
-    own, branches = branching.readings["b"], branching.branch_readings["b"]
+    own, branches = branching.answers.reading("b"), branching.answers.branch_readings("b")
     assert set(branches) == {"hybrid", "recency"}
     same = branches["hybrid"]
     assert own.restored_pages, "the question must bring a page back for this test to mean anything"
@@ -180,12 +180,12 @@ def test_a_turn_answered_in_branches_reads_as_the_turn_itself_and_leaves_the_ses
                                                                          own.restored_pages)
     assert same.logprobs == pytest.approx(own.logprobs, abs=1e-3)
     assert branches["recency"].restored_pages == []
-    assert set(branching.sessions) == {"b"} and not branching.watched_branches
+    assert set(branching.sessions) == {"b"} and branching.answers.take_branches("b") == []
     # A later watched turn without branches has none: not the last branched turn's.
     branching.watch_answer("b", codes)
     turn(branching, "b", [*asked, {"role": "assistant", "content": answer.content},
                           {"role": "user", "content": "And the walnut code?"}])
-    assert branching.branch_readings["b"] == {} and branching.readings["b"] is not own
+    assert branching.answers.branch_readings("b") == {} and branching.answers.reading("b") is not own
     with Client(contextd.socket) as client:
         assert {s.session_id for s in client.list_sessions()} >= {"b", "n"}
         assert not [s.session_id for s in client.list_sessions() if s.session_id.startswith("b-branch")]
@@ -209,7 +209,9 @@ def test_a_branch_that_fails_leaves_the_turn_and_the_engine_as_they_were(
     with caplog.at_level("WARNING", logger="kv_elision.engine"):
         assert turn(engine, "f", asked).content
     assert "this selector fails" in caplog.text
-    assert engine.selector is serving and engine.branch_readings["f"] == {} and engine.readings["f"].candidates == codes
+    reading = engine.answers.reading("f")
+    assert engine.selector is serving and engine.answers.branch_readings("f") == {}
+    assert reading is not None and reading.candidates == codes
     assert set(engine.sessions) == {"f"}
     with Client(contextd.socket) as client:
         assert not [s.session_id for s in client.list_sessions() if s.session_id.startswith("f-branch")]
@@ -221,7 +223,7 @@ def test_a_branch_that_cannot_score_on_this_model_is_refused_when_watched(contex
                     HybridSelector())
     with pytest.raises(ValueError, match="sliding-window or recurrent"):
         engine.watch_answer("q", ["1"], [RerankSelector()])
-    assert "q" not in engine.watched
+    assert engine.answers.candidates("q") is None
 
 
 def test_a_first_turn_has_no_branches_and_runs_as_it_would_have(backend: Backend, contextd: ContextdProcess,
@@ -234,7 +236,9 @@ def test_a_first_turn_has_no_branches_and_runs_as_it_would_have(backend: Backend
     with caplog.at_level("WARNING", logger="kv_elision.engine"):
         assert turn(engine, "first", messages).content
     assert "not answered in branches" in caplog.text
-    assert engine.branch_readings["first"] == {} and engine.readings["first"].candidates == ["1000", "1111"]
+    reading = engine.answers.reading("first")
+    assert engine.answers.branch_readings("first") == {}
+    assert reading is not None and reading.candidates == ["1000", "1111"]
     assert set(engine.sessions) == {"first"}
 
 
@@ -244,7 +248,7 @@ def test_placement_puts_restored_pages_before_the_question_and_ends_the_turn_in_
     engine = engine_on(backend, contextd, placement="question")
     asked = session_messages(engine, "q", watch=codes)
     turn(engine, "q", asked)
-    reading = engine.readings["q"]
+    reading = engine.answers.reading("q")
     assert reading.restored_pages, "the question must bring a page back for this test to mean anything"
     pages = engine.sessions["q"].pager.pages
     restored = {t for i in reading.restored_pages for t in range(pages[i].token_start, pages[i].token_end)}
@@ -297,7 +301,7 @@ def test_a_blended_turn_recomputes_what_its_policy_names_counts_it_and_ends_exac
     before = engine.sessions["b"].counters.blend_forward_tokens
     result = turn(engine, "b", asked)
     engine.observer = None
-    reading = engine.readings["b"]
+    reading = engine.answers.reading("b")
     assert reading.restored_pages and sorted(seen["restored"]) == reading.restored_pages
     pages = engine.sessions["b"].pager.pages
     assert result.counters.blend_forward_tokens - before == len(seen["chosen"]) >= \

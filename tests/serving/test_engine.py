@@ -244,12 +244,63 @@ def test_a_failed_turn_forgets_its_own_session_and_no_other(backend: Backend, co
     kept, failed = grow(engine, "kept", 3), grow(engine, "failed", 3)
     steps = engine.chat(ChatRequest("kept", [*kept[:-1], {"role": "user", "content": "And then?"}]))
     assert next(e for e in steps if not e.pause).prepared is not None   # "kept" is mid-turn
-    held = engine.caches["kept"].attention_tokens
+    held = engine.sessions.cache_of("kept").attention_tokens
     engine.forget("failed")   # what the worker does when another session's turn fails
     engine.resume("kept")
     assert held > 0 and engine.backend.attention_tokens == held
     final = [e.final for e in steps if e.final is not None]
     assert final and final[0].counters.recovered_pages == 0   # its cache was not touched
-    assert "failed" not in engine.sessions and "failed" not in engine.caches
+    assert "failed" not in engine.sessions and engine.sessions.cache_of("failed") is None
     again = turn(engine, "failed", [*failed[:-1], {"role": "user", "content": "Go on."}])
     assert again.counters.recovered_pages > 0   # it came back from contextd
+
+
+def test_sessions_past_the_memory_bound_leave_it_and_come_back_from_contextd_as_they_were(
+        backend: Backend, contextd: ContextdProcess) -> None:
+    """At most `sessions_in_memory` sessions stay in memory; the least recently used idle one
+    leaves and its next turn brings it back from contextd: copies of stored pages, no prefill of
+    its history, and the same answer a server that kept it in memory gives."""
+    fresh = backend.fork()
+    fresh.reset()
+    bounded = Engine(fresh, ChatFormat(fresh.tokenizer), Client(contextd.socket, timeout=60.0),
+                     dataclasses.replace(CONFIG, sessions_in_memory=2), HybridSelector())
+    roomy = engine_on(backend, contextd)
+    histories = {name: grow(bounded, name, 3) for name in ("x1", "x2", "x3")}
+    assert set(bounded.sessions) == {"x2", "x3"} and bounded.sessions.dropped == 1
+    for name in ("y1", "y2", "y3"):
+        grow(roomy, name, 3)
+    assert set(roomy.sessions) == {"y1", "y2", "y3"}
+    follow = {"role": "user", "content": "Which handler retries 14 times?"}
+    back = turn(bounded, "x1", [*histories["x1"], follow])
+    kept = turn(roomy, "y1", [*histories["x1"], follow])
+    assert back.content == kept.content
+    assert back.counters.recovered_pages > 0
+    assert back.prefilled_tokens == kept.prefilled_tokens   # the new message only, never its history
+    assert set(bounded.sessions) == {"x3", "x1"}   # x2 was the least recently used idle one
+    assert bounded.sessions.dropped == 2
+
+
+def test_the_memory_bound_must_hold_the_resident_sessions() -> None:
+    with pytest.raises(ValueError, match="sessions_in_memory"):
+        dataclasses.replace(CONFIG, resident_sessions=4, sessions_in_memory=2)
+
+
+def test_a_cut_inside_a_cold_page_leaves_memory_and_contextd_with_the_same_leases(
+        backend: Backend, contextd: ContextdProcess) -> None:
+    """A client's edit that cuts inside a cold page brings that page back to cut it. What the
+    pager then leases, contextd must hold too: a restarted server recovers leases from contextd,
+    and one lease more in memory than on disk made a live session's next answers differ from
+    the same session recovered (found by benchmarks.chaos)."""
+    engine = engine_on(backend, contextd)
+    messages = grow(engine, "cut", 6)
+    session = engine.sessions["cut"]
+    rendered_before = session.transcript.tokens
+    edited = [*messages[:-6], {"role": "user", "content": "Forget those files; what did the first one say?"}]
+    turn(engine, "cut", edited)
+    assert session.counters.rebuilds == 1 and session.transcript.tokens < rendered_before
+    pager = session.pager
+    with Client(contextd.socket) as client:
+        durable = {lease.page_id: lease.until_turn for lease in client.query_leases("cut")
+                   if lease.until_turn > pager.turn}
+    in_memory = {page.page_id: page.lease_until_turn for page in pager.pages if page.lease_until_turn > pager.turn}
+    assert in_memory == durable

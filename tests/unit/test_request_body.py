@@ -75,6 +75,15 @@ def test_sessions_beyond_the_limit_are_forgotten_oldest_first() -> None:
         BodyParser(sessions=0)
 
 
+def test_a_session_the_server_lets_go_is_forgotten() -> None:
+    parser = BodyParser()
+    for session in ("a", "b"):
+        parser.parse(body([{"role": "user", "content": session}]), session)
+    parser.forget("a")
+    parser.forget("never-seen")
+    assert list(parser._remembered) == ["b"]
+
+
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
                     max_leaves=8)
