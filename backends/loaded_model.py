@@ -14,13 +14,18 @@ import dataclasses
 import enum
 import functools
 import threading
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from .models import ModelSource
-from .protocol import ROPE_LAYOUT_NEOX, ROPE_LAYOUT_NONE, BackendError, LayerView, Tokenizer, UnsupportedModelError
-
-if TYPE_CHECKING:
-    from .runtime import SlotBackend
+from .protocol import (
+    ROPE_LAYOUT_NEOX,
+    ROPE_LAYOUT_NONE,
+    BackendError,
+    Counters,
+    LayerView,
+    Tokenizer,
+    UnsupportedModelError,
+)
 
 __all__ = ["ForwardTarget", "KeyLayout", "LayerRoles", "LoadedModel", "WindowShape"]
 
@@ -98,10 +103,10 @@ class LoadedModel:
     key_layouts: dict[int, KeyLayout] = dataclasses.field(default_factory=dict)
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
     # The store of the session whose forward is running (the model's hooks write there) and the
-    # session running a page operation (a token entering the model meanwhile is counted as a
-    # historical forward: there must be none).
+    # counters of the session running a page operation (a token entering the model meanwhile is
+    # counted there as a historical forward: there must be none).
     active: ForwardTarget | None = None
-    page_op: SlotBackend | None = None
+    page_op: Counters | None = None
     tokenizer: Tokenizer | None = None
 
     @property
@@ -148,7 +153,7 @@ class LoadedModel:
         running forward (counted when it lands), and to the running page operation, if any, as a
         historical forward (there must be none)."""
         if self.page_op is not None:
-            self.page_op._counters.historical_forward_during_restore += n
+            self.page_op.historical_forward_during_restore += n
         if self.active is not None:
             self.active.count_entered(n)
 

@@ -1110,7 +1110,7 @@ class SlotBackend(abc.ABC):
         self._settle()
         self._check_usable()
         self._weights = None   # the held tokens may move: weights of the last forward describe none
-        self._rt.page_op = self
+        self._rt.page_op = self._counters
         try:
             yield
         finally:

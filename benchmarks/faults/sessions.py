@@ -14,7 +14,7 @@ from typing import Any
 from harness.faults.oracle import CaseOutcome, Twins
 from harness.faults.processes import Daemon
 from harness.faults.scenarios import session_scenarios
-from harness.faults.sessions import server_sessions
+from harness.faults.sessions import job_sessions, server_sessions
 from harness.faults.zygote import Zygote
 
 
@@ -35,7 +35,7 @@ def run_sessions_part(args: argparse.Namespace, work: Path, zygote: Zygote, log:
         for trial in range(args.session_trials):
             schedule = [k for k, sc in enumerate(scenarios) for _ in sc.users]
             rng.shuffle(schedule)
-            result = zygote.run("sessions", {"socket": str(daemon.socket), "scenarios": [sc.name for sc in scenarios],
+            result = zygote.run(job_sessions, {"socket": str(daemon.socket), "scenarios": [sc.name for sc in scenarios],
                                              "sessions": [f"t{trial}-{sc.name}" for sc in scenarios],
                                              "schedule": schedule})
             outcome = CaseOutcome(f"4 sessions interleaved, trial {trial}", "sessions/in-process")

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from harness.faults.driver import job_drive
 from harness.faults.oracle import CONTEXTD_DOWN_STATUS, CaseOutcome, History, Twins
 from harness.faults.processes import Daemon
 from harness.faults.scenarios import Scenario
@@ -62,7 +63,7 @@ class CrashCampaign:
                 self.daemon.restart(crash=spec.label())
                 self.daemon.watch()
                 crashed_before = self.daemon.crashed
-            result = self.zygote.run("drive", params)
+            result = self.zygote.run(job_drive, params)
             if spec is not None and spec.where == "contextd":
                 self.daemon.unwatch()
                 if self.daemon.crashed == crashed_before:

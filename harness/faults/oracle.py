@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contextd.errors import DaemonUnavailable
+from harness.faults.driver import job_drive
 from harness.faults.processes import Daemon
 from harness.faults.scenarios import Scenario
 from harness.faults.zygote import Zygote
@@ -34,7 +35,7 @@ class Twins:
         key = (scenario.name, tuple(sequence))
         if key not in self._done:
             self._n += 1
-            result = self.zygote.run("drive", {"scenario": scenario.name, "socket": str(self.daemon.socket),
+            result = self.zygote.run(job_drive, {"scenario": scenario.name, "socket": str(self.daemon.socket),
                                                "session": f"twin-{scenario.name}-{self._n}",
                                                "sequence": list(sequence), "count": True})
             acks = result.of("ack")

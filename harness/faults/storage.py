@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from contextd.errors import StoreFull
+from harness.faults.driver import job_drive
 from harness.faults.oracle import CaseOutcome, History, Twins
 from harness.faults.processes import Daemon
 from harness.faults.scenarios import SCENARIOS, Scenario
@@ -125,7 +126,7 @@ class StorageCampaign:
         sid = f"s{self.count:04d}-{scenario.name}"
         outcome = CaseOutcome(case.label, f"{case.scenario}/{case.kind}")
         started = time.monotonic()
-        result = self.zygote.run("drive", {"scenario": case.scenario, "socket": str(daemon.socket), "session": sid,
+        result = self.zygote.run(job_drive, {"scenario": case.scenario, "socket": str(daemon.socket), "session": sid,
                                            "sequence": list(range(len(scenario.users))), "stays_up": True,
                                            "before": case.before, "after": case.after})
         history = History(len(scenario.users))

@@ -4,13 +4,15 @@ of kill -9 restarts fit in minutes (a fork costs milliseconds, loading a model ~
     python -m harness.faults.zygote tiny-llama tiny-qwen3-next
 
 reads one job per stdin line and answers one line per job: the child's exit status and every event
-it reported. Jobs: "drive" (harness.faults.driver) and "sessions" (harness.faults.sessions).
-Depends on backends, serving.chat_format and the campaign's own modules.
+it reported. A job is named by its function ("harness.faults.driver:job_drive"): the zygote
+imports the campaign's job modules only when a caller names one, so it depends on none of them.
+Depends on backends, serving.chat_format and harness.faults.processes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import select
@@ -33,6 +35,26 @@ START_S = 300.0
 # The zygote answers a job seconds after killing its child at the job's timeout (unless something
 # else holds the child's pipe open: then this deadline is what ends the wait).
 ANSWER_GRACE_S = 60.0
+
+
+# A job a child runs: (its reporter, the loaded models by name -> (backend, chat format), params).
+Job = Callable[["Reporter", dict[str, tuple[Any, Any]], dict[str, Any]], None]
+# The modules whose `job_*` functions a zygote runs (it never imports them itself: callers name them).
+JOB_MODULES = "harness.faults."
+
+
+def job_name(job: Job) -> str:
+    """How a job is named on the zygote's input: "module:function"."""
+    return f"{job.__module__}:{job.__qualname__}"
+
+
+def resolve_job(name: str) -> Job:
+    """The job a name gives (ValueError for anything but a campaign module's `job_*` function)."""
+    module, _, function = name.partition(":")
+    if not module.startswith(JOB_MODULES) or not function.startswith("job_"):
+        raise ValueError(f"not a campaign job: {name!r}")
+    job: Job = getattr(importlib.import_module(module), function)
+    return job
 
 
 class Reporter:
@@ -78,13 +100,15 @@ class Zygote:
             raise RuntimeError(f"the zygote did not start:\n{self._log_tail()}")
         self.lock = threading.Lock()
 
-    def run(self, job: str, params: dict[str, Any], timeout: float = 300.0) -> ChildResult:
-        """Run one job in a child of the zygote. The zygote kills a child at `timeout`; a zygote that
-        has not answered `answer_grace_s` later is stopped, and this raises RuntimeError."""
+    def run(self, job: Job, params: dict[str, Any], timeout: float = 300.0) -> ChildResult:
+        """Run one job (a campaign module's `job_*` function) in a child of the zygote. The zygote
+        kills a child at `timeout`; a zygote that has not answered `answer_grace_s` later is
+        stopped, and this raises RuntimeError."""
         assert self.proc.stdin is not None
         with self.lock:
             try:
-                self.proc.stdin.write((json.dumps({"job": job, "params": params, "timeout": timeout}) + "\n").encode())
+                self.proc.stdin.write((json.dumps({"job": job_name(job), "params": params,
+                                                   "timeout": timeout}) + "\n").encode())
                 self.proc.stdin.flush()
             except OSError as e:
                 raise RuntimeError(f"the zygote died ({e}):\n{self._log_tail()}") from None
@@ -136,12 +160,7 @@ def zygote_main(models: Sequence[str]) -> int:
 
     torch.set_num_threads(1)
     from backends import load_backend
-    from harness.faults.driver import job_drive
-    from harness.faults.sessions import job_sessions
     from serving.chat_format import ChatFormat
-
-    jobs: dict[str, Callable[[Reporter, dict[str, tuple[Any, Any]], dict[str, Any]], None]] = {
-        "drive": job_drive, "sessions": job_sessions}
 
     loaded: dict[str, tuple[Any, Any]] = {}
     for model in models:
@@ -153,6 +172,13 @@ def zygote_main(models: Sequence[str]) -> int:
     for line in sys.stdin.buffer:
         request = json.loads(line)
         started = time.monotonic()
+        try:
+            job = resolve_job(request["job"])   # imported here, before the fork, once per module
+        except (ValueError, ImportError, AttributeError):
+            out.write((json.dumps({"status": 1, "events": [{"error_trace": traceback.format_exc()[-4000:]}],
+                                   "seconds": 0.0}) + "\n").encode())
+            out.flush()
+            continue
         read_fd, write_fd = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child
@@ -161,7 +187,7 @@ def zygote_main(models: Sequence[str]) -> int:
             reporter = Reporter(write_fd)
             code = 0
             try:
-                jobs[request["job"]](reporter, loaded, request["params"])
+                job(reporter, loaded, request["params"])
             except BaseException:  # noqa: BLE001 - reported, then the child exits
                 reporter.event(error_trace=traceback.format_exc()[-4000:])
                 code = 1

@@ -14,7 +14,7 @@ import pytest
 from harness.faults.oracle import Twins
 from harness.faults.processes import Daemon, environ_set
 from harness.faults.scenarios import CRASH_ENV, SCENARIOS, messages_for, session_scenarios
-from harness.faults.sessions import server_sessions
+from harness.faults.sessions import job_sessions, server_sessions
 from harness.faults.zygote import Zygote
 from serving.launcher import ServerProcess
 from tests.reliability.conftest import explain
@@ -26,7 +26,7 @@ def test_four_sessions_interleaved_answer_as_alone_and_never_see_each_other(
     solo = [twins.run(sc, range(len(sc.users))) for sc in scenarios]
     schedule = [k for k, sc in enumerate(scenarios) for _ in sc.users]
     random.Random(4).shuffle(schedule)
-    result = zygote.run("sessions", {"socket": str(daemon.socket), "scenarios": [sc.name for sc in scenarios],
+    result = zygote.run(job_sessions, {"socket": str(daemon.socket), "scenarios": [sc.name for sc in scenarios],
                                      "sessions": [f"iso-{sc.name}" for sc in scenarios], "schedule": schedule})
     assert result.status == 0, result.error
     acks = result.of("ack")

@@ -141,3 +141,99 @@ def test_the_walk_sees_a_second_enum(tmp_path: Path) -> None:
     copy.write_text("class State(IntEnum):\n    HOT = 1\n    COLD: int = 2\n"
                     "class Kind:\n    SYSTEM = TOOLS = 'x'\n    OBJECTIVE = 'y'\n")
     assert enum_copies(copy) == [(1, "State", "page state"), (4, "Kind", "pin kind")]
+
+
+# ------------------------------------------------------------------ import circles
+
+CYCLE_PACKAGES = (*PACKAGES, "benchmarks")
+
+
+def module_name(path: Path, root: Path = REPO) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_imports(path: Path, known: set[str], root: Path = REPO) -> set[str]:
+    """The modules of `known` that `path` imports, relative imports resolved, `from pkg import
+    name` read as the module pkg.name where there is one, else as pkg; imports inside functions
+    and under TYPE_CHECKING count (a circle there is still a circle of the design)."""
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def import_circles(paths: list[Path], root: Path = REPO) -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan), each sorted."""
+    known = {module_name(p, root) for p in paths}
+    graph = {module_name(p, root): module_imports(p, known, root) for p in paths}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_no_module_imports_itself_back() -> None:
+    """No circle of imports anywhere in our packages, inside a room or between rooms; a package's
+    __init__ re-exporting its modules is the one kind allowed (it imports down, never up)."""
+    paths = [p for package in CYCLE_PACKAGES for p in sorted((REPO / package).rglob("*.py")) if "_gen" not in p.parts]
+    circles = [c for c in import_circles(paths)
+               if not any(m + "." in other for m in c if REPO.joinpath(*m.split("."), "__init__.py").exists()
+                          for other in c)]
+    assert not circles, circles
+
+
+def test_the_circle_finder_sees_a_relative_and_a_lazy_circle(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import thing\n")
+    (pkg / "b.py").write_text("def thing():\n    from pkg import c\n    return c\n")
+    (pkg / "c.py").write_text("import pkg.a\n")
+    (pkg / "d.py").write_text("from . import a\n")
+    paths = sorted(pkg.rglob("*.py"))
+    assert import_circles(paths, tmp_path) == [["pkg.a", "pkg.b", "pkg.c"]]
