@@ -1084,6 +1084,11 @@ class SlotBackend(abc.ABC):
         other._scoring = None
         other._watch, other._weights = self._watch, None
         other._reads = blockfile.ReadQueue(READ_THREADS, READ_LINGER_S)
+        # Every field a session holds is decided above: one added to `__init__` and not here fails
+        # every fork, not silently one session. (A runtime's field that only ever holds its class
+        # default once settled, such as MLX's steps ahead, reads the same on the fork.)
+        held = {name for name, value in vars(self).items() if getattr(type(self), name, object()) is not value}
+        assert held <= vars(other).keys(), sorted(held - vars(other).keys())
         return other
 
     def reset(self) -> None:

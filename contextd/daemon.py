@@ -1072,7 +1072,7 @@ class Daemon:
         max_idle = self.config.retention.max_idle_s
         if not max_idle:
             return []
-        cutoff = time.time() - max_idle
+        cutoff = self.config.clock.time() - max_idle
         with self.store.read() as txn:
             return [s.session_id for _, s in txn.scan(SESSIONS, EVERYTHING) if s.updated_unix < cutoff]
 

@@ -398,6 +398,15 @@ def test_fork_is_independent_and_reset_empties(models: Models) -> None:
     assert [be.decode() for _ in range(4)] == [twin.decode() for _ in range(4)]
 
 
+def test_a_session_field_fork_does_not_decide_fails_every_fork(models: Models) -> None:
+    """A field added to a session and forgotten in `fork` would leave forks without it (or sharing
+    it): the fork refuses instead."""
+    be = models.fresh("tiny-llama")
+    be._forgotten = []   # type: ignore[attr-defined]
+    with pytest.raises(AssertionError, match="_forgotten"):
+        be.fork()
+
+
 def test_decode_feeds_pending_or_given_token_and_samples_reproducibly(models: Models) -> None:
     be = models.fresh("tiny-llama")
     logits = be.prefill(models.tokens[:64])

@@ -12,7 +12,7 @@ from contextd.client import Client, pb
 from contextd.errors import FailedPrecondition, InvalidArgument, NotFound, StoreFull
 from contextd.wire import PageState, PinKind
 from serving.launcher import ContextdProcess
-from tests.contextd.conftest import states, store_payload
+from tests.contextd.conftest import MovedClock, states, store_payload
 
 PAGE_TOKENS = 128
 
@@ -419,7 +419,7 @@ def test_reserve_larger_than_free_space_fails_writes_cleanly(daemon_factory: obj
     assert client.query_pages("r")[0].locator == ""
 
 
-def test_retention_caps_a_session_and_deletes_idle_ones(daemon_factory: object) -> None:
+def test_retention_caps_a_session_and_deletes_idle_ones(daemon_factory: object, clock: MovedClock) -> None:
     size = 32 * 1024
     proc: ContextdProcess = daemon_factory("--reserve-bytes", "0", "--session-quota-bytes",  # type: ignore[operator]
                                            str(4 * size), "--max-idle", "2s")
@@ -437,7 +437,8 @@ def test_retention_caps_a_session_and_deletes_idle_ones(daemon_factory: object) 
     assert client.get_session("q").pages.bytes_on_disk <= 4 * size
     status = client.status()
     assert status.session_quota_bytes == 4 * size and status.max_idle_s == 2.0
-    time.sleep(2.5)
+    assert client.gc(dry_run=True).idle_sessions_deleted == 0
+    clock.advance(2.5)
     assert client.gc(dry_run=True).idle_sessions_deleted == 1 and client.get_session("q")
     assert client.gc().idle_sessions_deleted == 1
     with pytest.raises(NotFound):

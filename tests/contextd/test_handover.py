@@ -6,7 +6,6 @@ daemons from holding one session at once, and a stale holder's write is refused 
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -21,7 +20,7 @@ from harness.rgw import Rgw
 from serving.launcher import ContextdProcess
 from tests.objectstore import bucket
 
-from .conftest import in_thread, store_payload
+from .conftest import MovedClock, in_thread, store_payload
 from .test_object_tier import data, page, tiered
 
 
@@ -129,11 +128,11 @@ def test_a_running_lease_keeps_the_session_and_two_daemons_racing_get_one_each_t
 
 
 def test_a_stale_holders_write_is_refused_and_its_pages_go_when_it_adopts_again(
-        daemon_factory: Any, s3: ObjectStore) -> None:
+        clock: MovedClock, daemon_factory: Any, s3: ObjectStore) -> None:
     _, a = tiered(daemon_factory, s3)
     first_turn(a)
     a.hold_session("s", "m", 0.5)                           # a's next turn, which stalls past its lease
-    time.sleep(0.8)
+    clock.advance(0.8)
     b = server(daemon_factory, s3)
     assert b.hold_session("s", "m", 30).adopted
     with pytest.raises(SessionHeld, match="taken over"):
