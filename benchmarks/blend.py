@@ -11,7 +11,7 @@ configuration from `kv-elision serve`'s flags with the blend off). Three session
 in one line of the system prompt (a working directory, as Pi states it), so page edges move.
 
 At each question, once the turn's restores are placed and before its answer's opening is
-prefilled (`Engine.observer`), the view is forked once per variant; the variant's tokens are
+prefilled (`Engine.observers`), the view is forked once per variant; the variant's tokens are
 recomputed in that view (`Backend.recompute`), the opening is prefilled, and the fork is read as
 the answer would read it: the right value's likelihood rank among every value planted in the
 session (`recall_at_1`), its log-probability, and the greedy answer (does it hold the value).
@@ -62,11 +62,13 @@ from harness.fact_script import (
 from harness.procfs import machine_cpu_seconds, other_cpu_share, process_cpu_seconds
 from serving.chat_format import ChatFormat
 from serving.cli import build_parser, engine_config
-from serving.engine import ChatRequest, Engine
+from serving.engine import Engine
 from serving.launcher import ContextdProcess
 from serving.likelihood import continuation_logprobs
+from serving.observe import TurnObserver
 from serving.paging import recompute_scratch, rewind
 from serving.session import Session
+from serving.turn import ChatRequest
 
 DEFAULT_VARIANTS = "exact,all,new,restored,tail,pins,heads4,heads16,dev10,new+restored,new+heads4,new+restored@20"
 # The layers (among the paged ones) whose key deviation ranks tokens for the devP variants: the
@@ -112,7 +114,7 @@ def variant_indices(name: str, parts: ViewParts, dev: np.ndarray) -> np.ndarray:
     return parts.part(name)
 
 
-class Reader:
+class Reader(TurnObserver):
     """The engine's observer: at a question's turn, reads every variant of the planned view."""
 
     def __init__(self, fmt: ChatFormat, variants: list[str], greedy_tokens: int) -> None:
@@ -180,7 +182,7 @@ def play(backend: Backend, seed: int, session: int, variants: list[str], greedy_
         fmt = ChatFormat(fork.tokenizer)
         engine = Engine(fork, fmt, client, config, make_selector(args.selector, args.restore_pages))
         reader = Reader(fmt, variants, greedy_tokens)
-        engine.observer = reader
+        engine.observers.append(reader)
         session_id = f"blend-{seed}-{session}"
         messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt(session)}]
         for step in script.steps:
@@ -203,7 +205,7 @@ def play(backend: Backend, seed: int, session: int, variants: list[str], greedy_
         shutil.rmtree(base, ignore_errors=True)
 
 
-class ViewRecorder:
+class ViewRecorder(TurnObserver):
     """The engine's observer in a timed play: only notes the planned view (its token ids in position
     order) and the answer's opening, so a fresh prefill of the same tokens can be timed after."""
 
@@ -231,7 +233,7 @@ def time_turns(backend: Backend, seed: int, session: int, serve_flags: list[str]
         engine = Engine(fork, ChatFormat(fork.tokenizer), client, engine_config(args),
                         make_selector(args.selector, args.restore_pages))
         recorder = ViewRecorder()
-        engine.observer = recorder
+        engine.observers.append(recorder)
         scratch = load_like(fork)
         session_id = f"ttft-{seed}-{session}"
         messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt(session)}]

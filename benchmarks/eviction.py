@@ -16,7 +16,7 @@ tokens; the next turn answers. Only questions whose fact is in one file are aske
 a question whose file came while another task was open is not asked.
 
 At the answer turn (the selector has already run on the last tool result, as it would), over the
-exact cache the answer is read from (`Engine.watch_answer`, serving.likelihood):
+exact cache the answer is read from (serving.watch.AnswerWatch, serving.likelihood):
   kept            every page that holds the fact is in attention;
   question_kept   the page(s) holding the question are (the question is asked once, so an answer
                   read without it is read blind: recall with the fact kept but not the question,
@@ -69,10 +69,12 @@ from controller.eviction import EVICTION_ORDERS, AttentionOrderConfig
 from harness.procfs import machine_cpu_seconds, other_cpu_share, process_cpu_seconds
 from harness.shapes import SHAPES, TUNING_SEEDS, Question, Workload, approx_tokens, make
 from serving.chat_format import ChatFormat
-from serving.engine import ChatRequest, Engine, EngineConfig
+from serving.engine import Engine, EngineConfig
 from serving.heap import freeze_loaded_heap
 from serving.launcher import ContextdProcess
 from serving.scoring import ControllerScorer
+from serving.turn import ChatRequest
+from serving.watch import AnswerWatch
 
 MODEL = "smollm2-135m"
 DEFAULT_SHAPES = ("prose", "code", "config", "paraphrase", "near_duplicate")
@@ -146,6 +148,7 @@ def drive(backend: Backend, client: Any, workload: Workload, budget: int, gap: f
                     EngineConfig(budget_tokens=budget, tail_tokens=512, max_new_tokens=1, evict_order=order),
                     controller=ControllerScorer(controller, fresh.tokenizer)
                     if controller is not None and order == "model" else None)
+    watch = AnswerWatch(engine)
     session_id = f"{workload.shape}-{workload.seed}-{budget}-{order}"
     values = list(dict.fromkeys(q.answer for q in workload.questions))
     messages: list[dict[str, Any]] = []
@@ -156,7 +159,7 @@ def drive(backend: Backend, client: Any, workload: Workload, budget: int, gap: f
     for turn in script(workload, budget, gap):
         messages.extend(turn.messages)
         if turn.answers is not None:
-            engine.watch_answer(session_id, values)
+            watch.watch(session_id, values)
         for _ in engine.chat(ChatRequest(session_id, list(messages), tools=workload.tools, max_tokens=1)):
             pass
         session = engine.sessions[session_id]
@@ -167,7 +170,7 @@ def drive(backend: Backend, client: Any, workload: Workload, budget: int, gap: f
             read_ms.append(session.read_ahead_ms)
         if turn.answers is None:
             continue
-        reading = engine.answers.take_reading(session_id)
+        reading = watch.take_reading(session_id)
         held = set(reading.resident_pages)
         text, spans = token_spans(engine, session_id)
         task, *others = locate(text, spans, dataclasses.replace(workload, questions=(turn.answers,

@@ -61,11 +61,12 @@ from controller.pager import Decision
 from harness.corpus import SAMPLE_TEXT
 from harness.procfs import machine_cpu_seconds, other_cpu_share, process_cpu_seconds
 from serving.chat_format import ChatFormat
-from serving.engine import ChatRequest, Engine, EngineConfig
+from serving.engine import Engine, EngineConfig
 from serving.heap import freeze_loaded_heap
 from serving.launcher import ContextdProcess
 from serving.paging import rewind
 from serving.session import Session
+from serving.turn import ChatRequest
 
 K_PAGES = (1, 8, 32)
 

@@ -29,9 +29,9 @@ new_prefill_tokens + decoded_tokens held), `summary` (per selector and budget, b
 the machine's as much as the selector's when other processes took more than a tenth of it.
 
 With `--answers`, each counted question is also answered once per selector, from the same state:
-a branch of the built session (`Engine.answer_in_branches`: the session's stored pages and resident set,
+a branch of the built session (`AnswerWatch.answer_in_branches`: the session's stored pages and resident set,
 no prefill of its history) takes the question in a real turn with that selector, and the answer's
-view is scored (`Engine.watch_answer`: the teacher-forced log p of every answer the workload
+view is scored (serving.watch: the teacher-forced log p of every answer the workload
 plants, the right one's rank among them). Through Pi (benchmarks.compare) each arm writes its
 own answers, so two arms' sessions part at the first answer that differs and every later
 question compares different histories; here the two selectors' answers differ only by what they
@@ -68,10 +68,12 @@ from controller.selectors import (
 from harness.procfs import machine_cpu_seconds, other_cpu_share, own_cpu_seconds
 from harness.shapes import DEFAULT_TOKENS, HELD_OUT_SEEDS, SHAPES, TUNING_SEEDS, Question, Workload, make
 from serving.chat_format import ChatFormat
-from serving.engine import ChatRequest, Engine, EngineConfig, TurnResult
+from serving.engine import Engine, EngineConfig
 from serving.heap import freeze_loaded_heap
 from serving.launcher import ContextdProcess
 from serving.scoring import ControllerConfig, ControllerScorer
+from serving.turn import ChatRequest, TurnResult
+from serving.watch import AnswerWatch
 
 MODEL = "smollm2-135m"
 BASE_SELECTORS = ("recency", "attention", "bm25", "hybrid", "rerank")   # the default run
@@ -159,13 +161,14 @@ def read_answers(engine: Engine, parent: str, messages: list[dict[str, Any]], wo
                  counted: list[tuple[Question, Located]], chosen: Sequence[Selector],
                  results: dict[str, dict[str, Any]]) -> int:
     """Each counted question answered in a branch of `parent` per selector
-    (`Engine.answer_in_branches`), its answer's view scored against every answer the workload
+    (`AnswerWatch.answer_in_branches`), its answer's view scored against every answer the workload
     plants (see the module docstring); returns the most tokens a branch prefilled."""
     candidates = list(dict.fromkeys(q.answer for q in workload.questions))
+    watch = AnswerWatch(engine)
     prefilled = 0
     for question, where in counted:
         request = ChatRequest(parent, [*messages, workload.question_message(question)], tools=workload.tools)
-        for name, (reading, tokens) in engine.answer_in_branches(request, candidates, chosen).items():
+        for name, (reading, tokens) in watch.answer_in_branches(request, candidates, chosen).items():
             prefilled = max(prefilled, tokens)
             held = set(reading.resident_pages)
             right = candidates.index(question.answer)

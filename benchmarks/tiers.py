@@ -48,10 +48,11 @@ from contextd.client import Client
 from harness.procfs import machine_cpu_seconds, other_cpu_share, own_cpu_seconds
 from harness.rgw import Rgw, missing
 from serving.chat_format import ChatFormat
-from serving.engine import ChatRequest, Engine, EngineConfig, TurnResult
+from serving.engine import Engine, EngineConfig
 from serving.heap import freeze_loaded_heap
 from serving.launcher import ContextdProcess
 from serving.paging import rewind
+from serving.turn import ChatRequest, TurnResult
 
 
 def main(argv: list[str] | None = None) -> int:

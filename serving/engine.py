@@ -28,15 +28,11 @@ recovery / session / transcript / chat_format / likelihood.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import time
-import uuid
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any
 
 import numpy as np
 
@@ -59,7 +55,6 @@ from controller.lexical import DEFAULT_LEXICAL, LexicalConfig, LexicalIndex
 from controller.pager import Decision, Pager, PagerConfig, Plan, PrefixChain
 from controller.selectors import RecencySelector, SelectionContext, Selector
 from serving.chat_format import ChatFormat, Rendering, content_text
-from serving.likelihood import ViewCapture, ViewReading, capture_view
 from serving.observe import TurnObserver
 from serving.paging import PageMover, Tally
 from serving.recovery import Recovery
@@ -76,7 +71,7 @@ from serving.transcript import (
     parse_tool_calls,
     recomputed_tokens,
 )
-from serving.watch import AnswerWatch
+from serving.turn import ChatRequest, FinishReason, Prepared, TurnEvent, TurnResult
 
 log = logging.getLogger("kv_elision.engine")
 
@@ -143,71 +138,6 @@ class EngineConfig:
                            lease_turns=self.lease_turns)
 
 
-@dataclass
-class ChatRequest:
-    """What the server extracted from one /v1/chat/completions body."""
-
-    session_id: str
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = None
-    thinking: str = "default"
-    max_tokens: int | None = None
-    temperature: float = 0.0
-    seed: int | None = None
-    message_hashes: list[str] | None = None
-    plan: Plan | None = None
-    cancelled: Callable[[], bool] | None = None  # polled between decoded tokens (the client went away)
-    received_ms: float = 0.0   # reading and parsing the request body (counted in the turn's overhead)
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """The prompt is in: how much was prefilled, and why cached state was not reused ("" if it was)."""
-
-    prefilled_tokens: int
-    rebuilt: str
-
-
-class FinishReason(StrEnum):
-    """Why an answer ended, as the OpenAI API names it (`finish_reason`)."""
-
-    STOP = "stop"              # the model's end-of-turn token
-    LENGTH = "length"          # max_tokens
-    TOOL_CALLS = "tool_calls"  # the answer calls tools
-    CANCELLED = "cancelled"    # the client went away; the cache holds what was picked
-
-
-@dataclass
-class TurnResult:
-    content: str
-    tool_calls: list[dict[str, Any]]
-    finish_reason: FinishReason
-    prompt_tokens: int           # tokens of the whole transcript as rendered
-    prefilled_tokens: int        # tokens that went through the model for the prompt this turn
-    completion_tokens: int
-    counters: SessionCounters
-    rebuilt: str = ""            # why cached state was not reused ("" when it was)
-    sampled: str = ""            # why this turn was sampled instead of greedy
-
-
-@dataclass(frozen=True)
-class TurnEvent:
-    """Streamed out of `Engine.chat`: one `prepared` once the prompt is in, text deltas, one `final`.
-    An empty one (`pause`) comes between prefill chunks and before each decoded token: a point
-    where another session's turn may run. One before a token carries the `decode` step it waits
-    for: a caller may run it, together with other sessions' (`Engine.decode_batch`), and send the
-    token in; one that sends nothing (plain iteration) has the turn run it itself."""
-
-    delta: str = ""
-    prepared: Prepared | None = None
-    final: TurnResult | None = None
-    decode: DecodeStep | None = None
-
-    @property
-    def pause(self) -> bool:
-        return not (self.delta or self.prepared or self.final)
-
-
 @dataclass(frozen=True)
 class PromptPiece:
     """One message's share of the new text: its tokens, the hard pin it gets, whether it closes a
@@ -254,10 +184,15 @@ class Engine:
         self.recovery = Recovery(self.mover, contextd, self.tally, self._indexes)
         self.sessions = SessionTable(backend, resident=config.resident_sessions,
                                      in_memory=config.sessions_in_memory, fork=backend.fork, clock=clock)
-        self.answers = AnswerWatch()   # what watched turns' answers read (measurement: serving.watch)
-        self.sessions.on_drop(self.answers.forget)
         self.stop_ids = chat_format.stop_ids
-        self.observer: TurnObserver | None = None      # measurement hooks (serving.observe), benchmarks only
+        # Measurement hooks (serving.observe): what reads a turn from the inside, which the turn
+        # calls at fixed points and never depends on.
+        self.observers: list[TurnObserver] = []
+
+    def check_scoring(self, selector: Selector) -> None:
+        """Refuse a selector that must score pages apart over their stored K/V on a model whose
+        pages this engine cannot score so (`_check_scoring`): ValueError saying why."""
+        self._check_scoring(selector, self.mover.controller)
 
     def _check_scoring(self, selector: Selector, controller: ControllerScorer | None) -> None:
         """Refuse what must score pages apart over their stored K/V (one forward, so every layer
@@ -386,10 +321,11 @@ class Engine:
         (`Engine.decode_batch` ran it) or, when nothing is sent, runs in the turn; an exception
         thrown back (that forward failed) is raised where the turn would have decoded."""
         session_id = request.session_id
-        # Before the turn marks its session busy: a branch may need the session's cache.
-        branches = self._read_branches(request)
+        # Before the turn marks its session busy: an observer's branch may need the session's cache.
+        for observer in list(self.observers):
+            observer.before_turn(request)
         turn = self.sessions.begin_turn(session_id)
-        steps = self._turn(request, branches)
+        steps = self._turn(request)
         answer: int | None = None
         failure: Exception | None = None
         answered = False   # the final event is out: its record ended the lease
@@ -465,10 +401,8 @@ class Engine:
         except ContextdError as exc:
             log.info("session %s: its failed turn's lease was not released (%s)", session_id, exc)
 
-    def _turn(self, request: ChatRequest, branches: dict[str, ViewReading]
-              ) -> Generator[TurnEvent, int | None, None]:
-        """One turn (`chat`); `branches`: what its request read answered in branches, published
-        with the turn's own reading."""
+    def _turn(self, request: ChatRequest) -> Generator[TurnEvent, int | None, None]:
+        """One turn (`chat`)."""
         started = time.perf_counter()
         fingerprint = self.format.fingerprint(request.tools, request.thinking)
         known = self.sessions.get(request.session_id)
@@ -537,16 +471,17 @@ class Engine:
                 session.pager.mark_ledger(len(session.pager.pages) - 1)
         new_tokens = sum(len(p.segment.ids) for p in body)
         restored, placed = self._apply_plan(session, request, new_tokens)
-        if self.observer is not None:
-            self.observer.view_planned(session, self.backend, restored, new_tokens,
-                                       [t for piece in opener for t in piece.segment.ids])
+        for observer in self.observers:
+            observer.view_planned(session, self.backend, restored, new_tokens,
+                                  [t for piece in opener for t in piece.segment.ids])
         if opener:   # the opening's forward gives the answer logits that read the recomputed view
             self._blend(session, restored, new_tokens)
         for piece in opener:
             if session.attention is not None:
                 session.attention.begin_opening()
             yield from self._prefill(session, piece.segment, piece.pin, logits=True)
-        watched = self._capture_answer_view(session, restored)
+        for observer in self.observers:
+            observer.answer_view(session, self.backend, restored)
         yield TurnEvent(prepared=Prepared(prefilled_tokens=len(prompt_ids), rebuilt=rebuilt))
 
         picked, finish, sampled = yield from self._generate(session, request, prompt_ids)
@@ -559,10 +494,8 @@ class Engine:
         result.rebuilt = rebuilt
         result.sampled = sampled
         yield TurnEvent(final=result)
-        if watched is not None:
-            # After the answer is out: the worker still holds its lock, so a reader of the
-            # reading waits for it, and the answer did not wait for the scoring.
-            self.answers.publish(session.session_id, watched.read(), branches)
+        for observer in self.observers:
+            observer.answered(session)
         yield from self._read_ahead(session)
 
     def _read_ahead(self, session: Session) -> Generator[TurnEvent, int | None, None]:
@@ -720,97 +653,6 @@ class Engine:
             return
         parts = view_parts(session.pager, restored, new_tokens, self.backend.positions())
         self.mover.blend(policy.choose(parts))   # a forward: its time is the turn's forward_ms
-
-    # ------------------------------------------------------------------ reading answers
-
-    def watch_answer(self, session_id: str, candidates: list[str], branches: Sequence[Selector] = ()) -> None:
-        """At `session_id`'s next turn, once the answer's opener is in, score each candidate answer
-        over the exact cache the answer is decoded from (serving.likelihood); `readings` keeps
-        the result. For measuring what the model reads (benchmarks.answers); the turn itself
-        answers as it would unwatched. With `branches`, the same request is first answered once
-        per selector in a branch of the session (`answer_in_branches`), before the turn itself;
-        `branch_readings` keeps those readings, published with the turn's own (serving.watch)."""
-        self._check_branches(branches)
-        self.answers.watch(session_id, candidates, branches)
-
-    def _check_branches(self, selectors: Sequence[Selector]) -> None:
-        names = [selector.name for selector in selectors]
-        if len(set(names)) < len(names):
-            raise ValueError(f"each selector answers in one branch: {', '.join(names)} names one twice")
-        for selector in selectors:
-            self._check_scoring(selector, self.mover.controller)
-
-    def answer_in_branches(self, request: ChatRequest, candidates: list[str], selectors: Sequence[Selector]
-                           ) -> dict[str, tuple[ViewReading, int]]:
-        """`request` (a next turn of the stored session `request.session_id`) answered once per
-        selector, each time in a new branch of that session as its last turn left it: contextd's
-        copy of its record and pages, with the session's leases copied too (a branch starts
-        without leases, and they decide what may leave), brought back as after a restart (no
-        prefill of history). The answer is one token long, that selector chooses the restores
-        (a plan the request carries is not used), and the answer's view is scored against
-        `candidates`. Each branch is dropped from memory and from contextd before the next, so
-        every selector starts from the same state; the branches' forwards and page moves are
-        left out of the server's totals. Returns the reading and the tokens prefilled, per selector.
-
-        Why: two sessions that each write their own answers part at the first answer that
-        differs, and every later question then compares two histories; through Pi most of the
-        difference between two selectors' answers came from that, not from their choices
-        (docs/controller.md, "Answers from the same state through Pi"). With the session's own
-        selector (built alike) a branch reads what the session's turn then reads, unless the
-        eviction order is the model's: a branch's eviction focus starts from this request.
-        With one resident session, each branch takes the session's cache, and its turn brings
-        the session back from the store (exact, at the cost of those restores)."""
-        self._check_branches(selectors)
-        serving, totals = self.selector, copy.deepcopy(self.tally.totals)
-        out: dict[str, tuple[ViewReading, int]] = {}
-        try:
-            for selector in selectors:
-                branch = f"{request.session_id}-branch-{uuid.uuid4().hex[:12]}"
-                self.contextd.branch_session(branch, request.session_id)
-                try:
-                    self.contextd.set_leases(branch, add=self.contextd.query_leases(request.session_id))
-                    self.selector = selector   # the engine's one selector, for this turn only
-                    self.watch_answer(branch, candidates)
-                    final: TurnResult | None = None
-                    for event in self.chat(dataclasses.replace(request, session_id=branch, max_tokens=1,
-                                                               plan=None, cancelled=None)):
-                        final = event.final or final
-                    reading = self.answers.reading(branch)
-                    if final is None or reading is None:
-                        raise RuntimeError(f"the branch of {request.session_id} answered nothing")
-                    out[selector.name] = (reading, final.prefilled_tokens)
-                finally:
-                    self.answers.forget(branch)
-                    try:
-                        self.forget(branch)
-                    finally:
-                        self.contextd.delete_session(branch)
-        finally:
-            self.selector = serving
-            self.tally.totals = totals
-        return out
-
-    def _read_branches(self, request: ChatRequest) -> dict[str, ViewReading]:
-        """`answer_in_branches` for a watched turn, before the turn itself. It only measures: if a
-        branch fails, that is logged, the turn has no branch readings, and it runs as it would
-        have."""
-        selectors = self.answers.take_branches(request.session_id)
-        candidates = self.answers.candidates(request.session_id)
-        if not selectors or candidates is None:
-            return {}
-        try:
-            return {name: reading for name, (reading, _) in
-                    self.answer_in_branches(request, candidates, selectors).items()}
-        except Exception:  # noqa: BLE001 - a measurement never fails the turn it measures
-            log.warning("session %s: its turn was not answered in branches", request.session_id, exc_info=True)
-            return {}
-
-    def _capture_answer_view(self, session: Session, restored: list[int]) -> ViewCapture | None:
-        candidates = self.answers.take_candidates(session.session_id)
-        if candidates is None:
-            return None
-        return capture_view(self.backend, session.pager, session.transcript.ids, candidates,
-                            [self.format.encode(c) for c in candidates], restored)
 
     def _incoming_keys(self, new_tokens: int, key_index: KeyIndex | None) -> np.ndarray | None:
         """Canonical keys of the turn's newest tokens (still in attention), for the key index."""

@@ -70,9 +70,11 @@ from contextd.errors import (
 from contextd.ids import MAX_ID_LENGTH, check_id
 from controller.selectors import SELECTORS, make_selector
 from serving import views
-from serving.engine import ChatRequest, Engine, Prepared, TurnEvent, TurnResult
+from serving.engine import Engine
 from serving.request_body import BodyParser
 from serving.transcript import TOOL_CALL_OPEN, TranscriptError, digest
+from serving.turn import ChatRequest, Prepared, TurnEvent, TurnResult
+from serving.watch import AnswerWatch
 
 log = logging.getLogger("kv_elision.server")
 
@@ -81,7 +83,7 @@ MAX_BODY_BYTES = 32 << 20
 # agent with subagents opens a few at once; the reliability campaign holds 40 stalled ones.
 MAX_CONNECTIONS = 64
 _DECIMAL = re.compile(r"[0-9]+")
-# Engine.answer_in_branches names each branch of a watched turn `ID-branch-<12 hex digits>`, a
+# AnswerWatch.answer_in_branches (serving.watch) names each branch of a watched turn `ID-branch-<12 hex digits>`, a
 # session id contextd must accept too.
 BRANCH_SUFFIX_CHARS = len("-branch-") + 12
 WORKER_STOP_S = 60.0  # past a drain's deadline: for the cut turns' last step and write-through
@@ -645,6 +647,7 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
     # The last body of each session the engine keeps in memory, forgotten with it.
     bodies = BodyParser(worker.engine.config.sessions_in_memory)
     worker.engine.sessions.on_drop(bodies.forget)
+    answers = AnswerWatch(worker.engine)   # what /v1/kv/score watches and reads
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -805,8 +808,8 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
             session = self._session(query, "/v1/kv/score")
             self._loopback_only("what a session's answer read")
             with worker.held():
-                reading = worker.engine.answers.reading(session)
-                branches = worker.engine.answers.branch_readings(session)
+                reading = answers.reading(session)
+                branches = answers.branch_readings(session)
             if reading is None:
                 raise RequestError(HTTPStatus.NOT_FOUND, f"no watched turn of session {session!r} has run yet",
                                    "reading_not_found")
@@ -831,8 +834,7 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
             self._loopback_only("scoring a session's answers")
             with worker.held():
                 try:
-                    worker.engine.watch_answer(session, candidates,
-                                               [make_selector(name, restore_pages) for name in names])
+                    answers.watch(session, candidates, [make_selector(name, restore_pages) for name in names])
                 except ValueError as exc:
                     raise RequestError(HTTPStatus.BAD_REQUEST, str(exc)) from None
             self._json(HTTPStatus.ACCEPTED, {"session": session, "watching": len(candidates)})

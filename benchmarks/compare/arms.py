@@ -79,7 +79,7 @@ class Settings:
     controller: str | None = None
     controller_cache_mb: int = 512
     # Selectors that also answer every question of a kv-elision arm, each in a branch of the
-    # session from the state before the question (`Engine.answer_in_branches`).
+    # session from the state before the question (`AnswerWatch.answer_in_branches`, serving.watch).
     branches: tuple[str, ...] = ()
 
 

@@ -95,8 +95,8 @@ class Driver:
 
     def turn(self, messages: list[dict[str, Any]]) -> tuple[int, Any]:
         """One request through the worker: (200, TurnResult) or (status, message)."""
-        from serving.engine import ChatRequest
         from serving.http import RequestError
+        from serving.turn import ChatRequest
 
         try:
             job = self.worker.submit(ChatRequest(self.sid, messages))

@@ -261,9 +261,10 @@ def _finalizer_child(work: Path) -> dict[str, Any]:
     from backends import blockfile, load_backend
     from controller.selectors import make_selector
     from serving.chat_format import ChatFormat
-    from serving.engine import ChatRequest, Engine, EngineConfig
+    from serving.engine import Engine, EngineConfig
     from serving.http import RequestError, Worker
     from serving.launcher import ContextdProcess
+    from serving.turn import ChatRequest
 
     blockfile.READ_DEADLINE_S = READ_DEADLINE_S
     daemon = ContextdProcess(work / "contextd", work / "c.sock", log=work / "contextd.log")

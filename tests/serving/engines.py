@@ -9,9 +9,10 @@ import shutil
 from collections.abc import Iterator
 from typing import Any
 
-from serving.engine import ChatRequest, Engine, TurnResult
+from serving.engine import Engine
 from serving.launcher import ContextdProcess
 from serving.session import Session
+from serving.turn import ChatRequest, TurnResult
 
 
 def turn(engine: Engine, session: str, messages: list[dict[str, Any]]) -> TurnResult:

@@ -23,8 +23,10 @@ from serving.chat_format import ChatFormat
 from serving.engine import Engine, EngineConfig
 from serving.launcher import ContextdProcess
 from serving.likelihood import continuation_logprobs, log_softmax
+from serving.observe import TurnObserver
 from serving.paging import recompute_scratch
 from serving.session import Session
+from serving.watch import AnswerWatch
 from tests.serving.engines import restarted_copy, turn
 
 CONFIG = EngineConfig(budget_tokens=1024, tail_tokens=128, max_new_tokens=4)
@@ -94,6 +96,12 @@ def backend() -> Backend:
     return load_backend("torch", "tiny-llama", capacity=CONFIG.budget_tokens + 256)
 
 
+def watch_of(engine: Engine) -> AnswerWatch:
+    """The engine's answer watch (serving.watch), made on first use as the server makes one."""
+    found = next((o for o in engine.observers if isinstance(o, AnswerWatch)), None)
+    return found if found is not None else AnswerWatch(engine)
+
+
 def engine_on(backend: Backend, contextd: ContextdProcess, placement: str = "timeline",
               blend: BlendPolicy | None = None) -> Engine:
     fresh = backend.fork()
@@ -119,7 +127,7 @@ def session_messages(engine: Engine, session: str, watch: list[str] | None = Non
     messages += [{"role": "assistant", "content": result.content},
                  {"role": "user", "content": "What is the zebra code?"}]
     if watch is not None:
-        engine.watch_answer(session, watch)
+        watch_of(engine).watch(session, watch)
     return messages
 
 
@@ -135,8 +143,8 @@ def test_a_watched_turn_answers_as_an_unwatched_one_and_its_reading_describes_th
     assert a.counters.model_forward_tokens == \
         a.counters.new_prefill_tokens + a.counters.decoded_tokens + a.counters.blend_forward_tokens
     assert a.counters.historical_forward_during_restore == 0
-    reading = watched.answers.reading("w")
-    assert plain.answers.reading("p") is None and watched.answers.candidates("w") is None
+    reading = watch_of(watched).reading("w")
+    assert watch_of(plain).reading("p") is None and not watch_of(watched).watching("w")
     assert reading.candidates == codes and len(reading.logprobs) == len(codes)
     assert reading.scoring_forward_tokens > 0
     ids = reading.transcript_ids
@@ -145,7 +153,7 @@ def test_a_watched_turn_answers_as_an_unwatched_one_and_its_reading_describes_th
     assert reading.view_spans[-1][1] == len(ids), "the view ends with the answer's opener"
     assert len(reading.view_ids) <= CONFIG.budget_tokens
     with pytest.raises(ValueError):
-        watched.watch_answer("w", [])
+        watch_of(watched).watch("w", [])
 
 
 def test_a_turn_answered_in_branches_reads_as_the_turn_itself_and_leaves_the_session_alone(
@@ -165,14 +173,14 @@ def test_a_turn_answered_in_branches_reads_as_the_turn_itself_and_leaves_the_ses
              {"role": "user", "content": "And what is the quasar code?"}]
     assert any(p.lease_until_turn for p in branching.sessions["b"].pager.pages), "the first question leases pages"
     with pytest.raises(ValueError, match="twice"):
-        branching.watch_answer("b", codes, [HybridSelector(), HybridSelector()])
-    branching.watch_answer("b", codes, [HybridSelector(), RecencySelector()])
+        watch_of(branching).watch("b", codes, [HybridSelector(), HybridSelector()])
+    watch_of(branching).watch("b", codes, [HybridSelector(), RecencySelector()])
     answer = turn(branching, "b", asked)
     assert answer.content == turn(plain, "n", asked).content
     assert branching.totals.decoded_tokens == plain.totals.decoded_tokens, "the branches' answers are not the server's"
     assert answer.counters.model_forward_tokens == \
         answer.counters.new_prefill_tokens + answer.counters.decoded_tokens + answer.counters.blend_forward_tokens
-    own, branches = branching.answers.reading("b"), branching.answers.branch_readings("b")
+    own, branches = watch_of(branching).reading("b"), watch_of(branching).branch_readings("b")
     assert set(branches) == {"hybrid", "recency"}
     same = branches["hybrid"]
     assert own.restored_pages, "the question must bring a page back for this test to mean anything"
@@ -180,12 +188,12 @@ def test_a_turn_answered_in_branches_reads_as_the_turn_itself_and_leaves_the_ses
                                                                          own.restored_pages)
     assert same.logprobs == pytest.approx(own.logprobs, abs=1e-3)
     assert branches["recency"].restored_pages == []
-    assert set(branching.sessions) == {"b"} and branching.answers.take_branches("b") == []
+    assert set(branching.sessions) == {"b"}
     # A later watched turn without branches has none: not the last branched turn's.
-    branching.watch_answer("b", codes)
+    watch_of(branching).watch("b", codes)
     turn(branching, "b", [*asked, {"role": "assistant", "content": answer.content},
                           {"role": "user", "content": "And the walnut code?"}])
-    assert branching.answers.branch_readings("b") == {} and branching.answers.reading("b") is not own
+    assert watch_of(branching).branch_readings("b") == {} and watch_of(branching).reading("b") is not own
     with Client(contextd.socket) as client:
         assert {s.session_id for s in client.list_sessions()} >= {"b", "n"}
         assert not [s.session_id for s in client.list_sessions() if s.session_id.startswith("b-branch")]
@@ -205,12 +213,12 @@ def test_a_branch_that_fails_leaves_the_turn_and_the_engine_as_they_were(
     engine = engine_on(backend, contextd)
     asked = session_messages(engine, "f")
     serving = engine.selector
-    engine.watch_answer("f", codes, [FailingSelector()])
-    with caplog.at_level("WARNING", logger="kv_elision.engine"):
+    watch_of(engine).watch("f", codes, [FailingSelector()])
+    with caplog.at_level("WARNING", logger="kv_elision.watch"):
         assert turn(engine, "f", asked).content
     assert "this selector fails" in caplog.text
-    reading = engine.answers.reading("f")
-    assert engine.selector is serving and engine.answers.branch_readings("f") == {}
+    reading = watch_of(engine).reading("f")
+    assert engine.selector is serving and watch_of(engine).branch_readings("f") == {}
     assert reading is not None and reading.candidates == codes
     assert set(engine.sessions) == {"f"}
     with Client(contextd.socket) as client:
@@ -222,8 +230,8 @@ def test_a_branch_that_cannot_score_on_this_model_is_refused_when_watched(contex
     engine = Engine(hybrid, ChatFormat(hybrid.tokenizer), Client(contextd.socket, timeout=60.0), CONFIG,
                     HybridSelector())
     with pytest.raises(ValueError, match="sliding-window or recurrent"):
-        engine.watch_answer("q", ["1"], [RerankSelector()])
-    assert engine.answers.candidates("q") is None
+        watch_of(engine).watch("q", ["1"], [RerankSelector()])
+    assert not watch_of(engine).watching("q")
 
 
 def test_a_first_turn_has_no_branches_and_runs_as_it_would_have(backend: Backend, contextd: ContextdProcess,
@@ -231,13 +239,13 @@ def test_a_first_turn_has_no_branches_and_runs_as_it_would_have(backend: Backend
     """A session contextd does not know yet has no state to branch from: said in the log, and the
     turn itself is answered and read as without branches."""
     engine = engine_on(backend, contextd)
-    engine.watch_answer("first", ["1000", "1111"], [HybridSelector()])
+    watch_of(engine).watch("first", ["1000", "1111"], [HybridSelector()])
     messages = [{"role": "system", "content": "Remember every code."}, {"role": "user", "content": "Hello."}]
-    with caplog.at_level("WARNING", logger="kv_elision.engine"):
+    with caplog.at_level("WARNING", logger="kv_elision.watch"):
         assert turn(engine, "first", messages).content
     assert "not answered in branches" in caplog.text
-    reading = engine.answers.reading("first")
-    assert engine.answers.branch_readings("first") == {}
+    reading = watch_of(engine).reading("first")
+    assert watch_of(engine).branch_readings("first") == {}
     assert reading is not None and reading.candidates == ["1000", "1111"]
     assert set(engine.sessions) == {"first"}
 
@@ -248,7 +256,7 @@ def test_placement_puts_restored_pages_before_the_question_and_ends_the_turn_in_
     engine = engine_on(backend, contextd, placement="question")
     asked = session_messages(engine, "q", watch=codes)
     turn(engine, "q", asked)
-    reading = engine.answers.reading("q")
+    reading = watch_of(engine).reading("q")
     assert reading.restored_pages, "the question must bring a page back for this test to mean anything"
     pages = engine.sessions["q"].pager.pages
     restored = {t for i in reading.restored_pages for t in range(pages[i].token_start, pages[i].token_end)}
@@ -285,7 +293,7 @@ def test_a_blended_turn_recomputes_what_its_policy_names_counts_it_and_ends_exac
     candidates = [engine.format.encode(c) for c in codes]
     seen: dict[str, Any] = {}
 
-    class Observer:
+    class Observer(TurnObserver):
         def view_planned(self, session: Session, backend: Backend, restored: list[int], new_tokens: int,
                          opener: list[int]) -> None:
             exact, blended = backend.fork(), backend.fork()
@@ -297,11 +305,12 @@ def test_a_blended_turn_recomputes_what_its_policy_names_counts_it_and_ends_exac
             seen["exact"] = continuation_logprobs(exact, candidates)[0]
             seen["blended"] = continuation_logprobs(blended, candidates)[0]
 
-    engine.observer = Observer()
+    observer = Observer()
+    engine.observers.append(observer)
     before = engine.sessions["b"].counters.blend_forward_tokens
     result = turn(engine, "b", asked)
-    engine.observer = None
-    reading = engine.answers.reading("b")
+    engine.observers.remove(observer)
+    reading = watch_of(engine).reading("b")
     assert reading.restored_pages and sorted(seen["restored"]) == reading.restored_pages
     pages = engine.sessions["b"].pager.pages
     assert result.counters.blend_forward_tokens - before == len(seen["chosen"]) >= \

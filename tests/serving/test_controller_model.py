@@ -11,10 +11,11 @@ from backends import Backend, UnsupportedModelError, load_backend
 from contextd.client import Client
 from controller.selectors import RecencySelector, RerankSelector
 from serving.chat_format import ChatFormat
-from serving.engine import ChatRequest, Engine, EngineConfig, TurnEvent
+from serving.engine import Engine, EngineConfig
 from serving.launcher import ContextdProcess
 from serving.scoring import ControllerConfig, ControllerScorer
 from serving.session import Session
+from serving.turn import ChatRequest, TurnEvent
 from tests.serving.engines import AGENT_SYSTEM as SYSTEM
 from tests.serving.engines import evicts_the_least_scored_of_the_window, file_turn, turn
 

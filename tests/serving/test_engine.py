@@ -20,8 +20,9 @@ from contextd.wire import PageState
 from controller.selectors import AttentionSelector, HybridSelector
 from serving import paging
 from serving.chat_format import ChatFormat
-from serving.engine import ChatRequest, Engine, EngineConfig, Prepared, TurnResult
+from serving.engine import Engine, EngineConfig
 from serving.launcher import ContextdProcess
+from serving.turn import ChatRequest, Prepared, TurnResult
 from tests.serving.engines import restarted_copy, turn
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. Be brief."}

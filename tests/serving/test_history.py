@@ -20,10 +20,11 @@ from contextd.client import Client, pb
 from contextd.errors import DataCorrupt
 from contextd.wire import PageState, PinKind
 from controller.pager import PAGE_TOKENS, Decision
-from serving.engine import ChatRequest, Engine
+from serving.engine import Engine
 from serving.launcher import ContextdProcess
 from serving.session import Session
 from serving.transcript import TranscriptError
+from serving.turn import ChatRequest
 from tests.serving.engines import restarted_copy, turn
 from tests.serving.test_engine import CONFIG, SYSTEM, engine_on, grow
 
