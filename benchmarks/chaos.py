@@ -315,10 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give a positive --minutes and 1 to 16 --sessions")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="kve-chaos-"))
     chaos = Chaos(work, args.model, args.budget, args.seed, args.sessions)
-    chaos.test.start()
-    chaos.twin.start()
-    started = time.monotonic()
     try:
+        chaos.test.start()
+        chaos.twin.start()
+        started = time.monotonic()
         while time.monotonic() - started < args.minutes * 60:
             chaos.step()
         chaos._ensure_up()

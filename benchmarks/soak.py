@@ -2,9 +2,10 @@
 
     python -m benchmarks.soak [--sessions 500] [--turns 20] [--alive 10] [--model tiny-llama] [--budget 1024]
 
-One real `kv-elision serve` and its contextd, with the server's default settings (one resident
-cache, `--sessions-in-memory` 16), driven over HTTP as agents drive it (harness.agent: the whole
-transcript in every request, the server's replies put back as the assistant's messages).
+One real `kv-elision serve` and its contextd, with the server's defaults (one resident cache,
+`--sessions-in-memory` 16) but `--tail-tokens 256` (512 leaves no room under a 1,024 budget),
+driven over HTTP as agents drive it (harness.agent: the whole transcript in every request, the
+server's replies put back as the assistant's messages).
 `--alive` clients each play one session at a time, `--turns` turns each (the opening, then a file
 read per turn: ~200-token files, so a session outgrows the budget and pages move), until
 `--sessions` sessions have been played.
@@ -131,10 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"play at least {FIRST_READING} sessions of at least 2 turns, with at least one alive")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="kve-soak-"))
     server = ServerProcess(root=work / "server", model=args.model, budget=args.budget,
-                           extra=["--max-new-tokens", "8", "--tail-tokens", "256"]).start()
-    machine, own = machine_cpu_seconds(), own_cpu_seconds()
-    started = time.perf_counter()
+                           extra=["--max-new-tokens", "8", "--tail-tokens", "256"])
     try:
+        server.start()
+        machine, own = machine_cpu_seconds(), own_cpu_seconds()
+        started = time.perf_counter()
         soak = Soak(server, args.sessions, args.turns)
         clients = [threading.Thread(target=soak.client, name=f"soak-client-{n}") for n in range(args.alive)]
         for thread in clients:
