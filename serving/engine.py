@@ -22,8 +22,12 @@ contextd copies the parent's record and manifest sharing every payload, the sess
 back as after a restart, and its first turn cuts back to where the prompt departs from the
 parent's transcript, exactly as a rewind of the parent would, and prefills only what follows.
 
+What the server keeps of each session in memory, and for how long, is serving.session_table's;
+what reads a turn from the inside (serving.watch, benchmarks) is an observer (serving.observe)
+the turn calls at fixed points.
+
 Depends on backends (protocol, slots), controller, contextd.client and serving.paging /
-recovery / session / transcript / chat_format / likelihood.
+recovery / session / session_table / transcript / turn / chat_format / observe / scoring.
 """
 
 from __future__ import annotations
