@@ -187,7 +187,8 @@ class Engine:
         backend.observe_attention(0, [])
         self.recovery = Recovery(self.mover, contextd, self.tally, self._indexes)
         self.sessions = SessionTable(backend, resident=config.resident_sessions,
-                                     in_memory=config.sessions_in_memory, fork=backend.fork, clock=clock)
+                                     in_memory=config.sessions_in_memory, fork=backend.fork)
+        self.clock = clock
         self.stop_ids = chat_format.stop_ids
         # Measurement hooks (serving.observe): what reads a turn from the inside, which the turn
         # calls at fixed points and never depends on.
@@ -329,7 +330,7 @@ class Engine:
         for observer in list(self.observers):
             observer.before_turn(request)
         turn = self.sessions.begin_turn(session_id)
-        steps = self._turn(request)
+        steps = self._turn(request, turn)
         answer: int | None = None
         failure: Exception | None = None
         answered = False   # the final event is out: its record ended the lease
@@ -372,16 +373,14 @@ class Engine:
                 self.tally.count(self.sessions[session_id], batched_decode_tokens=1)
         return tokens
 
-    def _hold(self, session_id: str, renew: bool = False) -> bool:
+    def _hold(self, session_id: str, turn: TurnState, renew: bool = False) -> bool:
         """Hold the session for this turn (contextd.handover). With an object store that several
         servers share, the session may have been served elsewhere since this server last did:
         contextd then adopted the state that server exported, and what this server keeps of the
         session in memory is stale; the session comes back from contextd as after a restart.
         Returns whether it was adopted."""
         hold = self.contextd.hold_session(session_id, self.backend.model_name, self.config.session_lease_s, renew)
-        turn = self.sessions.turn(session_id)
-        if turn is not None:
-            turn.held_at = self.sessions.clock()
+        turn.held_at = self.clock()
         if hold.adopted:
             log.info("session %s adopted from %s (token %d)", session_id, hold.previous_node or "a deletion",
                      hold.token)
@@ -393,8 +392,8 @@ class Engine:
         prefill or answer keeps its session. A session taken over meanwhile fails the turn
         (SessionHeld): it is never taken back from inside a turn."""
         held = turn.held_at
-        if held is not None and self.sessions.clock() - held >= self.config.session_lease_s / 3:
-            self._hold(session_id, renew=True)
+        if held is not None and self.clock() - held >= self.config.session_lease_s / 3:
+            self._hold(session_id, turn, renew=True)
 
     def _release(self, session_id: str) -> None:
         """A turn that failed ends its lease at once (a completed one ended it with its record), so
@@ -405,14 +404,14 @@ class Engine:
         except ContextdError as exc:
             log.info("session %s: its failed turn's lease was not released (%s)", session_id, exc)
 
-    def _turn(self, request: ChatRequest) -> Generator[TurnEvent, int | None, None]:
-        """One turn (`chat`)."""
+    def _turn(self, request: ChatRequest, turn: TurnState) -> Generator[TurnEvent, int | None, None]:
+        """One turn (`chat`); `turn`: its values that `chat` shares (time paused, the lease)."""
         started = time.perf_counter()
         fingerprint = self.format.fingerprint(request.tools, request.thinking)
         known = self.sessions.get(request.session_id)
         # A malformed request fails before any work.
         self.format.check(request.messages, known.render_memo if known is not None else None)
-        adopted = self._hold(request.session_id)
+        adopted = self._hold(request.session_id, turn)
         if adopted:
             known = None
         activating = time.perf_counter()
@@ -492,7 +491,7 @@ class Engine:
         self.mover.unblend()     # the exact K/V again before anything is stored or the next turn
         if placed:
             self.mover.close_gaps(session)   # timeline positions again before anything is stored
-        result = self._finish_turn(session, picked, finish, before, started)
+        result = self._finish_turn(session, turn, picked, finish, before, started)
         result.prefilled_tokens = len(prompt_ids)
         result.prompt_tokens = session.transcript.tokens - len(picked)
         result.rebuilt = rebuilt
@@ -786,8 +785,8 @@ class Engine:
 
     # ------------------------------------------------------------------ end of turn
 
-    def _finish_turn(self, session: Session, picked: list[int], finish: FinishReason, before: Counters,
-                     started: float) -> TurnResult:
+    def _finish_turn(self, session: Session, turn: TurnState, picked: list[int], finish: FinishReason,
+                     before: Counters, started: float) -> TurnResult:
         pager = session.pager
         content, calls = parse_tool_calls(session.transcript.segments[-1].text)
         if calls and pager.pages:
@@ -800,8 +799,7 @@ class Engine:
         persisting = time.perf_counter()
         self.mover.persist(session, lambda: self._record(session))
         session.timed("persist", persisting)
-        turn = self.sessions.turn(session.session_id)
-        elapsed_ms = (time.perf_counter() - started) * 1e3 - (turn.paused_ms if turn is not None else 0.0)
+        elapsed_ms = (time.perf_counter() - started) * 1e3 - turn.paused_ms
         session.last_turn = TurnTimings(total_ms=elapsed_ms + session.phase_ms["receive"],
                                         forward_ms=(after.forward_ns - before.forward_ns) / 1e6,
                                         phases=dict(session.phase_ms))

@@ -21,7 +21,6 @@ Depends on backends (Backend) and serving.session.
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -35,15 +34,14 @@ class TurnState:
     """One turn in progress, as the engine's turn generator and its caller share it."""
 
     paused_ms: float = 0.0          # time other sessions' turns ran between its steps
-    held_at: float | None = None    # when its lease was last taken or renewed (time.monotonic)
+    held_at: float | None = None    # when its lease was last taken or renewed (the engine's clock)
 
 
 class SessionTable(Mapping[str, Session]):
     """The sessions in memory (a read-only mapping, least recently used first), their caches and
     their turns in progress. Not thread-safe: the engine's worker thread is its only user."""
 
-    def __init__(self, first_cache: Backend, resident: int, in_memory: int, fork: Callable[[], Backend],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, first_cache: Backend, resident: int, in_memory: int, fork: Callable[[], Backend]) -> None:
         """`fork`: a new empty cache sharing the weights, made while fewer than `resident` exist."""
         if resident < 1:
             raise ValueError(f"resident sessions must be >= 1, got {resident}")
@@ -51,7 +49,6 @@ class SessionTable(Mapping[str, Session]):
             raise ValueError(f"sessions in memory ({in_memory}) must be at least the resident sessions ({resident})")
         self.resident = resident
         self.in_memory = in_memory
-        self.clock = clock
         self.active: str | None = None     # the session whose cache the backend is now
         self._fork = fork
         self._sessions: OrderedDict[str, Session] = OrderedDict()   # oldest use first
