@@ -26,9 +26,9 @@ from controller.eviction import EVICTION_ORDERS
 from controller.selectors import SELECTORS, make_selector
 from serving.engine import PLACEMENTS, Engine, EngineConfig
 from serving.heap import freeze_loaded_heap
-from serving.http import STUCK_AFTER_S
 from serving.launcher import API_KEY_FILE, ContextdProcess, server_api_key, spawn_tied_contextd
 from serving.scoring import ControllerConfig, ControllerScorer
+from serving.worker import STUCK_AFTER_S
 
 if TYPE_CHECKING:
     from backends import Backend

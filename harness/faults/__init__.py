@@ -4,7 +4,7 @@ Every check compares against an oracle, never against "it did not crash". Turns 
 random-weight models in children forked from a zygote that loaded them once (`zygote`, `driver`);
 the oracle is an uncrashed twin fed the same completed requests (`oracle`). The parts: `crash`
 (kill -9 at named crash points), `storage` (refused writes and damaged payloads; the statuses come
-from serving.http.ERROR_STATUS), `fuzz` (malformed HTTP and gRPC), `connections` (hostile
+from serving.http_request.ERROR_STATUS), `fuzz` (malformed HTTP and gRPC), `connections` (hostile
 Content-Length, slowloris, a client that stops reading), `sessions` (interleaved sessions,
 contextd restarts under a live server), `access` (modes, loopback, the API key, another uid on
 every route), `hangs` (a read wedged in the kernel, the MLX finalizer on a reader thread) and

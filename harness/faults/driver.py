@@ -1,4 +1,4 @@
-"""What runs in a zygote's child: a real serving.http.Worker around a real Engine, and a client
+"""What runs in a zygote's child: a real serving.worker.Worker around a real Engine, and a client
 that re-sends a turn that failed, as Pi does; the "drive" job sends a scenario's requests under a
 crash point, injected I/O faults or damaged payloads and reports every step.
 
@@ -48,7 +48,7 @@ def _inspect(client: Any, payloads: Any, sid: str) -> dict[str, Any]:
 
 
 class Driver:
-    """The client and the server, in one child: a real serving.http.Worker around a real Engine
+    """The client and the server, in one child: a real serving.worker.Worker around a real Engine
     (so every failure maps to the HTTP status a client would see), and a client that re-sends a
     turn that failed, as Pi does."""
 
@@ -56,7 +56,7 @@ class Driver:
         from contextd.client import Client
         from controller.selectors import AttentionSelector
         from serving.engine import Engine
-        from serving.http import Worker
+        from serving.worker import Worker
 
         self.scenario = SCENARIOS[p["scenario"]]
         backend, chat_format = loaded[self.scenario.model]
@@ -95,7 +95,7 @@ class Driver:
 
     def turn(self, messages: list[dict[str, Any]]) -> tuple[int, Any]:
         """One request through the worker: (200, TurnResult) or (status, message)."""
-        from serving.http import RequestError
+        from serving.http_request import RequestError
         from serving.turn import ChatRequest
 
         try:
@@ -169,7 +169,7 @@ def job_drive(rep: Reporter, loaded: dict[str, tuple[Any, Any]], p: dict[str, An
     "@snapshot", how], ["forget"] (the server drops the session from memory: a restart without
     the crash), ["fill", folder, bytes left free], ["unfill", folder], ["remount", folder, "ro" | "rw"]."""
     from contextd import blobs, crashpoints
-    from serving.http import error_for
+    from serving.http_request import error_for
 
     d = Driver(loaded, p)
     answers = {int(k): v for k, v in p.get("answers", {}).items()}

@@ -262,9 +262,10 @@ def _finalizer_child(work: Path) -> dict[str, Any]:
     from controller.selectors import make_selector
     from serving.chat_format import ChatFormat
     from serving.engine import Engine, EngineConfig
-    from serving.http import RequestError, Worker
+    from serving.http_request import RequestError
     from serving.launcher import ContextdProcess
     from serving.turn import ChatRequest
+    from serving.worker import Worker
 
     blockfile.READ_DEADLINE_S = READ_DEADLINE_S
     daemon = ContextdProcess(work / "contextd", work / "c.sock", log=work / "contextd.log")

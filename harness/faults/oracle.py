@@ -2,7 +2,7 @@
 requests, computed once), what a case went through (`History`) and its outcome against its twin,
 and the status a turn in flight must get when contextd dies (serving's own map says it).
 
-Depends on serving.http, contextd.errors, the zygote and the campaign's scenarios.
+Depends on serving.http_request, contextd.errors, the zygote and the campaign's scenarios.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from harness.faults.driver import job_drive
 from harness.faults.processes import Daemon
 from harness.faults.scenarios import Scenario
 from harness.faults.zygote import Zygote
-from serving.http import error_for
+from serving.http_request import error_for
 
 CONTEXTD_DOWN_STATUS = int(error_for(DaemonUnavailable("contextd is down")).status)
 

@@ -1,8 +1,8 @@
 """Storage faults: refused writes (ENOSPC, EDQUOT, EIO, EROFS at the file-I/O seam), damaged
 payloads and snapshots, and where mounting is allowed a real full or read-only tmpfs. The status a
-client must get comes from serving's own map (serving.http.ERROR_STATUS).
+client must get comes from serving's own map (serving.http_request.ERROR_STATUS).
 
-Depends on serving.http, contextd.errors, the zygote, the oracle and the campaign's processes and
+Depends on serving.http_request, contextd.errors, the zygote, the oracle and the campaign's processes and
 scenarios.
 """
 
@@ -24,7 +24,7 @@ from harness.faults.oracle import CaseOutcome, History, Twins
 from harness.faults.processes import Daemon
 from harness.faults.scenarios import SCENARIOS, Scenario
 from harness.faults.zygote import Zygote
-from serving.http import error_for
+from serving.http_request import error_for
 
 
 def expected_status(errno_name: str) -> int:
