@@ -4,7 +4,7 @@ For each workload shape and seed (harness.shapes) and each budget, one session i
 the real engine (real contextd process, real SmolLM2 weights): the whole session is sent as one
 request, so it is prefilled in chunks with evictions between them exactly as serving does. Then
 every question whose answer sits in a cold page is prefilled and each selector says what it would
-restore (`Engine.probe`: the question is taken back out after, so every selector sees the same
+restore (`serving.probe.probe`: the question is taken back out after, so every selector sees the same
 state). A question is a hit when every page holding a part of its answer (both parts for `split`)
 is in attention after the selector's validated plan; precision is the share of restored pages
 that hold evidence text. Tuning seeds are harness.shapes.TUNING_SEEDS; nothing was tuned on
@@ -71,6 +71,7 @@ from serving.chat_format import ChatFormat
 from serving.engine import Engine, EngineConfig
 from serving.heap import freeze_loaded_heap
 from serving.launcher import ContextdProcess
+from serving.probe import probe
 from serving.scoring import ControllerConfig, ControllerScorer
 from serving.turn import ChatRequest, TurnResult
 from serving.watch import AnswerWatch
@@ -185,7 +186,7 @@ def measure_session(backend: Backend, client: Any, workload: Workload, budget: i
                     answers: bool = False) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     fresh = backend.fork()   # the engine empties it when the session comes in
     # The session is built with no selector: pages restored (and leased) while it is built would
-    # take the room every question's restores need. Each selector is asked in `Engine.probe`.
+    # take the room every question's restores need. Each selector is asked in `serving.probe.probe`.
     engine = Engine(fresh, ChatFormat(fresh.tokenizer), client,
                     EngineConfig(budget_tokens=budget, tail_tokens=512, max_new_tokens=1), RecencySelector(),
                     None if controller is None else ControllerScorer(controller, fresh.tokenizer, controller_config))
@@ -206,15 +207,15 @@ def measure_session(backend: Backend, client: Any, workload: Workload, budget: i
             continue  # nothing it needs has left attention: it does not test retrieval
         counted.append((question, where))
         request = ChatRequest(session_id, [*messages, workload.question_message(question)], tools=workload.tools)
-        for name, probe in engine.probe(request, list(chosen)).items():
-            held = set(probe.resident) | set(probe.restore)
+        for name, found in probe(engine, request, list(chosen)).items():
+            held = set(found.resident) | set(found.restore)
             r = results[name]
             r["questions"] += 1
             r["hits"] += int(all(pages <= held for pages in where.needed))
-            r["pages"].append(len(probe.restore))
-            r["useful"] += len(set(probe.restore) & where.touched)
-            r["ms"].append(probe.decided_ms)
-            r["controller_tokens"] += probe.controller_forward_tokens
+            r["pages"].append(len(found.restore))
+            r["useful"] += len(set(found.restore) & where.touched)
+            r["ms"].append(found.decided_ms)
+            r["controller_tokens"] += found.controller_forward_tokens
     context: dict[str, Any] = {"session_tokens": session.transcript.tokens, "cold_pages": sum(
         1 for p in session.pager.pages if p.state is PageState.COLD), "build_s": round(build_s, 1)}
     if answers:

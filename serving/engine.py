@@ -26,7 +26,7 @@ What the server keeps of each session in memory, and for how long, is serving.se
 what reads a turn from the inside (serving.watch, benchmarks) is an observer (serving.observe)
 the turn calls at fixed points.
 
-Depends on backends (protocol, slots), controller, contextd.client and serving.paging /
+Depends on backends (protocol, slots), controller, contextd.client and serving.paging / prompt / decoding /
 recovery / session / session_table / transcript / turn / chat_format / observe / scoring.
 """
 
@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from backends import Backend, BackendError, Counters, DecodeStep
-from backends.slots import pick_token
 from contextd import crashpoints
 from contextd.client import Client, pb
 from contextd.errors import ContextdError, FailedPrecondition, NotFound, StoreFull
@@ -56,14 +55,16 @@ from controller.eviction import (
 )
 from controller.keyindex import KeyIndex, KeyIndexConfig
 from controller.lexical import DEFAULT_LEXICAL, LexicalConfig, LexicalIndex
-from controller.pager import Decision, Pager, PagerConfig, Plan, PrefixChain
+from controller.pager import Pager, PagerConfig, Plan, PrefixChain
 from controller.selectors import RecencySelector, SelectionContext, Selector
-from serving.chat_format import ChatFormat, Rendering, content_text
+from serving.chat_format import ChatFormat
+from serving.decoding import Decoder
 from serving.observe import TurnObserver
 from serving.paging import PageMover, Tally
+from serving.prompt import begin_message, keep_focus, piece_texts, prompt_pieces
 from serving.recovery import Recovery
 from serving.scoring import ControllerScorer
-from serving.session import LastAnswer, Session, SessionCounters, TurnTimings
+from serving.session import Session, SessionCounters, TurnTimings
 from serving.session_table import SessionTable, TurnState
 from serving.transcript import (
     Alignment,
@@ -79,8 +80,6 @@ from serving.turn import ChatRequest, FinishReason, Prepared, TurnEvent, TurnRes
 
 log = logging.getLogger("kv_elision.engine")
 
-# What a tokenizer decodes a partial UTF-8 sequence to; such text is held back from the stream.
-INCOMPLETE_CHARACTER = chr(0xFFFD)
 # The newest ids of a turn handed to the selector: more than any selector reads (256 by default).
 INCOMING_IDS = 1024
 # Where a turn's restored pages sit (in RoPE positions) while its answer is read and written:
@@ -142,26 +141,6 @@ class EngineConfig:
                            lease_turns=self.lease_turns)
 
 
-@dataclass(frozen=True)
-class PromptPiece:
-    """One message's share of the new text: its tokens, the hard pin it gets, whether it closes a
-    tool call, whether the user wrote it (the eviction advice's focus)."""
-
-    segment: Segment
-    pin: PinKind | None
-    tool_call: bool
-    from_user: bool
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    restore: list[int]
-    resident: list[int]
-    decided_ms: float
-    note: str
-    controller_forward_tokens: int  # what the selector's scoring forwards took (rerank)
-
-
 class Engine:
     """Owns the backend and its forks. Not thread-safe: the server runs every call on one worker thread.
     `self.backend` (and the mover's) is the cache of the session being served."""
@@ -189,7 +168,7 @@ class Engine:
         self.sessions = SessionTable(backend, resident=config.resident_sessions,
                                      in_memory=config.sessions_in_memory, fork=backend.fork)
         self.clock = clock
-        self.stop_ids = chat_format.stop_ids
+        self.decoder = Decoder(self.mover, chat_format, self.tally, config.fixed_point_seed)
         # Measurement hooks (serving.observe): what reads a turn from the inside, which the turn
         # calls at fixed points and never depends on.
         self.observers: list[TurnObserver] = []
@@ -244,13 +223,15 @@ class Engine:
 
     def _indexes(self) -> tuple[KeyIndex | None, LexicalIndex | None]:
         """New, empty page indexes: the ones the selector searches."""
-        return (self._key_index() if self.selector.uses_key_index else None,
-                self._lexical_index() if self.selector.uses_lexical_index else None)
+        return (self.new_key_index() if self.selector.uses_key_index else None,
+                self.new_lexical_index() if self.selector.uses_lexical_index else None)
 
-    def _key_index(self) -> KeyIndex:
+    def new_key_index(self) -> KeyIndex:
+        """An empty key index for this model (a session's, or a probe's for a selector that searches one)."""
         return KeyIndex(self.config.key_index, len(self.backend.layer_view.attention_layers))
 
-    def _lexical_index(self) -> LexicalIndex:
+    def new_lexical_index(self) -> LexicalIndex:
+        """An empty lexical index for this tokenizer (a session's, or a probe's)."""
         return LexicalIndex(self.config.lexical_index, stop_ids=self.format.template_ids,
                             token_bytes=self.format.token_bytes)
 
@@ -458,7 +439,7 @@ class Engine:
         if request.message_hashes is not None:
             session.transcript.message_hashes = list(request.message_hashes)
 
-        pieces = self._prompt_pieces(session, request, rendering, alignment.new_text)
+        pieces = prompt_pieces(self.format, session, request, rendering, alignment.new_text)
         prompt_ids = [t for piece in pieces for t in piece.segment.ids]
         session.timed("prepare", preparing)
         if not prompt_ids:
@@ -466,10 +447,10 @@ class Engine:
         # The template's opening of the answer is prefilled after the plan: the logits the first
         # answer token comes from then see the restored pages too.
         body, opener = (pieces[:-1], pieces[-1:]) if pieces[-1].segment.opener else (pieces, [])
-        self._keep_focus(session, request)
+        keep_focus(self.format, session, request)
         for n, piece in enumerate(body, start=1):
-            self._begin_message(session, piece)
-            yield from self._prefill(session, piece.segment, piece.pin, logits=n == len(body) and not opener)
+            begin_message(session, piece)
+            yield from self.prefill(session, piece.segment, piece.pin, logits=n == len(body) and not opener)
             if piece.tool_call:
                 session.pager.mark_ledger(len(session.pager.pages) - 1)
         new_tokens = sum(len(p.segment.ids) for p in body)
@@ -482,12 +463,14 @@ class Engine:
         for piece in opener:
             if session.attention is not None:
                 session.attention.begin_opening()
-            yield from self._prefill(session, piece.segment, piece.pin, logits=True)
+            yield from self.prefill(session, piece.segment, piece.pin, logits=True)
         for observer in self.observers:
             observer.answer_view(session, self.backend, restored)
         yield TurnEvent(prepared=Prepared(prefilled_tokens=len(prompt_ids), rebuilt=rebuilt))
 
-        picked, finish, sampled = yield from self._generate(session, request, prompt_ids)
+        picked, finish, sampled = yield from self.decoder.generate(
+            session, request, prompt_ids,
+            min(request.max_tokens or self.config.max_new_tokens, self.config.max_new_tokens))
         self.mover.unblend()     # the exact K/V again before anything is stored or the next turn
         if placed:
             self.mover.close_gaps(session)   # timeline positions again before anything is stored
@@ -534,7 +517,7 @@ class Engine:
             pass
         rendering = self.format.render(request.messages, request.tools, request.thinking, {}, None)
         chain = PrefixChain()
-        for piece, _ in self._piece_texts(rendering, rendering.text, len(request.messages)):
+        for piece, _ in piece_texts(self.format, rendering, rendering.text, len(request.messages)):
             chain.extend(self.format.encode(piece))
         found = self.contextd.find_prefix(self.backend.model_name, fingerprint.combined(), chain.hashes)
         if found.pages < MIN_BRANCH_PAGES:
@@ -549,64 +532,8 @@ class Engine:
                  request.session_id, found.session_id, found.pages, branch.pages)
         return found.session_id
 
-    def _piece_texts(self, rendering: Rendering, text: str, messages: int) -> list[tuple[str, int]]:
-        """The new `text` at the end of the render, cut where each message ends: (piece, index of
-        its message, or `messages` for the template's opening of the answer after the last one)."""
-        rendered = rendering.text
-        start = len(rendered) - len(text)
-        cut = start
-        pieces = []
-        for offset, index in [*self.format.message_ends(rendering, start), (len(rendered), messages)]:
-            if rendered[cut:offset]:
-                pieces.append((rendered[cut:offset], index))
-            cut = offset
-        return pieces
-
-    def _prompt_pieces(self, session: Session, request: ChatRequest, rendering: Rendering, text: str
-                       ) -> list[PromptPiece]:
-        """Tokenize the new text in one segment per message, so a later edit keeps every message
-        before it. On a fresh session the system message (with the tool schemas a template puts
-        there) and everything up to the end of the first user message (the objective) are pinned."""
-        if not text:
-            return []
-        first_user = next((i for i, m in enumerate(request.messages) if m.get("role") == "user"), -1)
-        fresh = session.transcript.tokens == 0
-        pieces: list[PromptPiece] = []
-        for piece, index in self._piece_texts(rendering, text, len(request.messages)):
-            # After the last message: the template's opening of the assistant's turn.
-            opener = index == len(request.messages)
-            message = request.messages[index] if not opener else {}
-            pin = None
-            if fresh and index <= first_user:
-                opening = message.get("role") in ("system", "developer")
-                pin = (PinKind.TOOLS if request.tools else PinKind.SYSTEM) if opening else PinKind.OBJECTIVE
-            tool_call = message.get("role") == "assistant" and bool(message.get("tool_calls"))
-            pieces.append(PromptPiece(Segment(piece, self.format.encode(piece), opener=opener), pin, tool_call,
-                                      message.get("role") == "user"))
-        return pieces
-
-    def _keep_focus(self, session: Session, request: ChatRequest) -> None:
-        """A session whose eviction advice has no focus (new, restarted, adopted, branched, or
-        rebuilt after a failed turn) takes the last user message the request carries: in a tool
-        loop the next user message may be many turns away."""
-        advisor = session.eviction
-        if advisor is None or advisor.focus:
-            return
-        asked = next((m for m in reversed(request.messages) if m.get("role") == "user"), None)
-        if asked is not None:
-            advisor.set_focus(self.format.encode(content_text(asked.get("content"), "the last user message")))
-
-    @staticmethod
-    def _begin_message(session: Session, piece: PromptPiece) -> None:
-        """A user message's words are the eviction advice's focus from that message on: the room
-        its own prefill needs is made by it, the earlier pieces' was not. For the attention
-        order, a message starts (a user's votes)."""
-        if piece.from_user and session.eviction is not None:
-            session.eviction.set_focus(piece.segment.ids)
-        if session.attention is not None:
-            session.attention.begin_message(piece.from_user)
-
-    def _selection_context(self, session: Session, new_tokens: int) -> SelectionContext:
+    def selection_context(self, session: Session, new_tokens: int) -> SelectionContext:
+        """What a selector reads to choose this turn's restores (the turn's, and serving.probe's)."""
         ids = session.transcript.ids
         return SelectionContext(session.session_id, session.pager,
                                 incoming_keys=self._incoming_keys(new_tokens, session.key_index),
@@ -629,7 +556,7 @@ class Engine:
             session.last_selection = "plan from the request"
         else:
             choosing = time.perf_counter()
-            selection = self.selector.select(self._selection_context(session, new_tokens))
+            selection = self.selector.select(self.selection_context(session, new_tokens))
             session.timed("select", choosing)
             plan, scores = selection.plan, selection.scores
             session.last_selection = f"{self.selector.name}: {selection.note} ({selection.decided_ms:.0f} ms)"
@@ -663,8 +590,8 @@ class Engine:
             return None
         return self.mover.newest_keys(min(new_tokens, self.config.key_index.incoming_tokens))
 
-    def _prefill(self, session: Session, segment: Segment, pin: PinKind | None, logits: bool
-                 ) -> Generator[TurnEvent, int | None, None]:
+    def prefill(self, session: Session, segment: Segment, pin: PinKind | None, logits: bool
+                ) -> Generator[TurnEvent, int | None, None]:
         """Prefill one segment in chunks, pausing after each (another session's turn may run).
         Only the last chunk of a segment that needs them computes logits (`Backend.extend`)."""
         chunk = self.config.prefill_chunk
@@ -709,80 +636,6 @@ class Engine:
         session.last_answer = None
         return Alignment(keep, keep_tokens, rendered[len(kept_text):], reason=alignment.reason), dropped
 
-    # ------------------------------------------------------------------ generation
-
-    def _generate(self, session: Session, request: ChatRequest, prompt_ids: list[int]
-                  ) -> Generator[TurnEvent, int | None, tuple[list[int], FinishReason, str]]:
-        limit = min(request.max_tokens or self.config.max_new_tokens, self.config.max_new_tokens)
-        greedy = request.temperature <= 0.0
-        previous = session.last_answer
-        repeated = greedy and previous is not None and previous.prompt_ids == prompt_ids
-        repeat_of = previous.answer_ids if repeated and previous is not None else None
-        prompt_logits = self.backend.last_logits()
-        segments_before = len(session.transcript.segments)
-        picked, finish = yield from self._decode_loop(session, limit, greedy, request.temperature, request.seed,
-                                                      hold_while=repeat_of, cancelled=request.cancelled)
-        sampled = ""
-        if repeat_of is not None and picked == repeat_of and finish is not FinishReason.CANCELLED:
-            # The fixed point: the same input on the same working set gave the same greedy answer.
-            # Take that answer back out of attention and sample this turn instead (seeded, reported).
-            self.mover.cut(session, segments_before)
-            seed = self.config.fixed_point_seed + session.pager.turn
-            first = pick_token(prompt_logits, False, 0.8, 0, 1.0, np.random.default_rng(seed))
-            picked, finish = yield from self._decode_loop(session, limit, False, 0.8, seed, first=first,
-                                                          cancelled=request.cancelled)
-            self.tally.count(session, fixed_point_resamples=1)
-            sampled = f"fixed point: the greedy answer repeated the previous turn's; sampled with seed {seed}"
-        session.last_answer = LastAnswer(session.pager.turn, prompt_ids, picked)
-        return picked, finish, sampled
-
-    def _decode_loop(self, session: Session, limit: int, greedy: bool, temperature: float, seed: int | None,
-                     first: int | None = None, hold_while: list[int] | None = None,
-                     cancelled: Callable[[], bool] | None = None
-                     ) -> Generator[TurnEvent, int | None, tuple[list[int], FinishReason]]:
-        """Pick tokens until a stop token or the limit. Every picked token but a stop is fed, so the
-        cache spells exactly the answer. With `hold_while`, text is held back while the answer
-        matches that earlier answer (it may be replaced by a sampled one)."""
-        pager = session.pager
-        picked: list[int] = []
-        emitted = ""
-        finish = FinishReason.LENGTH
-        gone = cancelled or (lambda: False)
-        token = self.backend.decode(greedy=greedy, temperature=temperature, seed=seed) if first is None else first
-        reseed = seed if first is not None else None  # a given first token was sampled outside: seed what follows
-        while True:
-            if token in self.stop_ids:
-                finish = FinishReason.STOP
-                break
-            picked.append(token)
-            holding = hold_while is not None and picked == hold_while[:len(picked)]
-            text = self.format.decode(picked)
-            if not holding and not text.endswith(INCOMPLETE_CHARACTER) and len(text) > len(emitted):
-                yield TurnEvent(delta=text[len(emitted):])
-                emitted = text
-            self.mover.make_room(session, 1)
-            step = DecodeStep(self.backend, picked[-1], greedy=greedy, temperature=temperature, seed=reseed)
-            sent = yield TurnEvent(decode=step)
-            token = sent if sent is not None else self.backend.decode(step.token, greedy=greedy,
-                                                                       temperature=temperature, seed=reseed)
-            crashpoints.reached("serving.decode.token")
-            reseed = None
-            pager.append([picked[-1]])
-            self.tally.peak(session, self.backend.attention_tokens)
-            if len(picked) >= limit:
-                break
-            if gone():
-                # The turn ends here as if the limit were reached: the cache holds exactly what was
-                # picked, and the turn is written through like any other.
-                finish = FinishReason.CANCELLED
-                self.tally.count(session, cancelled_turns=1)
-                break
-        text = self.format.decode(picked)
-        if len(text) > len(emitted) and not (hold_while is not None and picked == hold_while):
-            yield TurnEvent(delta=text[len(emitted):])
-        session.transcript.append(Segment(text, list(picked), generated=True))
-        return picked, finish
-
     # ------------------------------------------------------------------ end of turn
 
     def _finish_turn(self, session: Session, turn: TurnState, picked: list[int], finish: FinishReason,
@@ -817,65 +670,6 @@ class Engine:
             ledger_pages=session.pager.ledger, counters=session.counters.as_dict(),
             resident_pages=list(session.persisted.resident_positions),
             resident_positions=list(session.persisted.resident_positions.values()))
-
-    # ------------------------------------------------------------------ measuring selectors
-
-    def probe(self, request: ChatRequest, selectors: list[Selector]) -> dict[str, ProbeResult]:
-        """Prefill the request's new messages, ask each selector what it would restore, then take the
-        new tokens back out: nothing is generated and the session is left as it was. For measuring
-        selectors (benchmarks.selectors and the retrieval tests)."""
-        fingerprint = self.format.fingerprint(request.tools, request.thinking)
-        session = self.activate(request.session_id, fingerprint)
-        rendering = self.format.render(request.messages, request.tools, request.thinking, session.transcript.generated,
-                                       session.render_memo)
-        alignment = align(session.transcript, fingerprint, rendering.text, request.message_hashes)
-        if alignment.rebuild or not alignment.new_text:
-            raise TranscriptError("a probe must extend the cached transcript")
-        segments_before = len(session.transcript.segments)
-        resident_before = set(session.pager.resident)
-        leases_before = [page.lease_until_turn for page in session.pager.pages]
-        new_tokens = 0
-        for piece in self._prompt_pieces(session, request, rendering, alignment.new_text):
-            if piece.segment.opener:
-                continue  # as in a turn: the plan is made before the answer's opening is prefilled
-            self._begin_message(session, piece)
-            for _ in self._prefill(session, piece.segment, piece.pin, logits=False):
-                pass   # a probe runs alone: nothing to interleave at its pauses
-            new_tokens += len(piece.segment.ids)
-        pager = session.pager
-        if session.key_index is None and any(s.uses_key_index for s in selectors):
-            session.key_index = self._key_index()
-        if session.lexical_index is None and any(s.uses_lexical_index for s in selectors):
-            session.lexical_index = self._lexical_index()
-        self.recovery.index_stored_pages(session)
-        context = self._selection_context(session, new_tokens)
-        results: dict[str, ProbeResult] = {}
-        for selector in selectors:
-            scored = session.counters.controller_forward_tokens
-            selection = selector.select(context)
-            restore: list[int] = []
-            if selection.plan is not None:
-                cleaned, rejected = pager.validate(selection.plan)
-                restore = [] if rejected else cleaned.restore
-            results[selector.name] = ProbeResult(
-                restore=restore, resident=list(pager.resident), decided_ms=selection.decided_ms, note=selection.note,
-                controller_forward_tokens=session.counters.controller_forward_tokens - scored)
-        self.mover.cut(session, segments_before)
-        resident_now = set(session.pager.resident)
-        back = self.mover.execute(session, Decision(evict=sorted(resident_now - resident_before),
-                                                    restore=sorted(resident_before - resident_now), plan_used=False))
-        # Putting pages back is an undo, not a selector's restore: they keep the leases they had,
-        # or every probe after the first would find the room taken by the pages the question's
-        # prefill pushed out (3 probes in, a 5,000-token session at budget 2,048 had room for no page).
-        for index in back:
-            pager.lease(index, leases_before[index])
-        if back:
-            self.contextd.set_leases(
-                session.session_id,
-                add=[pb.Lease(page_id=pager.pages[i].page_id, until_turn=leases_before[i]) for i in back
-                     if leases_before[i] > pager.turn],
-                remove=[pager.pages[i].page_id for i in back if leases_before[i] <= pager.turn])
-        return results
 
     def forget(self, session_id: str) -> None:
         """After a failed turn of `session_id` its cache's state is unknown: empty that cache (no

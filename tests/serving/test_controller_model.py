@@ -13,6 +13,7 @@ from controller.selectors import RecencySelector, RerankSelector
 from serving.chat_format import ChatFormat
 from serving.engine import Engine, EngineConfig
 from serving.launcher import ContextdProcess
+from serving.probe import probe
 from serving.scoring import ControllerConfig, ControllerScorer
 from serving.session import Session
 from serving.turn import ChatRequest, TurnEvent
@@ -138,9 +139,9 @@ def test_the_reranker_scores_cold_pages_of_a_hybrid_model(serving: Backend, cont
                        EngineConfig(budget_tokens=2048, tail_tokens=256, max_new_tokens=1))
     messages = grown(engine, "r", 10)
     question = {"role": "user", "content": "Which is larger, value_1 in f1.py or value_2 in f2.py?"}
-    probe = engine.probe(ChatRequest("r", [*messages, question]), [RerankSelector()])["rerank"]
-    assert "candidates kept" in probe.note, probe.note
-    assert probe.restore and probe.controller_forward_tokens > 0
+    probed = probe(engine, ChatRequest("r", [*messages, question]), [RerankSelector()])["rerank"]
+    assert "candidates kept" in probed.note, probed.note
+    assert probed.restore and probed.controller_forward_tokens > 0
     counters = engine.sessions["r"].counters
     assert counters.historical_forward_during_restore == 0
     assert counters.model_forward_tokens == \

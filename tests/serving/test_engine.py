@@ -22,6 +22,7 @@ from serving import paging
 from serving.chat_format import ChatFormat
 from serving.engine import Engine, EngineConfig
 from serving.launcher import ContextdProcess
+from serving.probe import probe
 from serving.turn import ChatRequest, Prepared, TurnResult
 from tests.serving.engines import restarted_copy, turn
 
@@ -93,13 +94,13 @@ def test_a_new_engine_recovers_the_session_exactly(backend: Backend, contextd: C
     first = engine_on(backend, contextd)
     messages = grow(first, "r", 6)
     question = [*messages, {"role": "user", "content": "How many times does handler 1 retry?"}]
-    before = first.probe(ChatRequest("r", question), [HybridSelector(), AttentionSelector()])
+    before = probe(first, ChatRequest("r", question), [HybridSelector(), AttentionSelector()])
     assert before["hybrid"].restore and before["attention"].restore, \
         "a selector restored nothing: the comparison would say nothing"
     # The store as a restarted server finds it: a copy of the daemon's root, served by a second daemon.
     with restarted_copy(contextd) as copy:
         second = engine_on(backend, copy)
-        after = second.probe(ChatRequest("r", question), [HybridSelector(), AttentionSelector()])
+        after = probe(second, ChatRequest("r", question), [HybridSelector(), AttentionSelector()])
         for name in ("hybrid", "attention"):
             assert after[name].restore == before[name].restore and after[name].resident == before[name].resident
         recovered, original = second.sessions["r"], first.sessions["r"]

@@ -34,8 +34,8 @@ def engine(contextd: ContextdProcess) -> Engine:
 
 def test_a_chat_turn_on_gemma3_270m(engine: Engine) -> None:
     tokenizer = engine.format.tokenizer
-    assert tokenizer.convert_tokens_to_ids("<end_of_turn>") in engine.stop_ids
-    assert tokenizer.eos_token_id in engine.stop_ids
+    assert tokenizer.convert_tokens_to_ids("<end_of_turn>") in engine.decoder.stop_ids
+    assert tokenizer.eos_token_id in engine.decoder.stop_ids
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You are a coding agent. Be brief."},
         {"role": "user", "content": "Which language is `def add(a, b): return a + b` written in?"},
