@@ -52,7 +52,7 @@ __all__ = [
 
 # Runtime name -> (module, the pip distribution that module needs).
 RUNTIMES: dict[str, tuple[str, str]] = {
-    "torch": ("backends.torch_backend", "torch"),
+    "torch": ("backends.torch", "torch"),
     "mlx": ("backends.mlx", "mlx"),
 }
 

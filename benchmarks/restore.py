@@ -72,7 +72,7 @@ K_PAGES = (1, 8, 32)
 
 
 def _torch_threads(backend: str) -> int | None:
-    """The intra-op threads the recompute ran on (the restore runs on one, see backends.torch_backend)."""
+    """The intra-op threads the recompute ran on (the restore runs on one, see backends.torch.backend)."""
     if backend != "torch":
         return None
     import torch

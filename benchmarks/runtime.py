@@ -106,10 +106,10 @@ def _torch_theirs(model: str, prompt: list[int], decode: int, device: str) -> di
     from transformers.generation.streamers import BaseStreamer
 
     from backends.models import SourceKind, resolve
-    from backends.torch_backend import unpacked_gguf
+    from backends.torch import unpacked_gguf
 
     source = resolve(model)
-    # The files ours loads: for a GGUF, the float32 folder both load from (backends.torch_backend), so the
+    # The files ours loads: for a GGUF, the float32 folder both load from (backends.torch.gguf), so the
     # arms differ in the runtime, not in a GGUF parse and dequantization only one of them pays.
     folder = unpacked_gguf(source) if source.kind is SourceKind.GGUF else source.path
     t0 = time.perf_counter()

@@ -89,7 +89,7 @@ class TorchHarness:
 
     @staticmethod
     def _shape(be: Backend) -> Any:
-        from backends.torch_backend import classify
+        from backends.torch import classify
 
         return classify(be.hf_model)  # type: ignore[attr-defined]
 

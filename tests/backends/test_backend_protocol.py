@@ -30,7 +30,7 @@ from backends import (
 from backends.blockfile import FORMAT_VERSION, checksum
 from backends.runtime import SlotBackend
 from backends.slot_store import SlotStore
-from backends.torch_backend import TorchBackend
+from backends.torch import TorchBackend
 
 from .conftest import Harness, Models
 
