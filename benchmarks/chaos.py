@@ -25,7 +25,7 @@ silent (`silent_mismatches`), and must be 0. The twin's answer goes into the cli
 session whose answers parted with a reason is replaced by a new one (`retired`), since from there
 its paging state and the twin's differ by design.
 After the last step every session is asked once more (`final_*`). Restores compare each stored
-page's prefix hash with the one the session's transcript gives (serving.paging.foreign); the
+page's prefix hash with the one the session's transcript gives (serving.page_records.foreign); the
 server's log says how often that refused a payload (`foreign_refused`), and contextd's manifests
 how many pages ended CORRUPT.
 

@@ -20,8 +20,8 @@ from backends import DecodeStep
 from backends.slots import pick_token
 from contextd import crashpoints
 from serving.chat_format import ChatFormat
-from serving.paging import PageMover, Tally
-from serving.session import LastAnswer, Session
+from serving.paging import PageMover
+from serving.session import LastAnswer, Session, Tally
 from serving.transcript import Segment
 from serving.turn import ChatRequest, FinishReason, TurnEvent
 

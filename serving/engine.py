@@ -60,11 +60,11 @@ from controller.selectors import RecencySelector, SelectionContext, Selector
 from serving.chat_format import ChatFormat
 from serving.decoding import Decoder
 from serving.observe import TurnObserver
-from serving.paging import PageMover, Tally
+from serving.paging import PageMover
 from serving.prompt import begin_message, keep_focus, piece_texts, prompt_pieces
 from serving.recovery import Recovery
 from serving.scoring import ControllerScorer
-from serving.session import Session, SessionCounters, TurnTimings
+from serving.session import Session, SessionCounters, Tally, TurnTimings
 from serving.session_table import SessionTable, TurnState
 from serving.transcript import (
     Alignment,
@@ -486,24 +486,23 @@ class Engine:
 
     def _read_ahead(self, session: Session) -> Generator[TurnEvent, int | None, None]:
         """After the answer is out, the controller model (if any) reads the pages this turn stored,
-        one at a time with a pause after each: the client has its answer and an agent runs its
-        tool meanwhile; the session's next turn waits for the reading, but other sessions' turns
-        and the stats readers go between two pages (read at once, a turn that stored 60 pages
-        would hold the worker ~16 s here, at SmolLM2's ~470 tokens/s of prefill). Best effort: a
-        page it cannot read now is read when it is scored."""
+        one at a time with a pause after each (`ControllerScorer.read_next`, counted as
+        `controller_forward_tokens`): the client has its answer and an agent runs its tool
+        meanwhile; the session's next turn waits for the reading, but other sessions' turns and the
+        stats readers go between two pages, where reading them all at once would hold the worker
+        for the whole prefill. Best effort: a page it cannot read now is read when it is scored."""
+        controller = self.mover.controller
         reading = 0.0
-        more = True
-        while more:
+        while controller is not None and session.unread_pages:
             started = time.perf_counter()
             try:
-                more = self.mover.read_ahead(session)
+                self.tally.count(session, controller_forward_tokens=controller.read_next(session))
             except (BackendError, ValueError) as exc:
                 log.warning("session %s: the controller model did not read this turn's pages ahead: %s",
                             session.session_id, exc)
                 session.unread_pages = []
-                more = False
             reading += time.perf_counter() - started
-            if more:
+            if session.unread_pages:
                 yield TurnEvent()
         session.read_ahead_ms = reading * 1e3
 

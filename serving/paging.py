@@ -26,8 +26,8 @@ the session can resume from:
             superseded partial versions.
 Rebuilding a session from contextd is serving.recovery's; it has this module fill the backend.
 
-Depends on backends (protocol), controller (pager), contextd.client and
-serving.session / serving.transcript.
+Depends on backends (protocol), controller (pager), contextd.client and serving.session /
+page_records / scoring / transcript.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from enum import StrEnum
 
 import numpy as np
 
@@ -53,8 +52,9 @@ from contextd.client import Client, Pending, pb
 from contextd.errors import DataCorrupt, FailedPrecondition
 from contextd.wire import PageState, record_refusal
 from controller.pager import PAGE_TOKENS, Decision, Page, Pager, Plan
+from serving.page_records import SnapshotSlot, cold_payload, foreign, stored_payload
 from serving.scoring import ControllerScorer, score_as_a_turn
-from serving.session import Session, SessionCounters, StoredPayload
+from serving.session import Session, StoredPayload, Tally
 from serving.transcript import TranscriptError
 
 log = logging.getLogger("kv_elision.paging")
@@ -66,35 +66,8 @@ FILL_PAGES = 8
 # The session's first held tokens that scoring puts before every page it reads (`_sink`). A small
 # model keeps much of its attention on the first tokens it saw (attention sinks; Xiao et al. 2023,
 # StreamingLLM, keep 4); a stored page's first token was computed mid-session and does not play that
-# part, so a page read alone skews its own score. With them, the re-ranker kept the hybrid's
-# paraphrase hits it had lost (seed 102: 7 -> 9 of 10 at budget 2,048, 8 -> 10 at 4,096;
-# docs/controller.md).
+# part, so a page read alone skews its own score (docs/results/selectors.md has what they bought).
 SINK_TOKENS = 4
-
-
-class SnapshotSlot(StrEnum):
-    """The recurrent snapshots a hybrid's session keeps in contextd, by slot name."""
-
-    END_OF_TURN = "recurrent"
-    # The state before the newest turn opener. A client that did not receive an answer (a crash
-    # after the record was written) re-sends the turn; a hybrid cannot cut its recurrent state
-    # back, so without this second slot the whole session would be prefilled again.
-    BEFORE_ANSWER = "recurrent-before-answer"
-
-
-class Tally:
-    """Counts into a session's counters and the server's totals at once."""
-
-    def __init__(self) -> None:
-        self.totals = SessionCounters()
-
-    def count(self, session: Session, **deltas: int) -> None:
-        session.counters.add(**deltas)
-        self.totals.add(**deltas)
-
-    def peak(self, session: Session, attention_tokens: int) -> None:
-        session.counters.peak(attention_tokens)
-        self.totals.peak(attention_tokens)
 
 
 class PageMover:
@@ -185,20 +158,6 @@ class PageMover:
             return functools.partial(self.score_by_controller, session)
         return functools.partial(self.score_held if held else self.score_pages, session)
 
-    def read_ahead(self, session: Session) -> bool:
-        """The controller model reads the next full page stored this turn (serving.scoring); whether
-        any is left. Each is read once, after the answer of the turn that wrote it, so the eviction
-        advice and the re-ranker later forward only the opening's and the question's tokens over it (a page the
-        controller's memory let go is read again when scored). Counted as
-        `controller_forward_tokens`."""
-        if self.controller is None or not session.unread_pages:
-            return False
-        # Full pages when stored (a page stored again is listed again); a cut drops those it rewrites.
-        page = min(session.unread_pages)
-        session.unread_pages = [i for i in session.unread_pages if i != page]
-        self.tally.count(session, controller_forward_tokens=self.controller.read(session, [page]))
-        return bool(session.unread_pages)
-
     def score_by_controller(self, session: Session, indices: list[int], token_ids: list[int]
                             ) -> dict[int, np.ndarray]:
         """Query likelihood read by the controller model from the pages' text (serving.scoring);
@@ -233,8 +192,7 @@ class PageMover:
         storing = time.perf_counter()
         self.store(session, [i for i in decision.evict if not pager.pages[i].stored])
         session.timed("store", storing)
-        # From the right, so the logical offsets of pages still to remove stay valid.
-        for index in sorted(decision.evict, reverse=True):
+        for index in sorted(decision.evict, reverse=True):   # from the right: the offsets still to come hold
             start = pager.logical_start(index)
             self.backend.remove_attention_range(start, start + pager.pages[index].tokens)
         crashpoints.reached("serving.evict.removed")
@@ -265,8 +223,7 @@ class PageMover:
         restored page's state change names the payload read, so contextd refuses the commit if a
         page changed meanwhile (dropped to make room, found corrupt): the pages then come out
         again and the decision is carried out on contextd's records. Not asking first saves a
-        round trip: a warm SmolLM2 page 7.10 -> 6.17 ms (benchmarks.restore's session,
-        interleaved in one process)."""
+        round trip (docs/results/restore.md)."""
         pager = session.pager
         if not indices:
             if evicted:
@@ -300,9 +257,8 @@ class PageMover:
         def send_commit() -> None:
             """Sent once the files are open and their first reads asked for, and not waited for:
             the commit runs in contextd while the payloads go in. On a Python thread of ours it
-            shared the interpreter lock with the copies, which it slowed by more than it saved (a
-            warm SmolLM2 page: 9.3 ms with it on a thread, 7.0 ms waited for first, 5.8 ms sent
-            like this)."""
+            shared the interpreter lock with the copies, which it slowed by more than it saved
+            (docs/journal/2026-11-29-restore-path.md)."""
             nonlocal commit
             if changes:
                 commit = self.contextd.start_set_page_states(
@@ -738,31 +694,6 @@ def _settle(commit: Pending[pb.WriteAck] | None) -> None:
     work's error: the turn fails either way, and the commit's says what contextd holds)."""
     if commit is not None:
         commit.result()
-
-
-def stored_payload(record: pb.Page) -> StoredPayload:
-    """The payload a manifest record names."""
-    return StoredPayload(record.locator, record.checksum, record.byte_size, record.prefix_hash)
-
-
-def foreign(page: Page, payload: StoredPayload) -> str:
-    """Why `payload` is not `page`'s (its record names another history than the session's
-    transcript gives the page), or "". The checksum, the model and the page's own token ids
-    cannot tell: after an edit that keeps the token count, a later page holds the same tokens
-    with K/V computed after other ones. A page recovery found under the id an earlier version
-    of kv-elision gave it (`Page.stored_as`) may have no prefix hash (partial pages and stores
-    from before contextd's schema 4 had none); its token ids are then all there is to check."""
-    if payload.prefix_hash == page.prefix_hash or (page.stored_as and not payload.prefix_hash):
-        return ""
-    return (f"its payload holds K/V computed after another history (prefix hash "
-            f"{payload.prefix_hash or 'none'}, where the session's transcript gives {page.prefix_hash})")
-
-
-def cold_payload(record: pb.Page | None) -> StoredPayload | None:
-    """The payload of a page contextd holds COLD with one, else None: what a restore or a score reads."""
-    if record is None or PageState(record.state) is not PageState.COLD or not record.locator:
-        return None
-    return stored_payload(record)
 
 
 def _int32(ids: list[int]) -> np.ndarray:

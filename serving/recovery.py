@@ -32,8 +32,9 @@ from contextd.wire import PageState, PinKind
 from controller.keyindex import KeyIndex
 from controller.lexical import LexicalIndex
 from controller.pager import PAGE_TOKENS, Pager, PagerConfig
-from serving.paging import PageMover, SnapshotSlot, Tally, foreign, stored_payload
-from serving.session import Session, SessionCounters
+from serving.page_records import SnapshotSlot, foreign, stored_payload
+from serving.paging import PageMover
+from serving.session import Session, SessionCounters, Tally
 from serving.transcript import Fingerprint, Segment, Transcript
 
 log = logging.getLogger("kv_elision.recovery")
@@ -186,7 +187,7 @@ class Recovery:
     def _refuse_foreign(self, session_id: str, pager: Pager, manifest: dict[str, pb.Page], usable: set[str],
                         notes: list[str]) -> None:
         """Take out of `usable` each page whose record names another history than the transcript
-        gives it (serving.paging.foreign: the same tokens after other ones, such as a store
+        gives it (serving.page_records.foreign: the same tokens after other ones, such as a store
         written under an id that did not carry the prefix and replaced by another history's
         version, or another server's), marking it CORRUPT: it is never served, and the session
         goes on as it does without a corrupt page (a resident one: from its first message)."""

@@ -16,7 +16,7 @@ controller prefills each page alone from position 0 (`Backend.prefill_alone`) an
 in memory by content (an LRU over the serving ids, up to `cache_bytes`), so a page costs one
 prefill the first time and each later scoring only the opening's and the question's tokens, in
 one forward over all candidates. The server has the controller read each full page once when it
-is stored, at the end of its turn (`PageMover.read_ahead`), so the advice and the re-ranker rarely
+is stored, at the end of its turn (`ControllerScorer.read_next`), so the advice and the re-ranker rarely
 wait for a page's read. Every token it forwards is counted as
 `controller_forward_tokens`; the serving model's cache, counters and transcript are never
 touched, so `historical_forward == 0` and the forward invariant stay the serving model's own.
@@ -107,13 +107,19 @@ class ControllerScorer:
         """Of these pages, those whose K/V the controller holds (scored without reading the page first)."""
         return [i for i in indices if _key(_page_ids(session, i)) in self._blocks]
 
-    def read(self, session: Session, indices: list[int]) -> int:
-        """Have the controller hold these pages' K/V (none without memory for them); the tokens
-        it prefilled."""
+    def read_next(self, session: Session) -> int:
+        """Read the next full page this turn stored (`Session.unread_pages`, lowest first) into the
+        controller's memory (nothing without memory for it); the tokens it prefilled. Each page is
+        read once, after the answer of the turn that wrote it, so the eviction advice and the
+        re-ranker later forward only the opening's and the question's tokens over it (a page the
+        memory let go is read again when scored)."""
+        # Full pages when stored (a page stored again is listed again); a cut drops those it rewrites.
+        page = min(session.unread_pages)
+        session.unread_pages = [i for i in session.unread_pages if i != page]
         if self.config.cache_bytes == 0:
             return 0
-        return sum(self._page_block(page_ids, _key(page_ids))[1]
-                   for page_ids in (_page_ids(session, i) for i in indices))
+        page_ids = _page_ids(session, page)
+        return self._page_block(page_ids, _key(page_ids))[1]
 
     def _page_block(self, serving_ids: Sequence[int], key: bytes) -> tuple[Block | None, int]:
         """The controller's K/V for a page's text (`key`: its `_key`), and the tokens prefilled to

@@ -170,3 +170,18 @@ class Session:
     def timed(self, phase: str, started: float) -> None:
         """Add the time since `started` (time.perf_counter) to this turn's `phase`."""
         self.phase_ms[phase] = self.phase_ms.get(phase, 0.0) + (time.perf_counter() - started) * 1e3
+
+
+class Tally:
+    """Counts into a session's counters and the server's totals at once."""
+
+    def __init__(self) -> None:
+        self.totals = SessionCounters()
+
+    def count(self, session: Session, **deltas: int) -> None:
+        session.counters.add(**deltas)
+        self.totals.add(**deltas)
+
+    def peak(self, session: Session, attention_tokens: int) -> None:
+        session.counters.peak(attention_tokens)
+        self.totals.peak(attention_tokens)
