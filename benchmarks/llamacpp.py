@@ -5,7 +5,12 @@ project at a fixed build number), so every machine builds the same server from a
 SHA-256 is checked, and nothing is downloaded at run time once it is built. Layout:
 
     ~/.cache/kv-elision/llama.cpp-<version>/            the source ($XDG_CACHE_HOME is honoured)
-    ~/.cache/kv-elision/llama.cpp-<version>/build/bin/llama-server
+    ~/.cache/kv-elision/llama.cpp-<version>/build-<cpu>/bin/llama-server
+
+llama.cpp builds its CPU kernels for the machine it is built on (-march=native), so a build is
+kept per CPU (`cpu_tag`: the processor's model and instruction-set flags): a cache folder carried
+to another CPU (a VM moved to another host) builds again instead of dying of an illegal
+instruction at its first forward, which `--version` never reaches.
 
 `locate()` returns the binary when it is there and answers `--version`; `ensure()` builds it when
 it is not (about 20-25 minutes on 2 cores, once; a lock file keeps two builds from colliding).
@@ -26,6 +31,7 @@ import fcntl
 import hashlib
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -56,8 +62,25 @@ def source_dir(version: str = VERSION) -> Path:
     return cache_root() / f"llama.cpp-{version}"
 
 
+def cpu_tag() -> str:
+    """This CPU as a short name for its build folder: a digest of its model name and instruction-set
+    flags as /proc/cpuinfo gives them (elsewhere, of the platform's machine and processor)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        wanted = [line for line in lines if line.split(":")[0].strip() in ("model name", "flags", "Features")]
+        seen = "\n".join(dict.fromkeys(wanted))
+    except OSError:
+        seen = ""
+    seen = seen or f"{platform.machine()} {platform.processor()}"
+    return hashlib.sha256(seen.encode()).hexdigest()[:12]
+
+
+def build_dir(version: str = VERSION) -> Path:
+    return source_dir(version) / f"build-{cpu_tag()}"
+
+
 def binary_path(version: str = VERSION) -> Path:
-    return source_dir(version) / "build" / "bin" / "llama-server"
+    return build_dir(version) / "bin" / "llama-server"
 
 
 def _answers(binary: Path) -> str | None:
@@ -171,8 +194,9 @@ def build(version: str = VERSION, jobs: int | None = None, log: Any = print) -> 
         jobs = jobs or os.cpu_count() or 2
         started = time.monotonic()
         log(f"llamacpp: building llama-server {version} in {src} with {jobs} jobs (about 20-25 minutes on 2 cores)")
-        subprocess.run(["cmake", "-B", "build", *CMAKE_FLAGS], cwd=src, check=True, stdout=subprocess.DEVNULL)
-        subprocess.run(["cmake", "--build", "build", "--target", "llama-server", f"-j{jobs}"], cwd=src, check=True,
+        out = build_dir(version).name
+        subprocess.run(["cmake", "-B", out, *CMAKE_FLAGS], cwd=src, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(["cmake", "--build", out, "--target", "llama-server", f"-j{jobs}"], cwd=src, check=True,
                        stdout=subprocess.DEVNULL)
         path = binary_path(version)
         if _answers(path) is None:
