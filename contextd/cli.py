@@ -19,10 +19,11 @@ from google.protobuf.message import Message
 from contextd.blobs import Reserve
 from contextd.client import Client, pb
 from contextd.clock import Clock
-from contextd.daemon import DaemonConfig, Retention
+from contextd.daemon import DaemonConfig
 from contextd.errors import ContextdError
 from contextd.objects import ObjectStoreConfig
 from contextd.paths import default_root, default_socket
+from contextd.retention import Retention
 from contextd.store import SyncMode
 
 

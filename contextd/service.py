@@ -9,8 +9,9 @@ every message to its row and back by name: `_row` (repeated fields to tuples, ma
 numbers to the wire.py enums, refusing unknown numbers) and `_message`; a pin's kind is parsed
 into wire.PinKind the same way.
 
-Depends on contextd.daemon, contextd.records, contextd.store (the pins and leases tables),
-contextd.wire, contextd.errors and the generated contextd._gen modules.
+Depends on contextd.daemon, contextd.pages (Mark: a pin or a lease), contextd.records,
+contextd.store (the pins and leases tables), contextd.wire, contextd.errors and the generated
+contextd._gen modules.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from google.protobuf.message import Message
 from contextd._gen import contextd_pb2 as pb
 from contextd._gen import contextd_pb2_grpc as pb_grpc
 from contextd.clock import Deadline, within
-from contextd.daemon import Daemon, Mark
+from contextd.daemon import Daemon
 from contextd.errors import ContextdError, InvalidArgument
+from contextd.pages import Mark
 from contextd.records import (
     LeaseRow,
     PageRow,

@@ -29,7 +29,9 @@ ALLOWED: dict[str, set[str]] = {
 NARROW: dict[tuple[str, str], tuple[str, ...]] = {("controller", "contextd"): ("contextd.wire",)}
 # Inside contextd: the client side must not reach the daemon side.
 CLIENT_SIDE = ("client.py", "wire.py", "errors.py", "paths.py", "ids.py", "blobs.py")
-DAEMON_SIDE = {"contextd.daemon", "contextd.service", "contextd.server", "contextd.store", "contextd.tiering"}
+DAEMON_SIDE = {"contextd.daemon", "contextd.service", "contextd.server", "contextd.store", "contextd.tiering",
+               "contextd.manifest", "contextd.payloads", "contextd.holds", "contextd.sessions", "contextd.branches",
+               "contextd.turns", "contextd.retention", "contextd.pages", "contextd.integrity"}
 
 
 def ours(module: str) -> str | None:
