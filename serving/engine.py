@@ -65,7 +65,7 @@ from serving.prompt import begin_message, keep_focus, piece_texts, prompt_pieces
 from serving.recovery import Recovery
 from serving.scoring import ControllerScorer
 from serving.session import Session, SessionCounters, Tally, TurnTimings
-from serving.session_table import SessionTable, TurnState
+from serving.session_table import SessionTable, TurnPhase, TurnState
 from serving.transcript import (
     Alignment,
     Fingerprint,
@@ -468,6 +468,7 @@ class Engine:
             observer.answer_view(session, self.backend, restored)
         yield TurnEvent(prepared=Prepared(prefilled_tokens=len(prompt_ids), rebuilt=rebuilt))
 
+        turn.phase = TurnPhase.DECODE
         picked, finish, sampled = yield from self.decoder.generate(
             session, request, prompt_ids,
             min(request.max_tokens or self.config.max_new_tokens, self.config.max_new_tokens))
@@ -480,6 +481,7 @@ class Engine:
         result.rebuilt = rebuilt
         result.sampled = sampled
         yield TurnEvent(final=result)
+        turn.phase = TurnPhase.READ_AHEAD
         for observer in self.observers:
             observer.answered(session)
         yield from self._read_ahead(session)

@@ -24,9 +24,19 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 
 from backends import Backend
 from serving.session import Session
+
+
+class TurnPhase(StrEnum):
+    """Where a turn in progress is (`/v1/kv/stats?session=ID` says it as `turn_phase`, for a
+    status line and for a client that must act at a given point of a turn)."""
+
+    PREPARE = "prepare"        # the prompt: rendering, prefill, the plan, restores, the blend
+    DECODE = "decode"          # the answer, token by token
+    READ_AHEAD = "read_ahead"  # answered; the controller model reads the pages the turn stored
 
 
 @dataclass
@@ -35,6 +45,7 @@ class TurnState:
 
     paused_ms: float = 0.0          # time other sessions' turns ran between its steps
     held_at: float | None = None    # when its lease was last taken or renewed (the engine's clock)
+    phase: TurnPhase = TurnPhase.PREPARE
 
 
 class SessionTable(Mapping[str, Session]):

@@ -65,6 +65,7 @@ def stats(engine: Engine, session_id: str | None) -> dict[str, Any]:
     key_index, lexical_index = session.key_index, session.lexical_index
     return {"session_id": session_id, "counters": session.counters.as_dict(), "pages": pager.counts(),
             "session_tokens": session.transcript.tokens, "hot_tokens": pager.hot_tokens,
+            "turn_phase": turn.phase.value if (turn := engine.sessions.turn(session_id)) else None,
             "budget_tokens": engine.config.budget_tokens, "turn": pager.turn,
             "attention_tokens": backend.attention_tokens if engine.active == session_id else pager.hot_tokens,
             "fingerprint": session.transcript.fingerprint.combined(),

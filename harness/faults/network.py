@@ -3,6 +3,10 @@ endpoint (Ceph RGW, harness/rgw.py) that forwards every byte as it is, and that 
 lose the reply to a chosen request after the store has applied it, or hold a chosen request back
 until the test lets it go.
 
+`StallingProxy` is a plain TCP path to the store that can stop forwarding while every connection
+stays open (a stalled path, not a refused one), and that can cap its rate so that a transfer lasts
+long enough to kill the store in its middle.
+
 A lost reply is what a connection reset after the store's commit looks like to a client: the
 write happened, the client cannot know it, and it sends the write again. A held request is a slow
 path at a chosen moment: another client's request goes through meanwhile, which is how a race
@@ -18,10 +22,11 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["Fault", "S3Proxy"]
+__all__ = ["Fault", "S3Proxy", "StallingProxy"]
 
 WAIT_S = 60.0   # the longest a held request waits for its release, and a test for a fault to be reached
 _HEAD_END = b"\r\n\r\n"
@@ -268,3 +273,59 @@ class S3Proxy:
             connections = list(self._connections)
         for connection in connections:
             connection.close()
+
+
+class StallingProxy:
+    """A TCP proxy to the object store that stops forwarding bytes while `stall`ed, keeping every
+    connection open, and that forwards at most `bytes_per_s` (0: no limit)."""
+
+    def __init__(self, target_port: int, bytes_per_s: int = 0) -> None:
+        self.target = target_port
+        self.bytes_per_s = bytes_per_s
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.server.getsockname()[1])
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def stall(self) -> None:
+        """Stop forwarding (bytes already sent stay sent; connections stay open)."""
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        self._flowing.set()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:       # the store is down: so is this path
+                client.close()
+                continue
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while chunk := source.recv(65536):
+                # A stall lasts until `resume` or `close`; past WAIT_S the path is given up.
+                if not self._flowing.wait(WAIT_S) or self._closed.is_set():
+                    return
+                sink.sendall(chunk)
+                if self.bytes_per_s:
+                    time.sleep(len(chunk) / self.bytes_per_s)   # the capped rate
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                s.close()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._flowing.set()   # a stalled pipe wakes and ends
+        self.server.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from contextd.client import Client, pb
 from contextd.errors import FailedPrecondition, InvalidArgument, NotFound, StoreFull
 from contextd.wire import PageState, PinKind
+from harness.waits import wait_until
 from serving.launcher import ContextdProcess
 from tests.contextd.conftest import MovedClock, states, store_payload
 
@@ -215,10 +215,8 @@ def test_kill9_during_batches_keeps_every_acknowledged_batch_and_no_half_batch(d
     t.start()
     # A writer that failed before the kill would leave this loop waiting forever (stop 48's CI hang
     # may have been one): it ends with the writer's error instead.
-    deadline = time.monotonic() + 120
-    while len(acked) < 30:
-        assert t.is_alive() and time.monotonic() < deadline, f"the writer stopped at {len(acked)} batches: {failed}"
-        time.sleep(0.01)
+    wait_until(lambda: len(acked) >= 30 or not t.is_alive(), 120, "30 acknowledged batches", poll_s=0.01)
+    assert len(acked) >= 30, f"the writer stopped at {len(acked)} batches: {failed}"
     daemon.kill9()
     stop.set()
     t.join(timeout=30)

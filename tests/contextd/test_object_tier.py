@@ -9,7 +9,6 @@ commit (or a read) with a clear error, committing (or marking) nothing, until it
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 import uuid
@@ -23,7 +22,7 @@ from contextd.errors import DeadlineExceeded, InvalidArgument, NotFound, TierUna
 from contextd.objects import ObjectStore, ObjectStoreConfig
 from contextd.tiering import READ_HOLD_S
 from contextd.wire import PageState
-from harness.faults.network import WAIT_S, S3Proxy
+from harness.faults.network import WAIT_S, S3Proxy, StallingProxy
 from harness.rgw import Rgw
 from serving.launcher import ContextdProcess
 from tests.objectstore import bucket
@@ -173,66 +172,19 @@ def test_an_object_store_that_is_down_fails_the_commit_typed_and_it_goes_through
     assert client.verify().pages_ok == 2
 
 
-class StallingProxy:
-    """A TCP proxy to the object store that can stop forwarding bytes while keeping every
-    connection open (a stalled network path, not a refused one), and that forwards at most
-    `bytes_per_s` (0: no limit), so a transfer lasts long enough to kill the store in its middle."""
-
-    def __init__(self, target_port: int, bytes_per_s: int = 0) -> None:
-        self.target = target_port
-        self.bytes_per_s = bytes_per_s
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = int(self.server.getsockname()[1])
-        self.stalled = threading.Event()
-        self.closed = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self.closed.is_set():
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.target))
-            except OSError:       # the store is down: so is this path
-                client.close()
-                continue
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while chunk := source.recv(65536):
-                while self.stalled.is_set() and not self.closed.is_set():
-                    time.sleep(0.05)
-                sink.sendall(chunk)
-                if self.bytes_per_s:
-                    time.sleep(len(chunk) / self.bytes_per_s)
-        except OSError:
-            pass
-        finally:
-            for s in (source, sink):
-                s.close()
-
-    def close(self) -> None:
-        self.closed.set()
-        self.server.close()
-
-
 def test_a_stalled_object_store_fails_the_commit_after_its_deadline(daemon_factory: Any, s3: ObjectStore,
                                                                     rgw: Rgw) -> None:
     proxy = StallingProxy(rgw.port)
     try:
         _, client = tiered(daemon_factory, s3, "--object-deadline", "2", endpoint=f"http://127.0.0.1:{proxy.port}")
         store_payload(client, "s", page(1), data(1))
-        proxy.stalled.set()
+        proxy.stall()
         started = time.monotonic()
         with pytest.raises(TierUnavailable, match="did not take"):
             store_payload(client, "s", page(2), data(2))
         assert time.monotonic() - started < 20
         assert [p.page_id for p in client.query_pages("s")] == ["p1"]
-        proxy.stalled.clear()
+        proxy.resume()
         store_payload(client, "s", page(2), data(2))
         assert client.verify().pages_ok == 2
     finally:

@@ -24,18 +24,10 @@ import pytest
 from backends import blockfile, load_backend
 from harness.faults.hangs import finalizer_case, twin_answers, wedged_read_case
 from harness.faults.processes import short_tempdir
+from harness.waits import wait_until
 
 DEADLINE_S = 20.0   # the longest any step here may take before the test calls it a hang
 READ_DEADLINE_S = 1.0   # the wedged readers' deadline (blockfile.READ_DEADLINE_S)
-
-
-def wait_until(condition: object, seconds: float, what: str) -> None:
-    """Poll `condition` (a callable) until it holds; fail with `what` past `seconds`."""
-    assert callable(condition)
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def test_a_wedged_reader_fails_its_wait_at_the_deadline_and_never_leaves_its_bytes_behind(

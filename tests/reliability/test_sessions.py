@@ -6,7 +6,6 @@ holding that session's own pages and nothing else; and contextd killed under a l
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from harness.faults.processes import Daemon, environ_set
 from harness.faults.scenarios import CRASH_ENV, SCENARIOS, messages_for, session_scenarios
 from harness.faults.sessions import job_sessions, server_sessions
 from harness.faults.zygote import Zygote
+from harness.waits import outage, wait_until
 from serving.launcher import ServerProcess
 from tests.reliability.conftest import explain
 
@@ -67,14 +67,15 @@ def test_contextd_killed_under_a_live_server_fails_the_turn_in_flight_with_503_a
     assert daemon.exited(timeout=30)
     with environ_set(CRASH_ENV, None):
         daemon.start()
-    deadline = time.monotonic() + 30
-    while True:  # the client re-sends, as Pi does
-        reply = server.chat(messages_for(sc.users, answers, 2), session="kd")
-        if reply.status == 200 or time.monotonic() > deadline:
-            break
-        assert reply.status == 503
-        time.sleep(0.25)
-    assert reply.status == 200, reply.body
+    replies = []
+
+    def answered() -> bool:   # the client re-sends, as Pi does
+        replies.append(server.chat(messages_for(sc.users, answers, 2), session="kd"))
+        assert replies[-1].status in (200, 503), replies[-1].body
+        return replies[-1].status == 200
+
+    wait_until(answered, 30, "the re-sent turn to be answered", poll_s=0.25)
+    reply = replies[-1]
     assert daemon.client is not None
     assert daemon.client.read_record("kd").record.turn == 3 and not daemon.client.verify("kd").corrupt
     c = reply.body["kv"]
@@ -90,12 +91,12 @@ def test_after_a_contextd_outage_the_next_request_succeeds(server: ServerProcess
     daemon.kill9()
     for _ in range(3):
         assert server.chat([{"role": "user", "content": "hello again"}], session="outage-2", max_tokens=1).status == 503
-    time.sleep(12)  # gRPC's default backoff would next try the socket about 16 s after the outage began
+    outage(12)  # gRPC's default backoff would next try the socket about 16 s after the outage began
     with environ_set(CRASH_ENV, None):
         daemon.start()
-    time.sleep(0.5)
-    reply = server.chat([{"role": "user", "content": "hello again"}], session="outage-2", max_tokens=1)
-    assert reply.status == 200, reply.body
+    # The channel's own backoff (contextd.client.RECONNECT) finds the socket within a second.
+    wait_until(lambda: server.chat([{"role": "user", "content": "hello again"}], session="outage-2",
+                                   max_tokens=1).status == 200, 2.0, "a turn answered after the outage")
 
 
 def test_session_switches_are_counted(server: ServerProcess) -> None:

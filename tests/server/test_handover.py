@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from typing import Any
 
 import pytest
 
 from harness.rgw import Rgw
+from harness.waits import wait_until
 from serving.launcher import ContextdProcess, ServerProcess
 from tests.objectstore import bucket
 from tests.server.test_resident import opening
@@ -39,13 +39,15 @@ class Conversation:
     def ask(self, server: ServerProcess, question: str, wait_s: float = 0.0) -> tuple[str, int]:
         """Send `question`; for up to `wait_s`, again while another server holds the session (a
         refusal comes before the turn starts and changes nothing)."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            reply = server.chat([*self.messages, {"role": "user", "content": question}], session="a", max_tokens=6)
-            held = reply.status == 409 and reply.body["error"]["type"] == "session_held_elsewhere"
-            if not held or time.monotonic() >= deadline:
-                break
-            time.sleep(0.5)
+        replies = []
+
+        def not_held() -> bool:
+            replies.append(server.chat([*self.messages, {"role": "user", "content": question}], session="a",
+                                       max_tokens=6))
+            return not (replies[-1].status == 409 and replies[-1].body["error"]["type"] == "session_held_elsewhere")
+
+        wait_until(not_held, wait_s, "the session's lease elsewhere to run out", poll_s=0.5)
+        reply = replies[-1]
         assert reply.status == 200, reply.body
         text = reply.body["choices"][0]["message"]["content"]
         self.messages += [{"role": "user", "content": question}, {"role": "assistant", "content": text}]
@@ -80,10 +82,9 @@ def test_a_session_moves_between_servers_with_the_tokens_of_one_that_never_moved
     try:
         busy = b.chat([*moving.messages, {"role": "user", "content": QUESTIONS[4]}], session="a", max_tokens=6)
         assert busy.status == 409 and busy.body["error"]["type"] == "session_held_elsewhere", busy.body
-        time.sleep(2.5)                                      # past a's lease: b takes the session over
-        # (a renewal a sent just before it stopped may land late on a loaded machine: its lease
-        # then runs up to 2 s more, and b is refused until it has)
-        assert moving.ask(b, QUESTIONS[4], wait_s=10) == still.ask(twin, QUESTIONS[4])
+        # Once a's lease runs out, b takes the session over (a renewal a sent just before it stopped
+        # may land late on a loaded machine: its lease then runs up to 2 s more).
+        assert moving.ask(b, QUESTIONS[4], wait_s=15) == still.ask(twin, QUESTIONS[4])
     finally:
         os.kill(a.proc.pid, signal.SIGCONT)
     rest = [chunk for _, chunk in chunks]                    # a's renewal is refused: its turn fails

@@ -7,11 +7,13 @@ session on the real SmolLM2 weights is in tests/e2e.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import pytest
 
 from backends.models import load_tokenizer, resolve
+from harness.waits import wait_until
 from serving.heap import FIRST_GENERATION_THRESHOLD
 from serving.launcher import ServerProcess
 
@@ -287,7 +289,7 @@ def test_a_client_that_leaves_ends_its_turn_and_the_next_turn_is_served(server_f
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Authorization: " + key + b"\r\nX-KV-Session: gone\r\nContent-Length: "
                      + str(len(raw)).encode() + b"\r\n\r\n" + raw)
-        time.sleep(3)
+        wait_until(lambda: server.stats("gone").get("turn_phase") == "decode", 120, "the turn to decode")
     started = time.monotonic()
     reply = server.request("POST", "/v1/chat/completions",
                            {"model": "tiny-llama", "messages": [SYSTEM, {"role": "user", "content": "hi"}],
@@ -364,10 +366,8 @@ def test_a_server_started_alone_starts_its_own_contextd_which_ends_with_it(tmp_p
     """`kv-elision serve` with nobody answering on its socket spawns a contextd under ROOT/contextd
     and loads its model while that one starts; the daemon answers once the server does, holds the
     turn's session, and stops when the server stops."""
-    import os
     import subprocess
     import sys
-    import time
 
     from contextd.client import Client
     from contextd.paths import SOCKET_NAME
@@ -394,15 +394,15 @@ def test_a_server_started_alone_starts_its_own_contextd_which_ends_with_it(tmp_p
         daemon_pid = status.pid
     finally:
         stop_process(proc)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.kill(daemon_pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(f"contextd (pid {daemon_pid}) outlived its server")
+    wait_until(lambda: not alive(daemon_pid), 30, f"contextd (pid {daemon_pid}) to end with its server")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_a_server_that_cannot_start_leaves_no_contextd_behind(tmp_path: Any) -> None:

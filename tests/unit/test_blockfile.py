@@ -11,6 +11,7 @@ import pytest
 
 from backends import Block, BlockFormatError, BlockStream, LayerView
 from backends.blockfile import ContainerError, ReadQueue, checksum
+from harness.waits import wait_until
 
 VIEW = LayerView(model_id="m", family="llama", attention_layers=(0, 1, 2), num_kv_heads=2, head_dim=8,
                  value_head_dim=8, rotary_dim=8, rope_layout="neox", dtype="float32")
@@ -110,7 +111,6 @@ def test_a_read_queue_reads_every_header_first_then_each_file_whole_in_the_order
 
 def test_a_lingering_read_queue_reads_one_insert_after_another_on_one_thread_then_ends(tmp_path: Path) -> None:
     import threading
-    import time
 
     from backends.blockfile import SectionReader
 
@@ -131,10 +131,8 @@ def test_a_lingering_read_queue_reads_one_insert_after_another_on_one_thread_the
         with Logged(path, Block.MAGIC, checksum(data), len(data), queue) as reader:
             reader.finish()
     assert len(readers) == 3 and len(set(readers)) == 1
-    deadline = time.monotonic() + 10.0
-    while any(t.ident == readers[0] for t in threading.enumerate()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(t.ident == readers[0] for t in threading.enumerate()), "the idle thread did not end"
+    wait_until(lambda: not any(t.ident == readers[0] for t in threading.enumerate()), 10.0,
+               "the idle reader thread to end")
     with Logged(path, Block.MAGIC, checksum(data), len(data), queue) as reader:   # a new one starts
         reader.finish()
     assert len(readers) == 4
