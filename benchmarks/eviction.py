@@ -67,7 +67,8 @@ from benchmarks.selectors import controller_backend, locate, names_of, pages_ove
 from benchmarks.stats import percentile, reliable, unreliable_warning
 from controller.eviction import EVICTION_ORDERS, AttentionOrderConfig
 from harness.procfs import machine_cpu_seconds, other_cpu_share, process_cpu_seconds
-from harness.shapes import SHAPES, TUNING_SEEDS, Question, Workload, approx_tokens, make
+from harness.shapes import SHAPES, TUNING_SEEDS, make
+from harness.shapes.session import Question, Workload, approx_tokens
 from serving.chat_format import ChatFormat
 from serving.engine import Engine, EngineConfig
 from serving.heap import freeze_loaded_heap

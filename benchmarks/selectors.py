@@ -66,7 +66,8 @@ from controller.selectors import (
     Selector,
 )
 from harness.procfs import machine_cpu_seconds, other_cpu_share, own_cpu_seconds
-from harness.shapes import DEFAULT_TOKENS, HELD_OUT_SEEDS, SHAPES, TUNING_SEEDS, Question, Workload, make
+from harness.shapes import HELD_OUT_SEEDS, SHAPES, TUNING_SEEDS, make
+from harness.shapes.session import DEFAULT_TOKENS, Question, Workload
 from serving.chat_format import ChatFormat
 from serving.engine import Engine, EngineConfig
 from serving.heap import freeze_loaded_heap

@@ -7,16 +7,8 @@ import re
 
 import pytest
 
-from harness.shapes import (
-    DEFAULT_TOKENS,
-    HELD_OUT_SEEDS,
-    LANGUAGES,
-    SHAPES,
-    TUNING_SEEDS,
-    Workload,
-    approx_tokens,
-    make,
-)
+from harness.shapes import HELD_OUT_SEEDS, SHAPES, TUNING_SEEDS, make
+from harness.shapes.session import DEFAULT_TOKENS, LANGUAGES, Workload, approx_tokens
 
 ALL = [(shape, seed) for shape in SHAPES for seed in (*TUNING_SEEDS, *HELD_OUT_SEEDS)]
 
