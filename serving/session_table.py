@@ -81,8 +81,13 @@ class SessionTable(Mapping[str, Session]):
         return len(self._sessions)
 
     def on_drop(self, listener: Callable[[str], None]) -> None:
-        """Call `listener(session_id)` whenever a session leaves memory (the bound, or `drop`)."""
+        """Call `listener(session_id)` whenever a session leaves memory (the bound, or `drop`),
+        until `off_drop(listener)`."""
         self._listeners.append(listener)
+
+    def off_drop(self, listener: Callable[[str], None]) -> None:
+        """Stop calling `listener` (ValueError if it was not listening)."""
+        self._listeners.remove(listener)
 
     # ------------------------------------------------------------------ sessions
 

@@ -56,7 +56,9 @@ class AnswerWatch(TurnObserver):
         engine.sessions.on_drop(self.forget)
 
     def close(self) -> None:
+        """Stop observing the engine's turns and its sessions leaving memory (what it read stays readable)."""
         self.engine.observers.remove(self)
+        self.engine.sessions.off_drop(self.forget)
 
     # ------------------------------------------------------------------ asking
 

@@ -47,6 +47,19 @@ def test_the_least_recently_used_idle_session_leaves_and_listeners_are_told() ->
     assert list(t) == ["a", "c"] and told == ["b"] and t.dropped == 1
 
 
+def test_a_listener_taken_off_is_told_nothing_more() -> None:
+    t, told = table(resident=1, in_memory=1)
+    later: list[str] = []
+    t.on_drop(later.append)
+    t.add(session("a"))
+    t.add(session("b"))
+    t.off_drop(later.append)
+    t.add(session("c"))
+    assert told == ["a", "b"] and later == ["a"]
+    with pytest.raises(ValueError):
+        t.off_drop(later.append)
+
+
 def test_a_session_with_a_turn_or_a_cache_never_leaves_memory() -> None:
     t, told = table(resident=1, in_memory=1)
     t.add(session("busy"))
