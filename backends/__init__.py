@@ -12,23 +12,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .protocol import (
-    Backend,
+from .block_stream import BlockStream, StoredBlock
+from .blocks import Block, LayerView, RecurrentSnapshot
+from .errors import (
     BackendError,
     BackendUnavailableError,
-    Block,
     BlockFormatError,
     BlockMismatchError,
-    BlockStream,
     CorruptPayloadError,
-    Counters,
-    DecodeStep,
-    LayerView,
-    RecurrentSnapshot,
-    StoredBlock,
-    Tokenizer,
     UnsupportedModelError,
 )
+from .protocol import Backend, Counters, DecodeStep, Tokenizer
 
 __all__ = [
     "Backend",

@@ -1,4 +1,4 @@
-"""The container format of blocks and recurrent snapshots, and its verified reads.
+"""The container format of blocks and recurrent snapshots: writing it, and reading it whole.
 
     offset 0   8 bytes   magic (b"KVEBLOCK" or b"KVESNAP\\0")
     offset 8   u16 LE    format version (2)
@@ -18,26 +18,24 @@ Measured on SmolLM2-135M pages: 1.2x for float32 K/V, 1.47x for bfloat16 (zstd l
 
 A stored payload has exactly one checksum: xxh3-128 of the whole file, 32 lowercase hex digits,
 computed by the canonical store while it writes the file (contextd.blobs) and recorded in the
-manifest. Every read here takes that checksum and size and verifies them while reading; nothing
-read becomes visible before the whole file has verified. The container itself carries none
-(version 1 carried a second, payload-only checksum: one payload was hashed twice on every write).
+manifest. Every read that feeds attention takes that checksum and size and verifies them while
+reading; nothing read becomes visible before the whole file has verified. The container itself
+carries none (version 1 carried a second, payload-only checksum: one payload was hashed twice on
+every write).
 
 Writing is the store's job: `pack` returns the file as a list of buffers (header, padding, the
-arrays' own memory) that a writer hands to writev without assembling a copy.
+arrays' own memory) that a writer hands to writev without assembling a copy. This module reads a
+file whole (`read_verified`, `unpack`) or a few unverified rows (`read_rows`); reading one on a
+background thread while its caller uses what has arrived is backends/section_reader.py's, which
+builds on the header and section parsing here (`parse_header`, `header_end`, `section_table`).
 
 Dependency rules: numpy, msgpack and xxhash only; knows nothing of blocks, models or contextd.
 """
 
 from __future__ import annotations
 
-import bisect
-import collections
-import itertools
 import os
 import struct
-import threading
-import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,19 +46,16 @@ import xxhash
 __all__ = [
     "FORMAT_VERSION",
     "IO_CHUNK_BYTES",
-    "READ_DEADLINE_ENV",
-    "READ_HANG_ENV",
     "ContainerError",
-    "ReadQueue",
-    "ReadStalled",
-    "SectionReader",
-    "StuckRead",
+    "Section",
     "checksum",
+    "header_end",
+    "open_sized",
     "pack",
+    "parse_header",
     "read_rows",
     "read_verified",
-    "set_read_hook",
-    "stuck_reads",
+    "section_table",
     "unpack",
 ]
 
@@ -72,109 +67,11 @@ _PREFIX = struct.Struct("<8sHHI")
 # 6 MB block was ~40% slower on a virtio disk), and hashing each request right after it lands hits
 # the CPU cache instead of reading the whole payload back from memory.
 IO_CHUNK_BYTES = 64 * 1024
-# Copies out of the page cache have no readahead to keep ahead of: bigger requests, fewer calls.
-_CACHED_CHUNK_BYTES = 1024 * 1024
-
-# A wait on a reader fails (ReadStalled) once no byte has arrived for this many seconds: the disk
-# or network file system under the store has hung, and a restore must not wait for it for ever,
-# holding the runtime's lock. KV_ELISION_READ_DEADLINE sets it in a process's environment (the
-# tests' wedged readers; a file system slower than any disk).
-READ_DEADLINE_ENV = "KV_ELISION_READ_DEADLINE"
-READ_DEADLINE_S = float(os.environ.get(READ_DEADLINE_ENV) or 30.0)
-# Tests and the reliability campaign only: KV_ELISION_READ_HANG=FIFO[:N[:reader|caller]] wedges
-# the N-th read (`_HangAt`).
-READ_HANG_ENV = "KV_ELISION_READ_HANG"
 
 
 class ContainerError(ValueError):
     """Bytes that are not a well-formed container of this format version, or that fail their
     checksum; the backends raise it as BlockFormatError."""
-
-
-class ReadStalled(TimeoutError):
-    """No byte of a file being read arrived within READ_DEADLINE_S: its reader is stuck in the
-    kernel (a hung disk or file system). Not a ContainerError: nothing says the file is bad, and a
-    reader that may still write into the caller's buffers leaves them unusable until it returns
-    (`stuck_reads`), so the whole read the caller was doing fails, not one file of it. An OSError,
-    as the disk's own errors are."""
-
-
-@dataclass(frozen=True)
-class StuckRead:
-    """A reader whose wait ran out while its thread was still in a read (`stuck_reads`)."""
-
-    path: str
-    stalled_s: float   # since its last byte arrived
-
-
-class _Progress:
-    """When a reader (or the read queue it is on) last got bytes: a wait's deadline runs from there."""
-
-    __slots__ = ("at",)
-
-    def __init__(self) -> None:
-        self.at = time.monotonic()
-
-    def touch(self) -> None:
-        self.at = time.monotonic()
-
-
-_STUCK_LOCK = threading.Lock()
-_STUCK: dict[int, SectionReader] = {}   # by id: readers past their deadline whose thread has not returned
-
-
-def stuck_reads() -> list[StuckRead]:
-    """The reads in this process that ran past their deadline and have not returned yet. While
-    there is one, buffers it was given may still be written (a restore's free slots, zeroed again
-    when it returns): a server refuses turns until it has returned, and its /health says so."""
-    now = time.monotonic()
-    with _STUCK_LOCK:
-        return [StuckRead(reader._path, now - reader._progress.at) for reader in _STUCK.values()]
-
-
-ReadHook = Callable[[bool], None]
-
-
-class _HangAt:
-    """The read hook KV_ELISION_READ_HANG=FIFO[:N[:reader|caller]] installs: the N-th read request
-    (1 unless given) on a reader's own thread (`reader`: a read queue's or a reader's thread) or on
-    the thread that opened the file (`caller`: a restore reading a file itself) blocks in open(2)
-    of FIFO until another process opens its writing end. It is stuck in the kernel, as a read from
-    a hung disk is, for as long as the test wants; `O_WRONLY | O_NONBLOCK` on the FIFO releases it
-    (ENXIO: no read has reached it yet)."""
-
-    def __init__(self, spec: str) -> None:
-        fifo, _, rest = spec.partition(":")
-        nth, _, where = rest.partition(":")
-        self.fifo = fifo
-        self.nth = int(nth or 1)
-        self.where = where or "reader"
-        if self.where not in ("reader", "caller") or self.nth < 1 or not fifo:
-            raise ValueError(f"{READ_HANG_ENV} is FIFO[:N[:reader|caller]], not {spec!r}")
-        self.count = 0
-        self.lock = threading.Lock()
-
-    def __call__(self, on_opener: bool) -> None:
-        if on_opener != (self.where == "caller"):
-            return
-        with self.lock:
-            self.count += 1
-            due = self.count == self.nth
-        if due:
-            with open(self.fifo, "rb"):
-                pass
-
-
-_read_hook: ReadHook | None = _HangAt(os.environ[READ_HANG_ENV]) if os.environ.get(READ_HANG_ENV) else None
-
-
-def set_read_hook(hook: ReadHook | None) -> ReadHook | None:
-    """Tests and the reliability campaign: call `hook(on_opener)` before every read request of a
-    SectionReader (`on_opener`: on the thread that opened the file), to wedge a reader or run the
-    garbage collector on a reader's thread. Returns the hook it replaces."""
-    global _read_hook
-    before, _read_hook = _read_hook, hook
-    return before
 
 
 def checksum(data: bytes | bytearray | memoryview) -> str:
@@ -236,7 +133,7 @@ def pack(magic: bytes, meta: dict[str, Any], sections: list[tuple[str, np.ndarra
     return [memoryview(head + bytes(_align(len(head)) - len(head))), *payload]
 
 
-def _parse_header(magic: bytes, mv: memoryview) -> tuple[dict[str, Any], int]:
+def parse_header(magic: bytes, mv: memoryview) -> tuple[dict[str, Any], int]:
     """Decode the prefix and msgpack header at the start of `mv`; return it and the payload offset."""
     if len(mv) < _PREFIX.size:
         raise ContainerError(f"{len(mv)} bytes is too short for a header")
@@ -254,6 +151,15 @@ def _parse_header(magic: bytes, mv: memoryview) -> tuple[dict[str, Any], int]:
     if not isinstance(header, dict):
         raise ContainerError("header is not a map")
     return header, _align(_PREFIX.size + hlen)
+
+
+def header_end(head: bytes | memoryview) -> int | None:
+    """Where the payload of a file beginning with `head` starts (its header's end, padded), read
+    off the fixed prefix alone; None while `head` is shorter than the prefix."""
+    if len(head) < _PREFIX.size:
+        return None
+    end: int = _align(_PREFIX.size + _PREFIX.unpack_from(head, 0)[3])
+    return end
 
 
 @dataclass(frozen=True)
@@ -306,7 +212,7 @@ class Section:
         return out
 
 
-def _section_table(header: dict[str, Any]) -> dict[str, Section]:
+def section_table(header: dict[str, Any]) -> dict[str, Section]:
     """The header's sections, each checked against the payload's length and layout."""
     payload_len = int(header.get("payload_len", -1))
     table: dict[str, Section] = {}
@@ -335,13 +241,13 @@ def _section_table(header: dict[str, Any]) -> dict[str, Section]:
 
 def _sections(header: dict[str, Any], payload: memoryview) -> dict[str, np.ndarray]:
     """Arrays over `payload` for every section the header lists (zero-copy unless compressed)."""
-    return {name: section.view(payload) for name, section in _section_table(header).items()}
+    return {name: section.view(payload) for name, section in section_table(header).items()}
 
 
 def unpack(magic: bytes, data: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Header and zero-copy section arrays of a whole container (bytes already verified or in memory)."""
     mv = memoryview(data).cast("B")
-    header, start = _parse_header(magic, mv)
+    header, start = parse_header(magic, mv)
     payload_len = int(header.get("payload_len", -1))
     if payload_len < 0 or start + payload_len != len(mv):
         raise ContainerError(f"payload length mismatch: header says {payload_len}, "
@@ -349,7 +255,8 @@ def unpack(magic: bytes, data: bytes | bytearray | memoryview) -> tuple[dict[str
     return header, _sections(header, mv[start:])
 
 
-def _open_sized(path: str | os.PathLike[str], size: int) -> Any:
+def open_sized(path: str | os.PathLike[str], size: int) -> Any:
+    """`path` opened unbuffered; ContainerError (the file closed again) unless it has `size` bytes."""
     f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by the caller
     actual = os.fstat(f.fileno()).st_size
     if actual != size:
@@ -360,7 +267,7 @@ def _open_sized(path: str | os.PathLike[str], size: int) -> Any:
 
 def read_verified(path: str | os.PathLike[str], expected_checksum: str, size: int) -> memoryview:
     """The whole file, hashed while reading; ContainerError unless size and checksum match."""
-    with _open_sized(path, size) as f:
+    with open_sized(path, size) as f:
         # Uninitialised: every byte is overwritten, and zero-filling 6 MB cost ~0.3 ms per block.
         view = np.empty(size, dtype=np.uint8).data
         hasher = xxhash.xxh3_128()
@@ -382,12 +289,11 @@ def read_rows(path: str | os.PathLike[str], magic: bytes, section: str, start: i
     which a corrupt row can only mislead, never for what goes into attention."""
     with open(path, "rb", buffering=0) as f:
         head = f.read(IO_CHUNK_BYTES)
-        if len(head) >= _PREFIX.size:
-            need = _align(_PREFIX.size + _PREFIX.unpack_from(head, 0)[3])
-            if need > len(head):
-                head += f.read(need - len(head))
-        header, payload_start = _parse_header(magic, memoryview(head))
-        found = _section_table(header).get(section)
+        need = header_end(head)
+        if need is not None and need > len(head):
+            head += f.read(need - len(head))
+        header, payload_start = parse_header(magic, memoryview(head))
+        found = section_table(header).get(section)
         if found is None:
             raise ContainerError(f"{os.fspath(path)} has no section {section!r}")
         if not found.shape or not 0 <= start <= stop <= found.shape[0]:
@@ -402,506 +308,3 @@ def read_rows(path: str | os.PathLike[str], magic: bytes, section: str, start: i
     # The bytes read stand for the payload from `first` on: frame offsets shift by as much.
     local = Section(found.name, found.dtype, found.shape, found.offset - first, found.nbytes, found.frames)
     return local.rows(memoryview(data), start, stop)
-
-
-class _Pieces:
-    """Buffers that hold a file's bytes, in file order, each from a file offset: all of the file
-    (a reader's `_pieces`, each from where the one before ends) or only the sections that land in
-    the caller's buffers (`_landed_pieces`). Empty buffers are left out."""
-
-    __slots__ = ("starts", "bufs")
-
-    def __init__(self, starts: list[int], bufs: list[memoryview]) -> None:
-        if not all(map(len, bufs)):
-            starts, bufs = [o for o, b in zip(starts, bufs, strict=True) if len(b)], [b for b in bufs if len(b)]
-        self.starts = starts
-        self.bufs = bufs
-
-    def between(self, start: int, end: int) -> list[memoryview]:
-        """The buffers for the file's bytes [start, end) of pieces that cover the file, in order:
-        the whole pieces inside it as they are, cut only at the two ends. Cutting every piece in
-        a Python loop, twice a read (for the read, then again for its hash), cost a SmolLM2 page,
-        whose file lands in 180 pieces, 0.3 ms warm and 0.5 ms cold (120 restores each, the two
-        alternated in one process on a 6,000-token session: 3.73 -> 3.44 ms warm, 5.74 -> 5.27
-        ms cold)."""
-        first = max(0, bisect.bisect_right(self.starts, start) - 1)
-        stop = bisect.bisect_left(self.starts, end)
-        out = self.bufs[first:stop]
-        if out:
-            last_start = self.starts[stop - 1]
-            if last_start + len(out[-1]) > end:
-                out[-1] = out[-1][:end - last_start]
-            if self.starts[first] < start:
-                out[0] = out[0][start - self.starts[first]:]
-        return out
-
-    def overlapping(self, start: int, end: int) -> Iterator[tuple[int, memoryview]]:
-        """The (file offset, buffer) pieces that hold any of the file's bytes [start, end), in
-        order, whether or not the pieces cover the file; the first is found by bisection."""
-        for j in range(max(0, bisect.bisect_right(self.starts, start) - 1), len(self.starts)):
-            offset, buf = self.starts[j], self.bufs[j]
-            if offset >= end:
-                return
-            if offset + len(buf) > start:
-                yield offset, buf
-
-
-class ReadQueue:
-    """Reads the files a caller opens on a few threads of its own, in the order it opened them:
-    every file's header first, then the bulk of each, `workers` files at a time, so the file the
-    caller uses first arrives first (all at once, each would get a share of the disk and the
-    first would arrive last). A thread per file cost more than it read: starting 32 of them for
-    32 SmolLM2 pages took 41 ms of a 217 ms restore. A thread with nothing queued waits up to
-    `linger_s` for more before it ends: a caller that keeps one queue for its inserts starts no
-    thread per insert (starting one cost a warm one-page restore ~0.4 ms)."""
-
-    def __init__(self, workers: int, linger_s: float = 0.0) -> None:
-        if workers < 1:
-            raise ValueError("a read queue needs at least one worker")
-        if linger_s < 0:
-            raise ValueError("a read queue's threads cannot linger a negative time")
-        self.workers = workers
-        self.linger_s = linger_s
-        self._cond = threading.Condition()
-        self._heads: collections.deque[SectionReader] = collections.deque()
-        self._bulk: collections.deque[SectionReader] = collections.deque()
-        self._running = 0
-        self._idle = 0
-        # Its threads' progress, which its readers' waits share: a file queued behind another that
-        # is being read is not stuck.
-        self.progress = _Progress()
-
-    def add(self, reader: SectionReader) -> None:
-        with self._cond:
-            self._heads.append(reader)
-            if self._idle:
-                self._cond.notify()
-            elif self._running < self.workers:
-                try:
-                    threading.Thread(target=self._work, name="kv-read-queue", daemon=True).start()
-                except BaseException:   # no thread: the reader is not left queued for one
-                    self._heads.remove(reader)
-                    raise
-                self._running += 1
-
-    def withdraw(self, reader: SectionReader) -> bool:
-        """Take a reader no worker has begun on off the queue; whether it was waiting there."""
-        with self._cond:
-            for waiting in (self._heads, self._bulk):
-                if reader in waiting:
-                    waiting.remove(reader)
-                    return True
-            return False
-
-    def _next(self) -> tuple[SectionReader, bool] | None:
-        """The next reader and whether its header is what is due, or None when this thread ends."""
-        with self._cond:
-            if not (self._heads or self._bulk) and self.linger_s:
-                self._idle += 1
-                self._cond.wait_for(lambda: bool(self._heads or self._bulk), timeout=self.linger_s)
-                self._idle -= 1
-            if self._heads:
-                return self._heads.popleft(), True
-            if self._bulk:
-                return self._bulk.popleft(), False
-            self._running -= 1
-            return None
-
-    def _work(self) -> None:
-        while (due := self._next()) is not None:
-            reader, head = due
-            self.progress.touch()
-            if not head:
-                reader._read_bulk()
-            elif reader._read_head():
-                with self._cond:
-                    stopped = reader._stopped.is_set()   # closed while its header was read: not queued again
-                    if not stopped:
-                        self._bulk.append(reader)
-                if stopped:
-                    reader._end()
-
-
-class SectionReader:
-    """Reads a container file on a background thread so a caller can use the sections that have
-    arrived while the rest is still coming from disk (restore = max(read, insert), not the sum).
-
-        with SectionReader(path, MAGIC, checksum, size) as rd:
-            rd.wait("positions")          # rd.array(...) are views into the buffer being filled
-            rd.wait("keys", rows=4)       # the first 4 rows (layers) of keys have arrived
-            rd.finish()                   # all read and the checksum verified: only now commit
-
-    The constructor only opens the file and checks its size; the header is read and checked on
-    the thread too, so a caller opening several files has their first reads in flight at once
-    (`header` and `sections` wait for it, and raise its error). With `queue`, that queue's threads
-    read it, in turn (see ReadQueue). Nothing read may be committed before `finish()` returns:
-    until then the checksum is unverified.
-
-    With `landing` (section names), the caller may say where those sections go (`land`): into
-    buffers of its own, such as the slots a block is restored into. From then on the reader reads
-    them straight there, so those bytes are copied once, by the reader, instead of into this
-    reader's buffer and then again by the caller; what it had read before is copied over by
-    `land`. The reader does not wait for `land`: waiting until the caller had placed the slots
-    cost a warm page ~1 ms (benchmarks.restore, 11.7-12.2 ms against 10.7 without landing).
-
-    Every wait has a deadline: once no byte has arrived for READ_DEADLINE_S (the reader's thread,
-    or its queue's, is stuck in the kernel on a hung disk), `header`, `wait` and `finish` raise
-    ReadStalled, and `close` stops waiting for the thread. That thread may still write what it
-    reads into the caller's buffers: it is listed in `stuck_reads` until it returns, and then
-    zeroes what it wrote there (the caller cleared them meanwhile) and closes the file itself.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], magic: bytes, expected_checksum: str, size: int,
-                 queue: ReadQueue | None = None, landing: frozenset[str] = frozenset(),
-                 read_here: bool = False) -> None:
-        self._file = _open_sized(path, size)
-        self._path = os.fspath(path)
-        self._magic = magic
-        self._expected = expected_checksum
-        self._size = size
-        # Uninitialised: every byte is overwritten before it is used.
-        self._mv = np.empty(size, dtype=np.uint8).data
-        self._got = 0
-        self._hasher = xxhash.xxh3_128()
-        self._cond = threading.Condition()
-        self._wanted = size
-        self._head: tuple[dict[str, Any], int, dict[str, Section]] | None = None
-        self._error: BaseException | None = None
-        self._stopped = threading.Event()
-        self._ended = threading.Event()   # no thread touches the file or the buffer any more
-        self._nowait: int | None = getattr(os, "RWF_NOWAIT", None)
-        # Whether a read so far waited for the disk (always, where RWF_NOWAIT is not taken): a
-        # file served so far from the page cache is likely all there.
-        self.from_disk = self._nowait is None
-        # Where each byte of the file goes: (file offset, buffer) pieces in file order; all of it
-        # into this reader's buffer until `land` replaces them.
-        self._pieces = _Pieces([0], [self._mv])
-        self._landing = landing
-        self._landed: frozenset[str] | None = None if landing else frozenset()
-        self._landed_pieces = _Pieces([], [])
-        self._queue = queue
-        self._deadline_s = READ_DEADLINE_S
-        self._progress = queue.progress if queue is not None else _Progress()
-        self._opener = threading.get_ident()
-        self._stalled = False     # a wait ran out (ReadStalled): `close` does not wait again
-        self._abandoned = False   # `close` returned with the thread still in a read: it cleans up
-        # Whether the caller's thread reads the bulk, as it asks for it (`read_here`).
-        self.pulled = read_here and self._read_head_cached()
-        if self.pulled:
-            return
-        try:
-            if queue is not None:
-                queue.add(self)
-            else:
-                threading.Thread(target=self._run, name="kv-section-reader", daemon=True).start()
-        except BaseException:   # no thread will read it
-            self._file.close()
-            raise
-
-    def _read_head_cached(self) -> bool:
-        """Read the header here, on the opening thread, if the page cache holds it; whether it
-        did. Then the bulk is read on this thread too, as `wait` and `finish` ask for it, straight
-        to where it lands and into this CPU's cache, with no hand-off to a reader thread. Where
-        the disk has it, the file goes to the queue."""
-        if self._nowait is None:
-            return False
-        # 64 KiB: a refused read of a whole 5.9 MB page cost ~1 ms of kernel time and slowed the
-        # disk read that followed (5.2 against 3.0-4.1 ms); of 64 KiB, 0.09 ms.
-        upto = min(self._size, IO_CHUNK_BYTES)
-        self._read(upto, wait=False)
-        if self._got < upto:
-            return False
-        self._read_head()   # a bad header: the reader has failed and ended
-        return True
-
-    def _pull(self, upto: int) -> None:
-        """A pulled reader: read up to byte `upto` here (see `_read_head_cached`)."""
-        if self._ended.is_set():
-            return
-        try:
-            self._read(upto)
-            if self._got < upto:
-                raise ContainerError("the file was closed before it was read")
-        except BaseException as e:
-            self._fail(e)
-            return
-        if self._got == self._size:
-            self._end()
-
-    def _run(self) -> None:
-        if self._read_head():
-            self._read_bulk()
-
-    def _read_head(self) -> bool:
-        """Read and check the header; whether the rest is to be read. On a failure (or a stop)
-        the reader has ended."""
-        try:
-            if self._stopped.is_set():
-                raise ContainerError("the file was closed before it was read")
-            self._read(min(self._size, IO_CHUNK_BYTES))
-            if self._got >= _PREFIX.size:
-                self._read(min(self._size, _align(_PREFIX.size + _PREFIX.unpack_from(self._mv, 0)[3])))
-            header, start = _parse_header(self._magic, self._mv[:self._got])
-            payload_len = int(header.get("payload_len", -1))
-            if payload_len < 0 or start + payload_len != self._size:
-                raise ContainerError(f"payload length mismatch: header says {payload_len}, "
-                                     f"{self._size - start} bytes follow the header")
-            sections = _section_table(header)
-            missing = self._landing - sections.keys()
-            if missing:
-                raise ContainerError(f"the file has no section {sorted(missing)[0]!r}")
-        except BaseException as e:
-            self._fail(e)
-            return False
-        with self._cond:
-            self._head = (header, start, sections)
-            self._cond.notify_all()
-        return True
-
-    def _read_bulk(self) -> None:
-        try:
-            self._read(self._size)
-        except BaseException as e:
-            self._fail(e)
-            return
-        self._end()
-
-    def land(self, targets: dict[str, list[memoryview]]) -> None:
-        """Say where the `landing` sections go: `targets[name]`, byte buffers whose concatenation
-        is where that plain (uncompressed) section's bytes land, in file order; a landing section
-        not in `targets` is read into this reader's buffer. Call once; the bytes read already are
-        copied over here. A landed section's bytes are hashed as read and are not available
-        through `rows` or `array`."""
-        _, start, sections = self._wait_head()
-        if self._landed is not None:
-            raise RuntimeError("land() was already called")
-        starts: list[int] = []
-        bufs: list[memoryview] = []
-        landed_starts: list[int] = []
-        landed: list[memoryview] = []
-        at = 0
-        for name in sorted(targets, key=lambda n: sections[n].offset):
-            if name not in self._landing:
-                raise ValueError(f"section {name!r} was not opened for landing")
-            found = sections[name]
-            given = [memoryview(b).cast("B") for b in targets[name]]
-            lengths = list(map(len, given))
-            if found.frames is not None or sum(lengths) != found.nbytes:
-                raise ValueError(f"section {name!r} cannot land in {sum(lengths)} bytes")
-            first = start + found.offset
-            if at < first:
-                starts.append(at)
-                bufs.append(self._mv[at:first])
-            if given:
-                offsets = list(itertools.accumulate(lengths[:-1], initial=first))
-                starts += offsets
-                bufs += given
-                landed_starts += offsets
-                landed += given
-            at = first + found.nbytes
-        if at < self._size:
-            starts.append(at)
-            bufs.append(self._mv[at:])
-        with self._cond:
-            # What was read already moves where it goes; a read in flight now is moved by the
-            # reader once it returns (`_read`).
-            self._pieces = _Pieces(starts, bufs)
-            self._landed = frozenset(targets)
-            self._landed_pieces = _Pieces(landed_starts, landed)
-            self._move_landed(0, self._got)
-
-    def _move_landed(self, start: int, end: int) -> None:
-        """Copy the file's bytes [start, end), read into this reader's buffer, to where they land
-        (only the landed pieces that overlap them: a SmolLM2 page lands in 180, and a loop over
-        all of them cost 0.12 ms of a ~4 ms warm restore)."""
-        for offset, buf in self._landed_pieces.overlapping(start, end):
-            a, b = max(start, offset), min(end, offset + len(buf))
-            # numpy copies without the interpreter lock; a memoryview assignment holds it
-            np.frombuffer(buf, np.uint8)[a - offset:b - offset] = np.frombuffer(self._mv[a:b], np.uint8)
-
-    def _fail(self, error: BaseException) -> None:
-        with self._cond:
-            self._error = error
-            self._cond.notify_all()
-        self._end()
-
-    def _end(self) -> None:
-        """No thread touches the file or the caller's buffers any more. A reader `close` gave up
-        on closes its file here, and is no longer stuck."""
-        with self._cond:
-            self._ended.set()
-            abandoned = self._abandoned
-        with _STUCK_LOCK:
-            _STUCK.pop(id(self), None)
-        if abandoned:
-            self._file.close()
-
-    def _stall(self, what: str) -> ReadStalled:
-        """A wait ran out: the reader is stuck until its thread returns (`stuck_reads`)."""
-        self._stalled = True
-        with _STUCK_LOCK:
-            if not self._ended.is_set():
-                _STUCK[id(self)] = self
-        return ReadStalled(f"{self._path}: no byte arrived for {self._deadline_s:g} s while {what} (a hung disk "
-                           "or file system); the read failed and nothing of it is used")
-
-    def _await(self, ready: Callable[[], bool], what: str) -> None:
-        """Wait on `_cond` (held) until `ready()`; ReadStalled once no byte has arrived for the
-        deadline, counted from this wait's start or the last byte, whichever is later."""
-        began = time.monotonic()
-        while not ready():
-            left = max(self._progress.at, began) + self._deadline_s - time.monotonic()
-            if left <= 0:
-                raise self._stall(what)
-            self._cond.wait(left)
-
-    def _await_end(self) -> bool:
-        """Wait until no thread touches the file, with `_await`'s deadline; whether it ended."""
-        began = time.monotonic()
-        while True:
-            left = max(self._progress.at, began) + self._deadline_s - time.monotonic()
-            if left <= 0 or self._ended.wait(left):
-                return self._ended.is_set()
-
-    def _read(self, upto: int, wait: bool = True) -> None:
-        """Read and hash up to byte `upto`, publishing progress. What the page cache holds is
-        copied in big requests without waiting for the disk (RWF_NOWAIT); the rest is read in
-        IO_CHUNK_BYTES requests, which kernel readahead stays ahead of. Without `wait`, stop at
-        the first byte the page cache does not hold."""
-        fd = self._file.fileno()
-        got = self._got
-        while got < upto and not self._stopped.is_set():
-            if _read_hook is not None:
-                _read_hook(threading.get_ident() == self._opener)
-            pieces = self._pieces
-            n = 0
-            asked = 0
-            if self._nowait is not None:
-                asked = min(upto, got + _CACHED_CHUNK_BYTES) - got
-                requests = pieces.between(got, got + asked)
-                try:
-                    n = os.preadv(fd, requests, got, self._nowait)
-                except BlockingIOError:
-                    n = 0
-                except OSError:
-                    self._nowait = None   # the file system does not take the flag
-                    self.from_disk = True
-            if n <= 0:
-                self.from_disk = True
-                if not wait:
-                    return
-                asked = min(upto, got + IO_CHUNK_BYTES) - got
-                requests = pieces.between(got, got + asked)
-                n = os.preadv(fd, requests, got)
-                if not n:
-                    raise ContainerError("file is shorter than its header says" if self._head is None
-                                         else "file shrank while reading")
-            self._progress.touch()
-            # A whole request read (the usual case) hashes the buffers it was read into as they are.
-            read = requests if n == asked else pieces.between(got, got + n)
-            for buf in read:
-                self._hasher.update(buf)
-            # Publish progress, but wake the consumer only once what it waits for is here.
-            with self._cond:
-                if self._abandoned:
-                    # Returned past its deadline: the caller cleared its buffers and went on. What
-                    # landed there now is zeroed again, as the caller left them.
-                    for buf in requests:
-                        np.frombuffer(buf, np.uint8)[:] = 0
-                    raise ContainerError("the read returned after the reader was closed")
-                if self._pieces is not pieces:   # `land` came while these bytes were read
-                    self._move_landed(got, got + n)
-                got += n
-                self._got = got
-                if got >= self._wanted or got == self._size:
-                    self._cond.notify_all()
-
-    def _wait_head(self) -> tuple[dict[str, Any], int, dict[str, Section]]:
-        with self._cond:
-            self._await(lambda: self._head is not None or self._error is not None, "reading its header")
-            if self._head is None:
-                assert self._error is not None
-                raise self._error
-            return self._head
-
-    @property
-    def header(self) -> dict[str, Any]:
-        """The container's header, once read and checked."""
-        return self._wait_head()[0]
-
-    @property
-    def sections(self) -> dict[str, Section]:
-        return self._wait_head()[2]
-
-    def rows(self, section: str, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) of `section` (call `wait(section, stop)` first): views into the
-        buffer being filled, or decoded rows when the section is compressed."""
-        _, first, sections = self._wait_head()
-        self._check_held(section)
-        return sections[section].rows(self._mv[first:], start, stop)
-
-    def array(self, section: str) -> np.ndarray:
-        """The whole of `section` (call `wait(section)` first)."""
-        _, first, sections = self._wait_head()
-        self._check_held(section)
-        return sections[section].view(self._mv[first:])
-
-    def _check_held(self, section: str) -> None:
-        if section in self._landing and (self._landed is None or section in self._landed):
-            raise RuntimeError(f"section {section!r} lands in the caller's buffers, not in the reader's")
-
-    def wait(self, section: str, rows: int | None = None) -> None:
-        """Block until `section` (or its first `rows` entries along axis 0) has been read."""
-        _, first, sections = self._wait_head()
-        found = sections[section]
-        end = first + (found.offset + found.nbytes if rows is None else found.rows_end(rows))
-        if self.pulled:
-            self._pull(end)
-        with self._cond:
-            self._wanted = end
-            self._await(lambda: self._got >= end or self._error is not None, f"reading its {section!r}")
-            if self._error is not None and self._got < end:
-                raise self._error
-
-    def finish(self) -> None:
-        """Wait for the whole file and verify its checksum."""
-        if self.pulled:
-            self._pull(self._size)
-        if not self._await_end():
-            raise self._stall("reading it to its end")
-        if self._error is not None:
-            raise self._error
-        if self._got != self._size:
-            raise ContainerError("the file was closed before it was read")
-        if self._hasher.hexdigest() != self._expected:
-            raise ContainerError("checksum mismatch (corrupted payload)")
-
-    def close(self) -> None:
-        """Stop reading and release the file once no thread touches it. Whoever still waits on
-        this reader (`wait`, `header`) gets an error instead of waiting for bytes that will not come.
-        A thread still in a read at the deadline (at once, for a reader whose wait ran out) is
-        left to end on its own: it closes the file and zeroes what it read into the caller's
-        buffers after this returned (`_read`), and is in `stuck_reads` until then."""
-        with self._cond:
-            self._stopped.set()
-            if self._error is None and self._got < self._size:
-                self._error = ContainerError("the file was closed before it was read")
-            self._cond.notify_all()
-        if self.pulled:   # no thread reads it
-            self._end()
-        if self._queue is not None and self._queue.withdraw(self):
-            self._fail(ContainerError("the file was closed before it was read"))
-        if not self._stalled:
-            self._await_end()
-        with self._cond:
-            self._abandoned = not self._ended.is_set()
-        if self._abandoned:
-            self._stall("closing")
-            return
-        self._file.close()
-
-    def __enter__(self) -> SectionReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -5,7 +5,7 @@ sliding-window layers; `KeyLayout` how a key module lays out its output; `Loaded
 loaded model with its identity, shapes and the per-forward dispatch state the model's hooks read.
 A runtime subclasses `LoadedModel` with its own model object and rotary modules.
 
-Dependency rules: backends.protocol and backends.models only; never a tensor library.
+Dependency rules: backends.blocks / errors / models / protocol only; never a tensor library.
 """
 
 from __future__ import annotations
@@ -16,16 +16,10 @@ import functools
 import threading
 from typing import Any, Protocol
 
+from .blocks import ROPE_LAYOUT_NEOX, ROPE_LAYOUT_NONE, LayerView
+from .errors import BackendError, UnsupportedModelError
 from .models import ModelSource
-from .protocol import (
-    ROPE_LAYOUT_NEOX,
-    ROPE_LAYOUT_NONE,
-    BackendError,
-    Counters,
-    LayerView,
-    Tokenizer,
-    UnsupportedModelError,
-)
+from .protocol import Counters, Tokenizer
 
 __all__ = ["ForwardTarget", "KeyLayout", "LayerRoles", "LoadedModel", "WindowShape"]
 

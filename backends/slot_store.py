@@ -5,7 +5,7 @@ held tokens as slot numbers) and the window caches' bookkeeping are kept here th
 both runtimes; a runtime's store adds its tensors and implements every abstract method, the ones
 that touch them. A store missing one cannot be instantiated.
 
-Dependency rules: numpy and backends.loaded_model / protocol; never a tensor library.
+Dependency rules: numpy and backends.blocks / loaded_model / slots; never a tensor library.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
+from .blocks import storage_dtype
 from .loaded_model import KeyLayout, LoadedModel
-from .protocol import storage_dtype
 from .slots import pick_free_slots
 
 __all__ = ["Landing", "Redo", "SlotStore", "Watch"]
@@ -91,7 +91,7 @@ class SlotStore(abc.ABC):
         # query then attends only to keys of its own group.
         self.groups: np.ndarray | None = None
         # Tokens the model's embedding took in during the running forward: counted by the session
-        # when the forward lands (`SlotBackend._landed`), or dropped with a step that never does.
+        # when the forward lands (`SlotSession._landed`), or dropped with a step that never does.
         self.entered = 0
         # Sliding-window layers: how many of the newest stream tokens each window cache holds, and
         # the position its newest key is rotated at (None: not rotated yet, after a snapshot restore).

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from backends.protocol import BackendError
+from backends.errors import BackendError
 from contextd.client import Client
 from contextd.errors import DaemonUnavailable
 from contextd.paths import default_root, default_socket
@@ -82,7 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.controller_cache_mb < 0:
         raise ValueError(f"--controller-cache-mb must be >= 0, got {args.controller_cache_mb}")
     if args.backend == "mlx":
-        from backends.runtime import keep_torch_out
+        from backends.models import keep_torch_out
 
         keep_torch_out(args.model)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -138,7 +138,9 @@ def cmd_models(args: argparse.Namespace) -> int:
     """Every model found offline, with per runtime "exact" or the reason it cannot be served exactly."""
     import json
 
-    from backends.models import TINY_MODELS, hf_cache_roots, list_local_models, lmstudio_model_roots
+    from backends.model_listing import list_local_models
+    from backends.models import hf_cache_roots, lmstudio_model_roots
+    from backends.tiny_models import TINY_MODELS
 
     found = list_local_models()
     if args.json:

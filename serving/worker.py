@@ -20,7 +20,7 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
-from backends import DecodeStep, blockfile
+from backends import DecodeStep, read_stalls
 from serving.engine import Engine
 from serving.http_request import RequestError, error_for
 from serving.transcript import TranscriptError
@@ -73,7 +73,7 @@ class Worker(threading.Thread):
     going from one to the next moves no page (Engine.resume).
 
     It says when it cannot be trusted to answer (`stuck`): a step has run past `stuck_after_s`,
-    or a read of the store is stuck in the kernel past its deadline (backends.blockfile). Then
+    or a read of the store is stuck in the kernel past its deadline (backends.read_stalls). Then
     /health answers 503, no turn starts, and a client waiting for a stuck step is answered 503:
     the server fails closed instead of leaving everyone waiting, and a supervisor can restart it."""
 
@@ -108,8 +108,8 @@ class Worker(threading.Thread):
 
     def stuck(self) -> str | None:
         """Why no turn may start now, or None: a stuck step, or a read stuck past its deadline,
-        which may still write into a cache's free slots until it returns (blockfile.stuck_reads)."""
-        reads = blockfile.stuck_reads()
+        which may still write into a cache's free slots until it returns (read_stalls.stuck_reads)."""
+        reads = read_stalls.stuck_reads()
         if reads:
             return (f"a read of the store has been stuck for {reads[0].stalled_s:.0f} s ({reads[0].path}; "
                     f"{len(reads)} in all)")

@@ -16,8 +16,8 @@ A taken step is placed, advanced and counted by the base's own `_place`, `_advan
 it runs the graph the plain step would: tokens, logits and counters are those of the synchronous
 path.
 
-Dependency rules: mlx, mlx-lm's cache classes, numpy, backends.protocol / runtime / slots and this
-package's host, model, slot store and cache modules.
+Dependency rules: mlx, mlx-lm's cache classes, numpy, backends.blocks / errors / protocol / runtime /
+slots and this package's host, model, slot store and cache modules.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ import numpy as np
 from mlx.nn.layers.base import Module
 from mlx_lm.models.cache import ArraysCache
 
-from ..protocol import Backend, BlockMismatchError, RecurrentSnapshot
+from ..blocks import RecurrentSnapshot
+from ..errors import BlockMismatchError
+from ..protocol import Backend
 from ..runtime import SlotBackend
 from ..slots import as_run, pick_token
 from .cache import SlotLayer, WindowLayer, copy_arrays_cache, watch_attention, window_mask

@@ -6,7 +6,7 @@ returns the backend's mask (built from positions: `occupied & slot_pos <= query_
 "causal" / none when the slots hold no gap). A sliding-window layer's `WindowLayer` appends to its
 window. Recurrent layers keep mlx-lm's own ArraysCache.
 
-Dependency rules: mlx, mlx-lm's cache classes, backends.protocol and this package's slot store.
+Dependency rules: mlx, mlx-lm's cache classes, backends.errors and this package's slot store.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
-from ..protocol import BackendError, UnsupportedModelError
+from ..errors import BackendError, UnsupportedModelError
 from .slot_store import MlxSlotStore
 
 __all__ = ["SlotLayer", "WindowLayer", "copy_arrays_cache", "watch_attention", "window_mask"]

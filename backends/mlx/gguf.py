@@ -4,9 +4,9 @@
 The SmolLM2 GGUF (and other llama-architecture GGUF files) is read by `mx.load` and dequantised
 exactly as transformers' GGUF loader does, so both runtimes run the same weights.
 
-Dependency rules: mlx, mlx-lm, backends.models / protocol and this package's host and loading
-modules; transformers for the config and torch (meta device) for parameter names in Hugging Face
-order.
+Dependency rules: mlx, mlx-lm, backends.errors / model_config / models and this package's host
+and loading modules; transformers for the config and torch (meta device) for parameter names in
+Hugging Face order.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx.nn.layers.base import Module
 
-from ..models import ModelSource, check_supported, gguf_folder, read_config
-from ..protocol import UnsupportedModelError
+from ..errors import UnsupportedModelError
+from ..model_config import check_supported, read_config
+from ..models import ModelSource, gguf_folder
 from .host import DTYPES
 from .loading import mlx_config
 

@@ -1,6 +1,6 @@
 """MLX arrays and host numpy arrays: the model dtypes by name, and copies in storage dtype.
 
-bfloat16 has no numpy dtype, so its bits travel as uint16 (backends.protocol.STORAGE_DTYPES); these
+bfloat16 has no numpy dtype, so its bits travel as uint16 (backends.blocks.STORAGE_DTYPES); these
 are the only conversions between the two.
 
 Dependency rules: mlx and numpy only.

@@ -9,7 +9,7 @@ from the config itself (`mlx_config`), and two expert layouts transformers write
 `sanitize` does not read (per-expert Qwen3.5-MoE, bf16 gpt-oss) are put in the layout it does
 (`fix_weights`).
 
-Dependency rules: mlx, mlx-lm, backends.models / protocol and this package's host module;
+Dependency rules: mlx, mlx-lm, backends.errors / model_config and this package's host module;
 transformers for configs.
 """
 
@@ -24,8 +24,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.nn.layers.base import Module
 
-from ..models import read_config
-from ..protocol import UnsupportedModelError
+from ..errors import UnsupportedModelError
+from ..model_config import read_config
 from .host import DTYPE_NAMES, DTYPES
 
 __all__ = ["fix_weights", "load_folder", "mlx_config", "unloaded_model"]

@@ -8,8 +8,8 @@ the final norm to hand only the last position to the output head (the model's ow
 not, with its own softcapping). The wrappers dispatch to whichever session runs a forward
 (`MlxModel.active`).
 
-Dependency rules: mlx, backends.loaded_model / models / protocol / slots and this package's
-host, loading, gguf, quantized, structure and rotary modules.
+Dependency rules: mlx, backends.errors / loaded_model / model_config / models / slots and this
+package's host, loading, gguf, quantized, structure and rotary modules.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ import mlx.core as mx
 import numpy as np
 from mlx.nn.layers.base import Module
 
+from ..errors import BackendUnavailableError, UnsupportedModelError
 from ..loaded_model import LoadedModel, WindowShape
-from ..models import ModelSource, SourceKind, check_supported, read_config
-from ..protocol import BackendUnavailableError, UnsupportedModelError
+from ..model_config import check_supported, read_config
+from ..models import ModelSource, SourceKind
 from ..slots import folder_identity, model_identity
 from .gguf import load_gguf
 from .host import DTYPES, to_numpy

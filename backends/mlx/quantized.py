@@ -6,8 +6,8 @@ folder or .gguf) as an mlx-lm folder for `--backend mlx --model OUT`. A GGUF sou
 Hugging Face folder (this package's GGUF reader, float32, its tokenizer); a folder gets an
 mlx-readable copy (`mlx_config`, `fix_weights`).
 
-Dependency rules: mlx, mlx-lm, backends.models and this package's gguf and loading modules;
-transformers for the tokenizer of a GGUF.
+Dependency rules: mlx, mlx-lm, backends.model_config / models and this package's gguf and
+loading modules; transformers for the tokenizer of a GGUF.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import cast
 
 import mlx.core as mx
 
-from ..models import ModelSource, build_once, cache_dir, copy_gguf_tokenizer, read_config, resolve
+from ..model_config import read_config
+from ..models import ModelSource, build_once, cache_dir, copy_gguf_tokenizer, resolve
 from .gguf import load_gguf
 from .loading import fix_weights, mlx_config
 

@@ -6,7 +6,7 @@ dims in the half-split ("neox") layout and leaves the rest alone; `rotate_keys` 
 canonical keys with the target positions as offsets, so a re-anchored key is bit for bit the key
 the model computes at that position.
 
-Dependency rules: mlx, numpy and backends.protocol.
+Dependency rules: mlx, numpy and backends.errors.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..protocol import UnsupportedModelError
+from ..errors import UnsupportedModelError
 
 __all__ = ["position_runs", "rope_of", "rotate_keys"]
 

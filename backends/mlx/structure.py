@@ -6,7 +6,7 @@ modules (attention without k_proj reads another layer's K/V; MLP / MoE blocks ha
 A model whose cache entries cannot be matched to its layers, or whose attention has no separate
 pre-rotary key, is refused, naming why.
 
-Dependency rules: mlx-lm's cache classes and backends.loaded_model / protocol.
+Dependency rules: mlx-lm's cache classes and backends.errors / loaded_model.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 from mlx.nn.layers.base import Module
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
+from ..errors import UnsupportedModelError
 from ..loaded_model import LayerRoles
-from ..protocol import UnsupportedModelError
 
 __all__ = ["Structure", "classify", "kv_shape"]
 

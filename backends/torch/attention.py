@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
-from ..protocol import BackendError, UnsupportedModelError
+from ..errors import BackendError, UnsupportedModelError
 from .cache import BatchRows
 from .slot_store import TorchSlotStore
 

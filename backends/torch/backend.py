@@ -21,7 +21,8 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import LinearAttentionLayer
 
-from ..protocol import Backend, RecurrentSnapshot
+from ..blocks import RecurrentSnapshot
+from ..protocol import Backend
 from ..runtime import SlotBackend
 from ..slots import as_run
 from .attention import BATCH, SHORTCUTS, WATCHED

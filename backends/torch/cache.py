@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, LinearAttentionLayer
 
-from ..protocol import BackendError
+from ..errors import BackendError
 from .model import TorchModel
 from .slot_store import TorchSlotStore
 

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ..errors import BackendUnavailableError, UnsupportedModelError
 from ..loaded_model import WindowShape
-from ..models import ModelSource, SourceKind, check_supported, gguf_folder, read_config
-from ..protocol import BackendUnavailableError, UnsupportedModelError
+from ..model_config import check_supported, read_config
+from ..models import ModelSource, SourceKind, gguf_folder
 from ..slots import folder_identity, model_identity
 from .attention import ATTENTION_IMPLEMENTATION
 from .gguf import unpacked_gguf

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from ..errors import UnsupportedModelError
 from ..loaded_model import LayerRoles
-from ..protocol import UnsupportedModelError
 
 __all__ = ["Classified", "classify", "kv_shape"]
 

@@ -6,14 +6,14 @@ the worker itself), /health answers 503 while anything is stuck, a new turn is r
 once the read returns the server answers again, the same answer as a server that never hung. The
 finalizer never waits for the runtime's lock, so that restore just goes through.
 
-A read is wedged by backends.blockfile's read hook (KV_ELISION_READ_HANG=FIFO:N:WHERE): it blocks
-in open(2) of a FIFO until `Fifo.release` opens the other end, as a read of a hung disk blocks
-until the disk answers. Each wedged case runs a real `kv-elision serve` with its own contextd;
+A read is wedged by the read hook of backends.read_stalls (KV_ELISION_READ_HANG=FIFO:N:WHERE): it
+blocks in open(2) of a FIFO until `Fifo.release` opens the other end, as a read of a hung disk
+blocks until the disk answers. Each wedged case runs a real `kv-elision serve` with its own contextd;
 the finalizer case runs a real Engine and Worker on the MLX runtime in a child process
 (`python -m harness.faults.hangs finalizer WORK`), since the collector has to find a session
 that process dropped.
 
-Depends on backends (blockfile, the MLX runtime), serving (launcher, engine, HTTP worker) and
+Depends on backends (read_stalls, the MLX runtime), serving (launcher, engine, HTTP worker) and
 contextd's client side.
 """
 
@@ -35,13 +35,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backends.blockfile import READ_DEADLINE_ENV, READ_HANG_ENV
+from backends.read_stalls import READ_DEADLINE_ENV, READ_HANG_ENV
 from harness.faults.processes import environ_set
 from harness.faults.scenarios import CRASH_ENV, IO_FAULT_ENV
 
 __all__ = ["CASES", "HangOutcome", "finalizer_case", "twin_answers", "wedged_read_case"]
 
-READ_DEADLINE_S = 2.0   # the wedged servers' read deadline (blockfile)
+READ_DEADLINE_S = 2.0   # the wedged servers' read deadline (read_stalls)
 STUCK_AFTER_S = 4.0     # the wedged servers' --stuck-after
 SLACK_S = 15.0          # on top of a deadline: a busy 2-core machine, the server's own work
 POLL_S = 0.1
@@ -50,7 +50,7 @@ BUDGET = 1024
 
 
 class Fifo:
-    """The FIFO a wedged read blocks on (blockfile's read hook), and its release."""
+    """The FIFO a wedged read blocks on (the read hook of backends.read_stalls), and its release."""
 
     def __init__(self, folder: Path) -> None:
         self.path = folder / "hang.fifo"
@@ -258,7 +258,7 @@ def _finalizer_child(work: Path) -> dict[str, Any]:
     the one cache; a session dropped with a greedy step ahead (garbage in a cycle, the collector
     off); then a's next turn, whose restore's reader thread runs the collector as its first read
     begins, while the restore holds the runtime's lock and waits for that reader."""
-    from backends import blockfile, load_backend
+    from backends import load_backend, read_stalls
     from controller.selectors import make_selector
     from serving.chat_format import ChatFormat
     from serving.engine import Engine, EngineConfig
@@ -267,7 +267,7 @@ def _finalizer_child(work: Path) -> dict[str, Any]:
     from serving.turn import ChatRequest
     from serving.worker import Worker
 
-    blockfile.READ_DEADLINE_S = READ_DEADLINE_S
+    read_stalls.READ_DEADLINE_S = READ_DEADLINE_S
     daemon = ContextdProcess(work / "contextd", work / "c.sock", log=work / "contextd.log")
     client = daemon.start()
     try:
@@ -307,10 +307,10 @@ def _finalizer_child(work: Path) -> dict[str, Any]:
         gc.disable()
         try:
             del dropped
-            blockfile.set_read_hook(on_read)
+            read_stalls.set_read_hook(on_read)
             status, text, seconds = turn("a", [*notes("a"), {"role": "assistant", "content": first}, QUESTION])
         finally:
-            blockfile.set_read_hook(None)
+            read_stalls.set_read_hook(None)
             gc.enable()
         return {"status": status, "seconds": round(seconds, 3), "error": "" if status == 200 else text,
                 "collected_on_reader": bool(collected and collected[0])}

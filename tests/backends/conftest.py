@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from backends import Backend, load_backend
-from backends.models import TINY_MODELS, load_tokenizer, resolve
+from backends.models import load_tokenizer, resolve
+from backends.tiny_models import TINY_MODELS
 from harness.corpus import sample_tokens
 
 from .mlx_harness import MlxHarness

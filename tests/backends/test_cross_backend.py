@@ -28,7 +28,8 @@ import numpy as np
 import pytest
 
 from backends import Backend, Block, BlockMismatchError, RecurrentSnapshot, load_backend
-from backends.models import TINY_MODELS, load_tokenizer, resolve
+from backends.models import load_tokenizer, resolve
+from backends.tiny_models import TINY_MODELS
 from harness.corpus import sample_tokens
 
 from .conftest import FAMILIES

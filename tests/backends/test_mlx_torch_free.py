@@ -1,4 +1,4 @@
-"""An MLX process serving a folder keeps torch out (`backends.runtime.keep_torch_out`): transformers
+"""An MLX process serving a folder keeps torch out (`backends.models.keep_torch_out`): transformers
 5 imports torch whenever it is installed, ~240 MB of peak RSS an MLX session never uses."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 SCRIPT = """
 import sys
-from backends.runtime import keep_torch_out
+from backends.models import keep_torch_out
 folder = sys.argv[1]
 assert not keep_torch_out("smollm2-135m"), "a GGUF needs torch"
 assert keep_torch_out(folder)

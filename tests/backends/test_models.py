@@ -12,17 +12,9 @@ from pathlib import Path
 import pytest
 
 from backends import UnsupportedModelError
-from backends.models import (
-    GEMMA3_CHAT_TEMPLATE,
-    GEMMA3_PACKAGE,
-    SourceKind,
-    config_refusals,
-    describe_source,
-    gemma3_gguf_path,
-    list_local_models,
-    resolve,
-    tiny_folder,
-)
+from backends.model_config import config_refusals
+from backends.model_listing import describe_source, list_local_models
+from backends.models import GEMMA3_CHAT_TEMPLATE, GEMMA3_PACKAGE, SourceKind, gemma3_gguf_path, resolve, tiny_folder
 
 REV = "0123456789abcdef0123456789abcdef01234567"
 
@@ -160,7 +152,8 @@ def test_a_gguf_is_parsed_once_into_a_folder_keyed_on_the_file(tmp_path: Path, m
                                                               ) -> None:
     """The config and tokenizer transformers reads from a GGUF are kept in a folder, and the same
     GGUF changed on disk gets a folder of its own: nothing stale is read."""
-    from backends.models import gguf_folder, gguf_stamp, load_tokenizer, read_config, smollm2_gguf_path
+    from backends.model_config import read_config
+    from backends.models import gguf_folder, gguf_stamp, load_tokenizer, smollm2_gguf_path
 
     monkeypatch.setenv("KV_ELISION_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / "m" / "model.gguf"

@@ -4,7 +4,7 @@ steps' cleanup never waits for the runtime's lock on a thread that is not theirs
 whose worker or reader is stuck says so on /health (503) instead of hanging.
 
 Real parts only: the MLX and torch runtimes on the tiny model, real block files, the real
-`kv-elision serve` with its contextd. A reader is wedged by the read hook of backends.blockfile
+`kv-elision serve` with its contextd. A reader is wedged by the read hook of backends.read_stalls
 (KV_ELISION_READ_HANG): the read blocks in the kernel, in open(2) of a FIFO, until the test opens
 the FIFO's other end, as a read from a hung disk blocks until the disk answers.
 """
@@ -21,13 +21,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends import blockfile, load_backend
+from backends import blockfile, load_backend, read_stalls
+from backends.section_reader import ReadQueue, SectionReader
 from harness.faults.hangs import finalizer_case, twin_answers, wedged_read_case
 from harness.faults.processes import short_tempdir
 from harness.waits import wait_until
 
 DEADLINE_S = 20.0   # the longest any step here may take before the test calls it a hang
-READ_DEADLINE_S = 1.0   # the wedged readers' deadline (blockfile.READ_DEADLINE_S)
+READ_DEADLINE_S = 1.0   # the wedged readers' deadline (read_stalls.READ_DEADLINE_S)
 
 
 def test_a_wedged_reader_fails_its_wait_at_the_deadline_and_never_leaves_its_bytes_behind(
@@ -36,7 +37,7 @@ def test_a_wedged_reader_fails_its_wait_at_the_deadline_and_never_leaves_its_byt
     request) makes the waits on it fail at the deadline, not wait for ever; `close` gives up on
     the thread, which stays listed as stuck until it returns, and then zeroes the bytes it read
     into the caller's buffers, which the caller had cleared and left."""
-    monkeypatch.setattr(blockfile, "READ_DEADLINE_S", READ_DEADLINE_S)
+    monkeypatch.setattr(read_stalls, "READ_DEADLINE_S", READ_DEADLINE_S)
     keys = np.arange(4 * 64 * 256, dtype=np.float32).reshape(4, 64, 256)   # 256 KiB: more than the first read
     data = b"".join(bytes(piece) for piece in blockfile.pack(b"KVEBLOCK", {"kind": "test"}, [("keys", keys)]))
     path = tmp_path / "page.kv"
@@ -51,25 +52,25 @@ def test_a_wedged_reader_fails_its_wait_at_the_deadline_and_never_leaves_its_byt
             reached.set()
             released.wait(DEADLINE_S)
 
-    before = blockfile.set_read_hook(hook)
+    before = read_stalls.set_read_hook(hook)
     target = np.zeros(keys.nbytes, dtype=np.uint8)
     try:
-        reader = blockfile.SectionReader(path, b"KVEBLOCK", blockfile.checksum(data), len(data),
-                                         blockfile.ReadQueue(1), landing=frozenset({"keys"}))
+        reader = SectionReader(path, b"KVEBLOCK", blockfile.checksum(data), len(data), ReadQueue(1),
+                               landing=frozenset({"keys"}))
         reader.land({"keys": [memoryview(target)]})
         assert reached.wait(DEADLINE_S), "the bulk read never started"
         started = time.monotonic()
-        with pytest.raises(blockfile.ReadStalled, match="no byte arrived"):
+        with pytest.raises(read_stalls.ReadStalled, match="no byte arrived"):
             reader.wait("keys")
         assert time.monotonic() - started < READ_DEADLINE_S + 2.0
         reader.close()
         assert time.monotonic() - started < READ_DEADLINE_S + 2.0, "close waited again for the stuck thread"
         target[:] = 0                      # what a restore that failed does with its slots
-        assert [stuck.path for stuck in blockfile.stuck_reads()] == [str(path)]
+        assert [stuck.path for stuck in read_stalls.stuck_reads()] == [str(path)]
     finally:
         released.set()
-        blockfile.set_read_hook(before)
-    wait_until(lambda: not blockfile.stuck_reads(), DEADLINE_S, "the reader stayed stuck once its read returned")
+        read_stalls.set_read_hook(before)
+    wait_until(lambda: not read_stalls.stuck_reads(), DEADLINE_S, "the reader stayed stuck once its read returned")
     assert not target.any(), "the late read left the file's bytes in the caller's buffer"
 
 

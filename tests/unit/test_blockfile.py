@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from backends import Block, BlockFormatError, BlockStream, LayerView
-from backends.blockfile import ContainerError, ReadQueue, checksum
+from backends.blockfile import ContainerError, checksum
+from backends.section_reader import ReadQueue
 from harness.waits import wait_until
 
 VIEW = LayerView(model_id="m", family="llama", attention_layers=(0, 1, 2), num_kv_heads=2, head_dim=8,
@@ -70,7 +71,7 @@ def test_a_compressed_block_round_trips_exactly_whole_by_layer_and_streamed(tmp_
 
 
 def test_a_read_queue_reads_every_header_first_then_each_file_whole_in_the_order_opened(tmp_path: Path) -> None:
-    from backends.blockfile import SectionReader
+    from backends.section_reader import SectionReader
 
     data = b"".join(block().pieces())
     events: list[tuple[str, str]] = []
@@ -112,7 +113,7 @@ def test_a_read_queue_reads_every_header_first_then_each_file_whole_in_the_order
 def test_a_lingering_read_queue_reads_one_insert_after_another_on_one_thread_then_ends(tmp_path: Path) -> None:
     import threading
 
-    from backends.blockfile import SectionReader
+    from backends.section_reader import SectionReader
 
     data = b"".join(block().pieces())
     path = tmp_path / "page.kv"
@@ -150,7 +151,7 @@ def opened_together(folder: Path, blk: Block, **kw: Any) -> tuple[bytes, list[Pa
 
 def test_streams_opened_together_read_in_turn_and_a_bad_header_surfaces_at_first_use(tmp_path: Path) -> None:
     from backends import BlockMismatchError
-    from backends.protocol import CorruptPayloadError
+    from backends.errors import CorruptPayloadError
 
     blk = block()
     data, paths, streams = opened_together(tmp_path, blk, expect=VIEW)
@@ -192,7 +193,7 @@ def big_block() -> Block:
 
 def test_landed_keys_and_values_arrive_in_the_callers_buffers_checked_by_the_files_checksum(tmp_path: Path) -> None:
     from backends.blockfile import IO_CHUNK_BYTES
-    from backends.protocol import CorruptPayloadError
+    from backends.errors import CorruptPayloadError
 
     blk = big_block()
     assert blk.keys.nbytes > IO_CHUNK_BYTES
@@ -246,7 +247,7 @@ def test_a_file_the_page_cache_holds_is_read_by_the_thread_that_opened_it(tmp_pa
     before the stream is returned, and its bulk is read by the caller as it asks for it, straight
     to where it lands; no thread of the queue starts. The checksum is still checked by `finish`,
     a bad header still raises at first use, and a stream closed unread ends."""
-    from backends.protocol import CorruptPayloadError
+    from backends.errors import CorruptPayloadError
 
     if not hasattr(os, "RWF_NOWAIT"):
         pytest.skip("reads that never wait for the disk need RWF_NOWAIT (Linux)")
@@ -300,7 +301,7 @@ def test_a_reader_opened_for_landing_and_closed_before_land_ends(tmp_path: Path)
 
 
 def test_the_buffers_for_a_byte_range_are_exactly_its_bytes_cut_only_at_its_ends_and_overlaps_are_found() -> None:
-    from backends.blockfile import _Pieces
+    from backends.section_reader import _Pieces
 
     rng = np.random.default_rng(3)
     for _ in range(200):
@@ -331,7 +332,7 @@ def test_a_reader_whose_thread_cannot_start_is_neither_queued_nor_left_open(tmp_
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    from backends.blockfile import SectionReader
+    from backends.section_reader import SectionReader
 
     data = b"".join(block().pieces())
     path = tmp_path / "page.kv"
