@@ -107,12 +107,13 @@ class BlockStream:
         itself (`read_here`, its header was in the page cache). Keys another core copied out of
         the page cache rotate slower than keys copied just before their rotation, in this CPU's
         cache, and that outweighed the saved copy on a file the read queue serves from the page
-        cache (a warm SmolLM2 page on the server's path, interleaved in one process: 8.91 ms
-        copied against 11.05 landed; 8 cold pages 58.5 against 52.8 ms, 32 cold pages 221
-        against 201 ms). Keys the inserting thread reads land in its own cache: a warm page 7.24
-        -> 5.66 ms landed, a page restored warm again and again 5.22 -> 4.86 ms (20 interleaved
-        rounds). Values, never rotated, land from any file (a warm page 10.99 -> 10.28 ms and
-        8.43 -> 7.81 ms in two interleaved runs: the restoring thread no longer copies them)."""
+        cache (a warm SmolLM2 page on the server's path was slower landed than copied, while cold
+        pages were faster landed). Keys the inserting thread reads land in its own cache, and
+        landing them made warm restores faster. Values, never rotated, land from any file: the
+        restoring thread no longer copies them, and warm restores got faster. All interleaved in
+        one process: docs/journal/2026-11-29-restore-path.md ("Blocks land in the slots", "Asking
+        contextd nothing first", "Keys land where the inserting thread reads them", "Figures moved
+        out of code comments")."""
         return self._reader.from_disk or self._reader.pulled
 
     def land(self, keys: list[memoryview] | None, values: list[memoryview] | None) -> tuple[bool, bool]:

@@ -64,8 +64,9 @@ _ALIGN = 64
 _PREFIX = struct.Struct("<8sHHI")
 
 # Cold reads in 64 KiB requests let kernel readahead run ahead of the copy (one request for a whole
-# 6 MB block was ~40% slower on a virtio disk), and hashing each request right after it lands hits
-# the CPU cache instead of reading the whole payload back from memory.
+# 6 MB block was slower on a virtio disk: docs/journal/2026-11-29-restore-path.md), and hashing each
+# request right after it lands hits the CPU cache instead of reading the whole payload back from
+# memory.
 IO_CHUNK_BYTES = 64 * 1024
 
 
@@ -84,7 +85,7 @@ def _align(n: int) -> int:
 
 
 CODEC = "shuffle-zstd"
-_ZSTD_LEVEL = 1  # level 3 compressed no better on K/V and took 3-5x longer
+_ZSTD_LEVEL = 1  # level 3 compressed no better on K/V and took longer (docs/journal/2026-11-30-scale.md)
 
 
 def _shuffle(row: np.ndarray) -> bytes:
@@ -268,7 +269,8 @@ def open_sized(path: str | os.PathLike[str], size: int) -> Any:
 def read_verified(path: str | os.PathLike[str], expected_checksum: str, size: int) -> memoryview:
     """The whole file, hashed while reading; ContainerError unless size and checksum match."""
     with open_sized(path, size) as f:
-        # Uninitialised: every byte is overwritten, and zero-filling 6 MB cost ~0.3 ms per block.
+        # Uninitialised: every byte is overwritten, and zero-filling a block's buffer first cost
+        # time for nothing (docs/journal/2026-11-29-restore-path.md).
         view = np.empty(size, dtype=np.uint8).data
         hasher = xxhash.xxh3_128()
         got = 0

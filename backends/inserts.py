@@ -42,8 +42,8 @@ __all__ = ["INSERT_BATCH_BYTES", "READ_LINGER_S", "READ_THREADS", "Inserts", "re
 # each) go in one batch; a long plan for a big model goes in several, each still read in parallel.
 INSERT_BATCH_BYTES = 256 << 20
 # Threads that read one insert's files, in the order they go in (`ReadQueue`). One kept
-# ahead of the copies on this disk and beat two (16 cold SmolLM2 pages, interleaved runs: 69.7 ms
-# with one, 72.9 ms with two, 86.7 ms with a thread per file all reading at once).
+# ahead of the copies on this disk and beat two, and both beat a thread per file all reading at
+# once (16 cold SmolLM2 pages, interleaved: docs/journal/2026-12-06-backends-long-form.md).
 READ_THREADS = 1
 # How long a backend's read thread waits for the next insert before it ends: long enough to span
 # an agent's turns, so a turn's restores start no thread (`ReadQueue`).

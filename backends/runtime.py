@@ -198,9 +198,9 @@ class SlotBackend(SlotSession):
         block plus the sink) and block i is re-anchored to the positions just before it, with its
         own copy of `sink` just before the block, so every copy sees its block at the distances a
         restore would give; the slot groups keep each copy's attention to its sink, its own block
-        and its own earlier tokens. One forward: on this 2-core CPU a SmolLM2 forward costs ~110 ms
-        whatever it holds, plus ~2 ms a token, so k copies in one forward cost about a k-th of k
-        forwards."""
+        and its own earlier tokens. One forward: on the CPU most of a SmolLM2 forward's cost is
+        fixed, whatever it holds, and each token adds little, so k copies in one forward cost far
+        less than k forwards (docs/journal/2026-12-06-controller-long-form.md, "Cost")."""
         rt = self._rt
         if rt.roles.window or rt.roles.recurrent:
             raise UnsupportedModelError(f"{rt.family}: scoring over separate blocks needs every layer to be full "
@@ -264,8 +264,9 @@ class SlotBackend(SlotSession):
 
     def _scoring_session(self, tokens: int, position_limit: int) -> SlotBackend:
         """The empty scratch session `score_after_blocks` and `prefill_alone` run in, kept between calls: building one
-        zero-fills its buffers, ~50 ms of a ~450 ms SmolLM2 re-rank of 4 pages (cProfile over the
-        rerank selector's probes). It shares the weights and nothing else with this session."""
+        zero-fills its buffers, a noticeable share of a SmolLM2 re-rank (cProfile over the rerank
+        selector's probes: docs/journal/2026-12-02-reranker.md). It shares the weights and nothing
+        else with this session."""
         scratch = self._scoring
         if scratch is None:
             scratch = self._scoring = type(self)(self._rt, self.model_name, capacity=tokens,

@@ -55,10 +55,10 @@ class _Pieces:
     def between(self, start: int, end: int) -> list[memoryview]:
         """The buffers for the file's bytes [start, end) of pieces that cover the file, in order:
         the whole pieces inside it as they are, cut only at the two ends. Cutting every piece in
-        a Python loop, twice a read (for the read, then again for its hash), cost a SmolLM2 page,
-        whose file lands in 180 pieces, 0.3 ms warm and 0.5 ms cold (120 restores each, the two
-        alternated in one process on a 6,000-token session: 3.73 -> 3.44 ms warm, 5.74 -> 5.27
-        ms cold)."""
+        a Python loop, twice a read (for the read, then again for its hash), slowed the restore of
+        a SmolLM2 page, whose file lands in 180 pieces, warm and cold (the two alternated in one
+        process: docs/journal/2026-11-29-restore-path.md, "A read's buffers without a Python loop
+        per piece")."""
         first = max(0, bisect.bisect_right(self.starts, start) - 1)
         stop = bisect.bisect_left(self.starts, end)
         out = self.bufs[first:stop]
@@ -85,10 +85,12 @@ class ReadQueue:
     """Reads the files a caller opens on a few threads of its own, in the order it opened them:
     every file's header first, then the bulk of each, `workers` files at a time, so the file the
     caller uses first arrives first (all at once, each would get a share of the disk and the
-    first would arrive last). A thread per file cost more than it read: starting 32 of them for
-    32 SmolLM2 pages took 41 ms of a 217 ms restore. A thread with nothing queued waits up to
-    `linger_s` for more before it ends: a caller that keeps one queue for its inserts starts no
-    thread per insert (starting one cost a warm one-page restore ~0.4 ms)."""
+    first would arrive last). A thread per file cost more than it read: starting 32 of them was
+    a sizeable share of a 32-page SmolLM2 restore (docs/journal/2026-12-06-backends-long-form.md).
+    A thread with nothing queued waits up to `linger_s` for more before it ends: a caller that
+    keeps one queue for its inserts starts no thread per insert (starting one was a visible share
+    of a warm one-page restore: docs/journal/2026-11-29-restore-path.md, "Asking contextd nothing
+    first")."""
 
     def __init__(self, workers: int, linger_s: float = 0.0) -> None:
         if workers < 1:
@@ -177,7 +179,8 @@ class SectionReader:
     them straight there, so those bytes are copied once, by the reader, instead of into this
     reader's buffer and then again by the caller; what it had read before is copied over by
     `land`. The reader does not wait for `land`: waiting until the caller had placed the slots
-    cost a warm page ~1 ms (benchmarks.restore, 11.7-12.2 ms against 10.7 without landing).
+    made a warm page slower than not landing at all (benchmarks.restore:
+    docs/journal/2026-11-29-restore-path.md, "Figures moved out of code comments").
 
     Every wait has a deadline: once no byte has arrived for READ_DEADLINE_S (the reader's thread,
     or its queue's, is stuck in the kernel on a hung disk), `header`, `wait` and `finish` raise
@@ -240,8 +243,9 @@ class SectionReader:
         the disk has it, the file goes to the queue."""
         if self._nowait is None:
             return False
-        # 64 KiB: a refused read of a whole 5.9 MB page cost ~1 ms of kernel time and slowed the
-        # disk read that followed (5.2 against 3.0-4.1 ms); of 64 KiB, 0.09 ms.
+        # 64 KiB: a refused read of a whole 5.9 MB page cost far more kernel time than one of 64 KiB
+        # and slowed the disk read that followed (docs/journal/2026-11-29-restore-path.md, "The
+        # first file of an insert read by the thread that inserts it").
         upto = min(self._size, IO_CHUNK_BYTES)
         self._read(upto, wait=False)
         if self._got < upto:
@@ -349,7 +353,8 @@ class SectionReader:
     def _move_landed(self, start: int, end: int) -> None:
         """Copy the file's bytes [start, end), read into this reader's buffer, to where they land
         (only the landed pieces that overlap them: a SmolLM2 page lands in 180, and a loop over
-        all of them cost 0.12 ms of a ~4 ms warm restore)."""
+        all of them was a measurable share of a warm restore: docs/journal/2026-11-29-restore-path.md,
+        "Figures moved out of code comments")."""
         for offset, buf in self._landed_pieces.overlapping(start, end):
             a, b = max(start, offset), min(end, offset + len(buf))
             # numpy copies without the interpreter lock; a memoryview assignment holds it

@@ -36,8 +36,8 @@ class Landing:
     (BlockStream.keys_land).
 
     Why: the reader's copy out of the page cache is then the only copy; reading into a buffer
-    and copying from there into the slots cost the restoring thread ~1.1 ms of a warm SmolLM2
-    page's ~5.8 ms (keys 0.16 ms a ~1 MB layer group, values 0.6 ms)."""
+    and copying from there into the slots was a sizeable share of the restoring thread's time on
+    a warm SmolLM2 page (docs/journal/2026-11-29-restore-path.md, "Where a restore's time went")."""
 
     keys: list[memoryview]
     values: list[memoryview]

@@ -106,8 +106,8 @@ def runs_of(slots: np.ndarray, most: int) -> list[tuple[int, int, int]] | None:
     last, where it starts in `slots`), when there are at most `most` of them; else None.
 
     Why: a page put back into slots freed by several evictions lands in a few runs, and a run is
-    written with slice copies and a rotation straight into place; an index copy of the whole page
-    cost twice as much (a SmolLM2 key group in two runs: 0.8 ms by index, 0.4 ms by runs)."""
+    written with slice copies and a rotation straight into place, faster than an index copy of the
+    whole page (a SmolLM2 key group in two runs: docs/journal/2026-11-29-restore-path.md)."""
     n = slots.shape[0]
     if n == 0:
         return []
@@ -126,7 +126,8 @@ def pick_free_slots(free: np.ndarray, n: int, high_water: int) -> np.ndarray:
     reads up to it).
 
     Why a run: it is written with slice copies and a rotation straight into place, scattered slots
-    with index copies (32 SmolLM2 pages in one decision: 380 -> 335 ms, benchmarks.restore)."""
+    with slower index copies (32 SmolLM2 pages in one decision, benchmarks.restore:
+    docs/journal/2026-11-29-restore-path.md, "Figures moved out of code comments")."""
     lowest = free[:n]
     if n > 1:
         reach = max(int(lowest[-1]), high_water - 1)
@@ -219,9 +220,11 @@ def plan_inserts(pos: np.ndarray, order: np.ndarray, inserts: Sequence[tuple[int
     wanted positions; whether it must keep them exactly) one by one, computed on positions alone.
 
     Why: inserted one at a time, each block re-anchors every later held token it pushes, so k
-    pages restored into a dense timeline re-anchored the later tokens k times (32 pages: 1.0 s, 60%
-    of it rotary arithmetic, benchmarks.restore). Planned on integers first, each key moves at most
-    once. Raises ValueError for an exact block whose positions do not fit where it goes."""
+    pages restored into a dense timeline re-anchored the later tokens k times, and rotary
+    arithmetic was most of the time (benchmarks.restore: docs/journal/2026-11-29-restore-path.md,
+    "One decision, many pages" and "Figures moved out of code comments"). Planned on integers
+    first, each key moves at most once. Raises ValueError for an exact block whose positions do
+    not fit where it goes."""
     sources = order.astype(np.int64)
     positions = pos[order].astype(np.int64)
     inserted = compactions = 0

@@ -113,8 +113,9 @@ class EvictionAdvisor:
               cheap: Callable[[list[int]], list[int]] | None = None) -> list[int]:
         """The pages to evict first for `incoming_tokens` more, least related to the focus first;
         [] when there is no focus, no choice, or nothing could be scored. `cheap`: of the pages
-        that may fill a forward up, those the scorer reads without reading the page first (a
-        controller model reads a page it has not read yet at ~400 ms here); None: all."""
+        that may fill a forward up, those the scorer reads without reading the page first (for a
+        controller model, reading a page it has not read yet costs a prefill of that page:
+        docs/journal/2026-12-04-controller-model.md, "What it costs on this machine"); None: all."""
         if not self.focus:
             return []
         window = pager.evictable()[:self.config.window]
@@ -124,9 +125,9 @@ class EvictionAdvisor:
         unscored = [page for page in window if page not in self.scores]
         if unscored:
             # Filled up to `window` with the pages that come next (the ledger's, leased, the tail's):
-            # a forward costs ~110 ms on this CPU whatever it holds plus ~2 ms a token, and each
-            # eviction frees a page or two, so scoring only what entered the window would run one
-            # forward per prefill chunk (benchmarks.eviction, prose, tuning seed 1: 560 ms a turn).
+            # most of a forward's cost on the CPU is fixed, whatever it holds, and each eviction frees
+            # a page or two, so scoring only what entered the window would run one forward per
+            # prefill chunk (benchmarks.eviction: docs/journal/2026-12-04-eviction-advice.md).
             coming = [page for page in pager.unpinned_full() if page not in self.scores and page not in unscored]
             if cheap is not None:
                 coming = cheap(coming)

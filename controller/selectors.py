@@ -224,8 +224,8 @@ class LikelihoodSelector:
     says what the hybrid's shortlist gives the re-ranker (`benchmarks.selectors --selectors
     likelihood`). Every stored cold page is scored by the host (forwards of `chunk` pages), the
     pages within the margin of the best come back best first, as many as fit the room, up to
-    `max_pages`. It forwards the question once per cold page, seconds a turn on this CPU: a
-    measurement, not a server option."""
+    `max_pages`. It forwards the question once per cold page, far slower a turn than the hybrid
+    on a CPU (docs/results/selectors.md): a measurement, not a server option."""
 
     name = "likelihood"
     uses_key_index = False

@@ -2,9 +2,10 @@
 one OSD on memstore, radosgw on loopback) from Debian's packages, in a folder of its own.
 
 `make test` installs ceph-mon, ceph-osd and radosgw (Makefile: ceph). The scripts in harness/ceph
-start one in about 4 s on 2 cores (no mgr, no cephx; each option is explained where it is set),
-stop it daemon by daemon, and restart radosgw alone (under a second), which is how a test makes the
-object store go away and come back while the cluster keeps its objects.
+start one in seconds (no mgr, no cephx; each option is explained where it is set; timings:
+docs/journal/2026-11-30-fault-campaign.md), stop it daemon by daemon, and restart radosgw alone,
+which is how a test makes the object store go away and come back while the cluster keeps its
+objects.
 
 Dependency rules: the standard library and harness.procfs.
 """

@@ -2,13 +2,13 @@
 new rather than the whole transcript.
 
 Pi sends the whole transcript every turn. Normalizing and rendering all of it, then rendering
-every prefix again to find where the new messages end, cost ~40 ms a turn on a 2.9M-character
-transcript with SmolLM2's template (503 messages: normalize 7 ms, twice; render 11 ms; message
-ends 12 ms), and grew with the session. So a render leaves a `RenderMemo`, and a next request that
-repeats those messages and adds some normalizes and renders only the added ones, in a *frame*:
-the conversation's opening (system and first user message, which templates treat specially),
-the last remembered message, then the new messages. What the frame renders after the last
-remembered message is what the whole render has after the remembered text.
+every prefix again to find where the new messages end, cost time every turn that grew with the
+session (a 2.9M-character transcript with SmolLM2's template: docs/journal/2026-11-30-scale.md).
+So a render leaves a `RenderMemo`, and a next request that repeats those messages and adds some
+normalizes and renders only the added ones, in a *frame*: the conversation's opening (system and
+first user message, which templates treat specially), the last remembered message, then the new
+messages. What the frame renders after the last remembered message is what the whole render has
+after the remembered text.
 
 That holds for templates that render each message by itself and its neighbours. Neighbours are
 checked every turn: the last remembered message must render in the frame, followed by the new
@@ -317,9 +317,9 @@ class ChatFormat:
     def _direct_renderer(self) -> Any:
         """The chat template compiled once and rendered directly: transformers'
         `apply_chat_template` copies and converts every message first, which made a
-        million-token transcript render in ~80 ms instead of ~20 ms. Used only when it renders
-        probe conversations (with and without tools, thinking on and off) exactly as
-        `apply_chat_template` does."""
+        million-token transcript's render several times slower (docs/journal/2026-11-30-scale.md).
+        Used only when it renders probe conversations (with and without tools, thinking on and
+        off) exactly as `apply_chat_template` does."""
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
         try:

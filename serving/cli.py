@@ -38,9 +38,9 @@ log = logging.getLogger("kv_elision")
 
 def _connect_or_spawn_contextd(root: Path, socket_path: Path) -> tuple[Client, ContextdProcess | None]:
     """The contextd answering on `socket_path`, else a new one under ROOT/contextd that dies with us,
-    spawned: the caller loads its model while it starts, then calls `wait_started` (SmolLM2 on
-    this 2-core CPU, serve to /health, 6 starts each: 9.4-10.8 s before, 7.5-8.4 s after; most of
-    the rest is importing torch and transformers).
+    spawned: the caller loads its model while it starts, then calls `wait_started`, which took
+    seconds off a SmolLM2 server's start to /health; most of the rest is importing torch and
+    transformers (docs/journal/2026-12-01-models.md).
     Without a socket file nobody can be answering, and nobody is asked."""
     if socket_path.exists():
         client = Client(socket_path)

@@ -1,20 +1,22 @@
 """The interpreter's garbage collector, set for a process that serves a loaded model.
 
 Python's collector walks every tracked object it holds in a generation. A loaded server holds
-about 389,000 of them (torch, transformers and the model's modules, SmolLM2 on the torch backend,
-measured 2026-12-04), and a full collection walked them all in 182-189 ms: a stop of the whole
-server, a turn or a restore that happened to be running waited that long. They live as long as
-the process, so `gc.freeze()` moves them out of the collector's sight once they are loaded (a full
-collection after it took 0.005 ms).
+hundreds of thousands of them (torch, transformers and the model's modules), and a full
+collection walked them all: a stop of the whole server, which a turn or a restore that happened
+to be running waited out. They live as long as the process, so `gc.freeze()` moves them out of
+the collector's sight once they are loaded, and a full collection after it is next to free.
 
 The first generation is collected each time the tracked objects allocated and not yet freed pass
 its threshold (700 by default). Restoring one SmolLM2 page holds a few hundred short-lived ones at
 once (the buffer views its 180 key and value runs land through, the file's read requests), so a
-warm restore and eviction ran about one collection each, 0.19 ms apiece, 0.20 ms per restore of a
-~5 ms restore; with the threshold at 10,000, 600 restores ran none. Nearly everything a turn
-allocates is freed by its reference count before a collection would see it, so collecting less
-often costs little memory: what cyclic garbage there is waits for 10,000 allocations instead of
-700.
+warm restore and eviction ran about one collection each, mid-restore; with the threshold at
+10,000, warm restores ran none. Nearly everything a turn allocates is freed by its reference count
+before a collection would see it, so collecting less often costs little memory: what cyclic
+garbage there is waits for 10,000 allocations instead of 700.
+
+Figures (object counts, collection times, restores counted with `gc.callbacks`):
+docs/journal/2026-11-29-restore-path.md ("The garbage collector") and
+docs/journal/2026-11-30-scale.md.
 
 Dependency rules: standard library only.
 """

@@ -547,8 +547,9 @@ class _Listener(ThreadingHTTPServer):
     """One thread per connection, at most `max_connections` of them: past the bound a connection
     is answered 503 and closed by the accepting thread, without waiting on the client."""
 
-    # socketserver's default backlog of 5 made the 41st of 40 stalled clients wait ~1 s for a
-    # SYN retry (benchmarks.faults, health_ms); an agent with subagents opens several at once.
+    # socketserver's default backlog of 5 made the 41st of 40 stalled clients wait for a SYN retry
+    # (benchmarks.faults, health_ms: docs/journal/2026-11-30-fault-campaign.md); an agent with
+    # subagents opens several at once.
     request_queue_size = 128
     daemon_threads = True
 

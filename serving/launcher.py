@@ -172,7 +172,7 @@ class ContextdProcess:
 
     def spawn(self) -> None:
         """Start the process without waiting for it to answer (`wait_started` does): a server loads
-        its model meanwhile, since contextd's start (~1 s) needs none of it."""
+        its model meanwhile, since contextd's start needs none of it (docs/journal/2026-12-01-models.md)."""
         if self.client is not None:
             self.client.close()
         output: Any = subprocess.PIPE if self.log is None else open(self.log, "ab")  # noqa: SIM115

@@ -399,7 +399,8 @@ class PageMover:
         a distance a small model cannot copy from (benchmarks.compare: SmolLM2-135M answered 0
         of 16 questions over gapped positions with the fact's page in view, and 13 of 16 when the
         same tokens were prefilled at contiguous positions). Closed, the working set reads like
-        one short conversation. Once a turn, after the restores: ~20 ms for 2,000 moved keys."""
+        one short conversation. Once a turn, after the restores; its cost grows with the keys it
+        moves (a forced compaction: docs/journal/2026-11-29-restore-path.md, "First figures")."""
         restoring = time.perf_counter()
         self.backend.compact_positions()
         session.timed("restore", restoring)

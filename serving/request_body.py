@@ -1,11 +1,12 @@
 """A chat request's JSON body, parsed in time that follows what is new in it.
 
 An agent sends the whole transcript in every request: about 4 MB of JSON at a million tokens,
-and `json.loads` of a 6 MB agent body took 10-16 ms on this machine, every turn, growing with
-the session. Each body repeats the previous one's text up to the end of its `messages` array and
-adds messages there. So `BodyParser` keeps, per session, the last body's text up to that array's
-closing bracket and the messages parsed from it; a body that begins with that text has only its
-new messages and the rest of the object parsed. Anything else is parsed in full, the same way.
+and `json.loads` of a whole agent body took time every turn that grew with the session
+(docs/journal/2026-11-30-scale.md). Each body repeats the previous one's text up to the end of
+its `messages` array and adds messages there. So `BodyParser` keeps, per session, the last body's
+text up to that array's closing bracket and the messages parsed from it; a body that begins with
+that text has only its new messages and the rest of the object parsed. Anything else is parsed in
+full, the same way.
 
 The parse is exact: a body is accepted, and gives the same object, exactly when `json.loads`
 would (duplicate keys: the last wins; NaN and Infinity accepted), because the remembered text is

@@ -62,7 +62,8 @@ class MlxSlotStore(SlotStore):
     docstring)."""
 
     # One `mx.fast.rope` call per layer group of about four megabytes: per-call overhead made 30
-    # per-layer calls ~5x slower than one call over all layers of a page.
+    # per-layer calls several times slower than one call over all layers of a page
+    # (docs/journal/2026-11-29-mlx-backend.md).
     group_elements = 1 << 20
     rt: MlxModel
 

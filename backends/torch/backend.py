@@ -41,9 +41,10 @@ def _single_threaded(device: torch.device) -> Iterator[None]:
 
     They are short, memory-bound copies. Parallel regions must wait for every worker, so whenever
     another process holds a core each op waits for a descheduled thread: on a 2-core machine with
-    one busy neighbour a 128-token SmolLM2 restore took 80-200 ms with two threads and 6-8 ms with
-    one. On an idle machine a restore costs the same either way (within ~1 ms of noise); a large
-    compaction takes about twice as long, which its rarity pays for. (torch's thread count is
+    one busy neighbour a 128-token SmolLM2 restore took many times longer with two threads than
+    with one. On an idle machine a restore costs the same either way; a large compaction takes
+    longer on one thread, which its rarity pays for (docs/journal/2026-11-29-restore-path.md,
+    "First figures" and "Figures moved out of code comments"). (torch's thread count is
     process-wide; the runtime lock is held meanwhile, so this session's forwards are unaffected.)
     """
     before = torch.get_num_threads()
@@ -59,9 +60,9 @@ def _single_threaded(device: torch.device) -> Iterator[None]:
 
 def _tall_head(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     """The vocabulary projection of a few rows as weight @ hidden^T: on the CPU the same product
-    as `F.linear`, with the tall weight as the left operand. For SmolLM2's 49,152 x 576 head on
-    this 2-core CPU, `F.linear` took 10.7 / 21.9 / 28.7 ms for 1 / 2 / 4 rows and this form 12.0 /
-    7.8 / 8.2 ms: it reads the weight once for all rows (batched decode only)."""
+    as `F.linear`, with the tall weight as the left operand. It reads the weight once for all
+    rows, so for SmolLM2's 49,152 x 576 head it is faster than `F.linear` from two rows on and a
+    little slower for one (batched decode only; docs/journal/2026-11-30-runtime-speed.md)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     out = torch.mm(head.weight, flat.t()).t()
     if head.bias is not None:

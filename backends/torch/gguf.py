@@ -20,9 +20,9 @@ __all__ = ["unpacked_gguf"]
 def unpacked_gguf(source: ModelSource) -> Path:
     """A GGUF source as a Hugging Face folder with its weights (float32, exactly as transformers'
     GGUF loader dequantizes them), written once under the cache folder. Why: that loader parses the
-    header with its whole vocabulary and dequantizes every tensor on each load, 25 of the 30 s a
-    SmolLM2 server took to start on 2 cores (Gemma 3: 68 of 80 s); from the folder the same weights,
-    with the same identity, load in about a second."""
+    header with its whole vocabulary and dequantizes every tensor on each load, most of a SmolLM2
+    or Gemma 3 server's start; from the folder the same weights, with the same identity, load in
+    a small fraction of that (docs/journal/2026-12-01-models.md)."""
     assert source.path is not None and source.gguf_file is not None
     path, gguf_file, described = source.path, source.gguf_file, gguf_folder(source)
 

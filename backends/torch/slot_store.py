@@ -43,8 +43,8 @@ MOST_RUNS = 4
 def _byte_runs(buf: torch.Tensor, pieces: list[tuple[int, int, int]]) -> list[memoryview]:
     """buf[a, 0, h, first:end] as bytes for every layer a, head h and run (first, end, _) of
     `pieces`, in that order: where a block's [layers, heads, tokens, dim] section lands. Sliced
-    out of one flat view of the (contiguous) buffer: a numpy view per run cost ~2.4 us, 0.44 ms
-    of a warm SmolLM2 page's ~5 ms restore for its 180 runs."""
+    out of one flat view of the (contiguous) buffer: a numpy view per run, for a SmolLM2 page's
+    180 runs, was a sizeable share of its warm restore (docs/journal/2026-11-29-restore-path.md)."""
     assert buf.is_contiguous() and buf.shape[1] == 1
     layers, _, heads, capacity, dim = buf.shape
     flat = buf.view(torch.uint8).numpy().data.cast("B")
@@ -72,8 +72,9 @@ class TorchSlotStore(SlotStore):
 
     def _cos_sin(self, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin at `positions`, kept for the last positions asked: a page's layer groups are
-        rotated to the same positions one after another, and forming the tables for each group cost
-        ~0.1 ms of a warm SmolLM2 page restore's ~9 ms (`write_keys` of 3 groups, 1.95 -> 1.67 ms)."""
+        rotated to the same positions one after another, and forming the tables for each group
+        slowed `write_keys` (docs/journal/2026-11-29-restore-path.md, "Figures moved out of code
+        comments")."""
         held = self._tables
         if held is None or not np.array_equal(held[0], positions):
             rt = self.rt

@@ -1,5 +1,6 @@
 """The zygote: a process that loaded the tiny models once and forks one child per job, so hundreds
-of kill -9 restarts fit in minutes (a fork costs milliseconds, loading a model ~10 s).
+of kill -9 restarts fit in minutes (a fork is far cheaper than loading a model:
+docs/journal/2026-11-30-fault-campaign.md).
 
     python -m harness.faults.zygote tiny-llama tiny-qwen3-next
 
@@ -30,7 +31,8 @@ from typing import Any
 from harness.faults.processes import campaign_env
 from serving.launcher import REPO, stop_process
 
-# Loading the tiny models takes ~10 s here; a zygote that has not said "ready" in 300 s is stuck.
+# Loading the tiny models takes seconds (docs/journal/2026-11-30-fault-campaign.md); a zygote that
+# has not said "ready" in 300 s is stuck.
 START_S = 300.0
 # The zygote answers a job seconds after killing its child at the job's timeout (unless something
 # else holds the child's pipe open: then this deadline is what ends the wait).
