@@ -79,3 +79,12 @@ def listening_addresses(port: int) -> list[str]:
             if state == "0A" and int(hexport, 16) == port:
                 found.append(address)
     return found
+
+
+def alive(pid: int) -> bool:
+    """Whether a process `pid` exists (a zombie not yet reaped counts: it is not gone yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 __all__ = ["Fault", "S3Proxy", "StallingProxy"]
@@ -56,6 +57,22 @@ class Fault:
 
     def release(self) -> None:
         self.released.set()
+
+
+def _connections(server: socket.socket, target: int) -> Iterator[tuple[socket.socket, socket.socket]]:
+    """Each connection accepted on `server`, with a new one to the store on port `target`, until
+    `server` is closed; a client that comes while the store is down is closed (so is this path)."""
+    while True:
+        try:
+            client, _ = server.accept()
+        except OSError:
+            return
+        try:
+            upstream = socket.create_connection(("127.0.0.1", target))
+        except OSError:
+            client.close()
+            continue
+        yield client, upstream
 
 
 class _Closed(Exception):
@@ -248,16 +265,7 @@ class S3Proxy:
         return None
 
     def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.target))
-            except OSError:       # the store is down: so is this path
-                client.close()
-                continue
+        for client, upstream in _connections(self.server, self.target):
             connection = _Connection(self, client, upstream)
             with self._lock:
                 self._connections.append(connection)
@@ -297,16 +305,7 @@ class StallingProxy:
         self._flowing.set()
 
     def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.target))
-            except OSError:       # the store is down: so is this path
-                client.close()
-                continue
+        for client, upstream in _connections(self.server, self.target):
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from typing import Any
 
 from contextd.client import Client
+from harness.waits import wait_until
 from serving.launcher import ServerProcess
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. Be brief."}
@@ -23,12 +23,6 @@ def raw_chat(server: ServerProcess, session: str, body: dict[str, Any], sock: so
     sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  f"Authorization: {key}\r\nX-KV-Session: {session}\r\n"
                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-
-
-def wait_for(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
 
 
 def test_a_stream_whose_client_stops_reading_ends_its_turn(server_factory: Any) -> None:
@@ -48,7 +42,7 @@ def test_a_stream_whose_client_stops_reading_ends_its_turn(server_factory: Any) 
         def cancelled() -> bool:
             return int(server.stats("stall")["counters"]["cancelled_turns"]) == 1
 
-        wait_for(cancelled, 90, "the turn of a client that stopped reading did not end")
+        wait_until(cancelled, 90, "the turn of a client that stopped reading to end")
         counters = server.stats("stall")["counters"]
         assert counters["decoded_tokens"] < 100000
         assert counters["model_forward_tokens"] == \
@@ -70,8 +64,8 @@ def test_a_client_that_leaves_during_its_prefill_ends_the_turn_before_its_prompt
     try:
         with socket.create_connection(("127.0.0.1", server.port)) as sock:
             raw_chat(server, "left", {"messages": prompt, "max_tokens": 4}, sock)
-            wait_for(lambda: "left" in {s.session_id for s in contextd.status().sessions}, 60,
-                     "the turn did not start")
+            wait_until(lambda: "left" in {s.session_id for s in contextd.status().sessions}, 60,
+                       "the turn to start")
         reply = server.chat([SYSTEM, {"role": "user", "content": "hi"}], session="next", max_tokens=2)
         assert reply.status == 200, reply.body
         left = server.request("GET", "/v1/kv/stats?session=left")

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from backends.models import load_tokenizer, resolve
+from harness.procfs import alive
 from harness.waits import wait_until
 from serving.heap import FIRST_GENERATION_THRESHOLD
 from serving.launcher import ServerProcess
@@ -395,14 +396,6 @@ def test_a_server_started_alone_starts_its_own_contextd_which_ends_with_it(tmp_p
     finally:
         stop_process(proc)
     wait_until(lambda: not alive(daemon_pid), 30, f"contextd (pid {daemon_pid}) to end with its server")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_a_server_that_cannot_start_leaves_no_contextd_behind(tmp_path: Any) -> None:

@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,9 @@ import pytest
 
 from contextd.client import Client
 from contextd.paths import SOCKET_NAME
+from harness.procfs import alive
 from harness.rgw import Rgw
+from harness.waits import wait_until
 from serving.launcher import REPO, ServerProcess, free_port, wait_healthy
 from tests.objectstore import bucket
 from tests.server.test_handover import Conversation, shared_server
@@ -46,12 +47,6 @@ def serve(root: Path, port: int, log: Path) -> ServerProcess:
     wait_healthy(proc, lambda: server.get("/health").status == 200, 300, "kv-elision serve",
                  lambda: log.read_text(errors="replace"))
     return server
-
-
-def wait_for(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
 
 
 def first_token(server: ServerProcess, messages: list[dict[str, Any]], session: str) -> Any:
@@ -82,10 +77,10 @@ def test_sigterm_drains_the_turn_in_flight_then_stops_contextd(tmp_path: Any) ->
         chunks = first_token(server, QUESTION, "t")
         queued.request("POST", "/v1/chat/completions", json.dumps({"model": "tiny-llama", "messages": QUESTION}),
                        headers={"Content-Type": "application/json", "X-KV-Session": "q", **server.auth_headers()})
-        wait_for(lambda: server.get("/health").body["queued_turns"] == 1, 60, "the second turn was not queued")
+        wait_until(lambda: server.get("/health").body["queued_turns"] == 1, 60, "the second turn to be queued")
 
         server.proc.send_signal(signal.SIGTERM)
-        wait_for(lambda: refused(port), 30, "the server still accepted connections while draining")
+        wait_until(lambda: refused(port), 30, "the draining server to refuse connections")
         refusal = queued.getresponse()
         assert refusal.status == 503 and b"stopping" in refusal.read()
         rest = [chunk for _, chunk in chunks]
@@ -96,7 +91,7 @@ def test_sigterm_drains_the_turn_in_flight_then_stops_contextd(tmp_path: Any) ->
         if server.proc.poll() is None:
             server.proc.kill()
             server.proc.wait()
-    wait_for(lambda: not alive(daemon_pid), 30, f"contextd (pid {daemon_pid}) outlived its server")
+    wait_until(lambda: not alive(daemon_pid), 30, f"contextd (pid {daemon_pid}) to end with its server")
     text = log.read_text(errors="replace")
     assert "Traceback" not in text, text[-3000:]
 
@@ -113,14 +108,6 @@ def test_sigterm_drains_the_turn_in_flight_then_stops_contextd(tmp_path: Any) ->
     finally:
         again.proc.send_signal(signal.SIGTERM)
         assert again.proc.wait(timeout=60) == 0
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_sigterm_mid_turn_leaves_no_session_lease_behind(server_factory: Any, rgw: Rgw,
