@@ -51,7 +51,7 @@ class Decoder:
         prompt_logits = self.mover.backend.last_logits()
         segments_before = len(session.transcript.segments)
         picked, finish = yield from self._loop(session, limit, greedy, request.temperature, request.seed,
-                                                      hold_while=repeat_of, cancelled=request.cancelled)
+                                               hold_while=repeat_of, cancelled=request.cancelled)
         sampled = ""
         if repeat_of is not None and picked == repeat_of and finish is not FinishReason.CANCELLED:
             # The fixed point: the same input on the same working set gave the same greedy answer.
@@ -60,16 +60,16 @@ class Decoder:
             seed = self.fixed_point_seed + session.pager.turn
             first = pick_token(prompt_logits, False, 0.8, 0, 1.0, np.random.default_rng(seed))
             picked, finish = yield from self._loop(session, limit, False, 0.8, seed, first=first,
-                                                    cancelled=request.cancelled)
+                                                   cancelled=request.cancelled)
             self.tally.count(session, fixed_point_resamples=1)
             sampled = f"fixed point: the greedy answer repeated the previous turn's; sampled with seed {seed}"
         session.last_answer = LastAnswer(session.pager.turn, prompt_ids, picked)
         return picked, finish, sampled
 
     def _loop(self, session: Session, limit: int, greedy: bool, temperature: float, seed: int | None,
-                     first: int | None = None, hold_while: list[int] | None = None,
-                     cancelled: Callable[[], bool] | None = None
-                     ) -> Generator[TurnEvent, int | None, tuple[list[int], FinishReason]]:
+              first: int | None = None, hold_while: list[int] | None = None,
+              cancelled: Callable[[], bool] | None = None
+              ) -> Generator[TurnEvent, int | None, tuple[list[int], FinishReason]]:
         """Pick tokens until a stop token or the limit. Every picked token but a stop is fed, so the
         cache spells exactly the answer. With `hold_while`, text is held back while the answer
         matches that earlier answer (it may be replaced by a sampled one)."""
@@ -93,8 +93,8 @@ class Decoder:
             self.mover.make_room(session, 1)
             step = DecodeStep(self.mover.backend, picked[-1], greedy=greedy, temperature=temperature, seed=reseed)
             sent = yield TurnEvent(decode=step)
-            token = sent if sent is not None else self.mover.backend.decode(step.token, greedy=greedy,
-                                                                       temperature=temperature, seed=reseed)
+            token = sent if sent is not None else self.mover.backend.decode(
+                step.token, greedy=greedy, temperature=temperature, seed=reseed)
             crashpoints.reached("serving.decode.token")
             reseed = None
             pager.append([picked[-1]])

@@ -37,7 +37,7 @@ def probe(engine: Engine, request: ChatRequest, selectors: list[Selector]) -> di
     fingerprint = engine.format.fingerprint(request.tools, request.thinking)
     session = engine.activate(request.session_id, fingerprint)
     rendering = engine.format.render(request.messages, request.tools, request.thinking, session.transcript.generated,
-                                   session.render_memo)
+                                     session.render_memo)
     alignment = align(session.transcript, fingerprint, rendering.text, request.message_hashes)
     if alignment.rebuild or not alignment.new_text:
         raise TranscriptError("a probe must extend the cached transcript")
