@@ -36,8 +36,8 @@ class Twins:
         if key not in self._done:
             self._n += 1
             result = self.zygote.run(job_drive, {"scenario": scenario.name, "socket": str(self.daemon.socket),
-                                               "session": f"twin-{scenario.name}-{self._n}",
-                                               "sequence": list(sequence), "count": True})
+                                                 "session": f"twin-{scenario.name}-{self._n}",
+                                                 "sequence": list(sequence), "count": True})
             acks = result.of("ack")
             if result.status != 0 or len(acks) != len(sequence):
                 raise RuntimeError(f"the twin of {key} failed ({result.status}): {result.error or result.events[-3:]}")

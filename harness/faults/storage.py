@@ -127,8 +127,8 @@ class StorageCampaign:
         outcome = CaseOutcome(case.label, f"{case.scenario}/{case.kind}")
         started = time.monotonic()
         result = self.zygote.run(job_drive, {"scenario": case.scenario, "socket": str(daemon.socket), "session": sid,
-                                           "sequence": list(range(len(scenario.users))), "stays_up": True,
-                                           "before": case.before, "after": case.after})
+                                             "sequence": list(range(len(scenario.users))), "stays_up": True,
+                                             "before": case.before, "after": case.after})
         history = History(len(scenario.users))
         history.feed(result.events, outcome)
         outcome.exact = True  # History.feed may have failed it on the record count: re-judged below
