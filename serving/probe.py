@@ -73,7 +73,7 @@ def probe(engine: Engine, request: ChatRequest, selectors: list[Selector]) -> di
     engine.mover.cut(session, segments_before)
     resident_now = set(session.pager.resident)
     back = engine.mover.execute(session, Decision(evict=sorted(resident_now - resident_before),
-                                                restore=sorted(resident_before - resident_now), plan_used=False))
+                                                  restore=sorted(resident_before - resident_now), plan_used=False))
     # Putting pages back is an undo, not a selector's restore: they keep the leases they had,
     # or every probe after the first would find the room taken by the pages the question's
     # prefill pushed out (3 probes in, a 5,000-token session at budget 2,048 had room for no page).
