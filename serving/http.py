@@ -78,6 +78,11 @@ _DECIMAL = re.compile(r"[0-9]+")
 BRANCH_SUFFIX_CHARS = len("-branch-") + 12
 WORKER_STOP_S = 60.0  # past a drain's deadline: for the cut turns' last step and write-through
 ADVERTISED_CONTEXT_WINDOW = 1_000_000  # the addressable session, not the attention budget
+# A connection's send buffer, fixed instead of the kernel's autotuning (which may grow it to
+# megabytes): a client that stops reading is noticed once this much of its answer waits for it
+# and a write has then waited --client-timeout, not after thousands of tokens decoded for nobody.
+# A whole streamed answer of max_new_tokens fits many times over, so a reading client never waits.
+SEND_BUFFER_BYTES = 128 << 10
 
 
 def _usage(result: TurnResult) -> dict[str, Any]:
@@ -179,6 +184,7 @@ def make_handler(worker: Worker, model_id: str, budget_tokens: int, max_new_toke
 
         def setup(self) -> None:
             super().setup()
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
             self.rfile.close()
             self.reader = _RequestReader(self.connection, client_timeout)
             self.rfile = io.BufferedReader(self.reader)
