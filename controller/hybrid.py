@@ -13,19 +13,28 @@ Evidence is a matrix [candidate pages, query terms]: each term's BM25 share in e
   cutoff     stop when a page would add under `cutoff` of the first page's gain: how many pages
              come back depends on the evidence, not on a fixed count (at most `max_pages`, and
              never more than the room under the low watermark).
+  floor      nothing comes back when the first page adds under `min_gain`: every term it shares
+             with the question is then held by most candidate pages (a common word of the
+             session: with idf cubed, a term in half the candidates weighs log(2)^3 = 0.33, one
+             in all of them next to nothing; the served index's power, DEFAULT_LEXICAL), and the
+             pages it would bring are noise.
   neighbours a page whose match touches its first or last `neighbour_tokens` tokens brings the
              page across that edge: a sentence cut by a page boundary comes back whole.
+  links      after the coverage order's pages, the cold pages that what the question found points
+             to (controller.links), hop by hop, while the page limit and the room allow.
 
 The figures behind each default are in docs/controller.md (benchmarks.selectors, ablation rows).
-Depends on numpy only.
+Depends on numpy and controller.links (its config).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+
+from controller.links import LinkConfig
 
 
 @dataclass(frozen=True)
@@ -35,9 +44,11 @@ class HybridConfig:
     coverage_decay: float = 0.7      # a query term already covered by k chosen pages counts decay**k again
     neighbour_tokens: int = 16       # a match this close to a page edge brings the page across the edge
     cutoff: float = 0.1              # stop when a page would add under this share of the first page's gain
+    min_gain: float = 0.1            # the first page must add at least this much evidence (see floor)
     neighbour_share: float = 0.0     # a page brings a neighbour only if it adds this share of the first gain
     key_weight: float = 0.0          # weight of the key-match evidence next to the lexical evidence
     incoming_tokens: int = 256       # newest tokens of the turn that make the query (as the key index)
+    follow: LinkConfig = field(default_factory=LinkConfig)   # following what found pages point to
 
     def __post_init__(self) -> None:
         if self.max_pages < 1:
@@ -50,6 +61,8 @@ class HybridConfig:
             raise ValueError(f"neighbour_tokens must be >= 0, got {self.neighbour_tokens}")
         if not 0.0 <= self.cutoff < 1.0:
             raise ValueError(f"cutoff must be in [0, 1), got {self.cutoff}")
+        if self.min_gain < 0:
+            raise ValueError(f"min_gain must be >= 0, got {self.min_gain}")
         if not 0.0 <= self.neighbour_share <= 1.0:
             raise ValueError(f"neighbour_share must be in [0, 1], got {self.neighbour_share}")
         if self.key_weight < 0:
@@ -93,7 +106,7 @@ def choose_groups(evidence: np.ndarray, candidates: list[int], room_pages: int, 
         return []
     cold = set(candidates) if cold is None else cold
     order, gains = coverage_order(evidence, config.coverage_decay, limit)
-    if not gains or gains[0] <= 0:
+    if not gains or gains[0] <= max(config.min_gain, 0.0):
         return []
     groups: list[list[int]] = []
     taken: set[int] = set()

@@ -228,6 +228,16 @@ class LexicalIndex:
 
     # ---------------------------------------------------------------------------------- scoring
 
+    def pages_with(self, terms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For sorted unique term hashes: (index into `terms`, page) of every indexed page that
+        holds one, a pair per page and term."""
+        which_all, page_all = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+        for postings in (*self._segments, *self._fresh.values()):
+            which, where = _Postings.expand(*postings.bounds(terms))
+            which_all.append(which)
+            page_all.append(postings.pages[where].astype(np.int64))
+        return np.concatenate(which_all), np.concatenate(page_all)
+
     def match(self, query_ids: Sequence[int] | np.ndarray, candidates: Sequence[int]) -> Match:
         """The query's terms in the candidate pages (indexed pages only), weighted by their rarity."""
         config = self.config

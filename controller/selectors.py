@@ -4,7 +4,8 @@
   hybrid      the default: lexical rarity over the tokenizer's ids (controller.lexical, BM25 with
               the chat template's own ids left out), a coverage order over the best-scoring pages,
               a cutoff where the evidence falls off, and the neighbour a match leans on
-              (controller.hybrid). Optionally the key index's evidence beside it.
+              (controller.hybrid), then the cold pages those point to (controller.links).
+              Optionally the key index's evidence beside it.
   rerank      the hybrid's choice re-ranked by query likelihood: the serving model reads each
               candidate's stored K/V (or a separate controller model its text) and then the
               turn's own words, all candidates in one forward (the host's
@@ -18,7 +19,7 @@ Whatever a selector says goes through the pager's rules (`Pager.validate`). No s
 nothing in the host, looks at the words of the transcript: they read token ids and stored K/V (a
 controller model reads text, but only to score it; no rule matches words).
 Depends on numpy, contextd.wire (PageState), controller.pager, controller.keyindex,
-controller.lexical, controller.hybrid and controller.rerank.
+controller.lexical, controller.links, controller.hybrid and controller.rerank.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from contextd.wire import PageState
 from controller.hybrid import HybridConfig, choose_groups, match_edges
 from controller.keyindex import KeyIndex
 from controller.lexical import LexicalIndex
+from controller.links import LinkConfig, follow
 from controller.pager import PAGE_TOKENS, Pager, Plan
 from controller.rerank import RerankConfig, keep_by_margin, lexical_leader, mean_logprob, question_ids
 
@@ -58,6 +60,7 @@ class SelectionContext:
     lexical_index: LexicalIndex | None = None  # the session's stored full pages as terms
     incoming_ids: Sequence[int] | None = None  # token ids of the turn's new tokens (aligned with incoming_keys)
     scorer: PageScorer | None = None       # the host's query likelihood over stored pages (rerank)
+    page_ids: Callable[[int], Sequence[int]] | None = None   # a page in attention's token ids (links)
 
 
 @dataclass
@@ -160,7 +163,31 @@ def hybrid_groups(ctx: SelectionContext, config: HybridConfig) -> tuple[list[lis
 
     groups = choose_groups(evidence, shortlist, room_pages, config, edges, set(cold))
     bm25 = dict(zip(shortlist, evidence.sum(axis=1).tolist(), strict=True))
+    if config.follow.hops and ctx.page_ids is not None:
+        # After the matches, while the limit and the room allow: the coverage order was chosen
+        # on the shapes of benchmarks.selectors, where a link displacing a weaker match lost hits.
+        groups += _linked(ctx, ids, groups, min(config.max_pages, room_pages), config)
     return groups, bm25, ""
+
+
+def _linked(ctx: SelectionContext, ids: np.ndarray, groups: list[list[int]], limit: int,
+            config: HybridConfig) -> list[list[int]]:
+    """The cold pages that the pages the question found point to (controller.links), one group
+    each, hop by hop, while fewer than `limit` pages (`groups`' included) are chosen."""
+    assert ctx.lexical_index is not None and ctx.page_ids is not None
+    pages = ctx.pager.pages
+    total = pages[-1].token_end if pages else 0
+    skip = {p.index for p in pages if p.token_end > total - len(ids)}
+    taken = {page for group in groups for page in group}
+    out: list[list[int]] = []
+    for hop in follow(ctx.lexical_index, ids, pages, ctx.page_ids, skip, config.follow):
+        for page in hop:
+            if len(taken) >= limit:
+                return out
+            if page not in taken:
+                taken.add(page)
+                out.append([page])
+    return out
 
 
 def _restore_groups(groups: list[list[int]], bm25: dict[int, float], started: float, why: str = "") -> Selection:
@@ -278,15 +305,17 @@ def _ms(started: float) -> float:
 SELECTORS = ("hybrid", "rerank", "attention", "recency")
 
 
-def make_selector(name: str, max_pages: int = 8) -> Selector:
+def make_selector(name: str, max_pages: int = 8, follow_hops: int = LinkConfig.hops) -> Selector:
     """The selector `name` with its defaults; `max_pages`: the most cold pages it brings back in a
-    turn (`--restore-pages`; recency restores none)."""
+    turn (`--restore-pages`; recency restores none); `follow_hops`: the hops the hybrid and the
+    re-ranker follow from what the question found (`--follow-hops`, controller.links)."""
     if name == "recency":
         return RecencySelector()
+    hybrid = HybridConfig(max_pages=max_pages, follow=LinkConfig(hops=follow_hops))
     if name == "hybrid":
-        return HybridSelector(HybridConfig(max_pages=max_pages))
+        return HybridSelector(hybrid)
     if name == "rerank":
-        return RerankSelector(hybrid=HybridConfig(max_pages=max_pages))
+        return RerankSelector(hybrid=hybrid)
     if name == "attention":
         return AttentionSelector(max_pages=max_pages)
     raise ValueError(f"unknown selector {name!r}: use one of {', '.join(SELECTORS)}")

@@ -23,6 +23,7 @@ from contextd.errors import DaemonUnavailable
 from contextd.paths import default_root, default_socket
 from controller.blend import DEFAULT_BLEND, PARTS, BlendPolicy
 from controller.eviction import EVICTION_ORDERS
+from controller.links import LinkConfig
 from controller.selectors import SELECTORS, make_selector
 from serving.engine import PLACEMENTS, Engine, EngineConfig
 from serving.heap import freeze_loaded_heap
@@ -98,7 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         controller = _controller(args, backend)
         template = Path(args.chat_template).read_text() if args.chat_template else None
         engine = Engine(backend, ChatFormat(backend.tokenizer, template), client, config,
-                        make_selector(args.selector, args.restore_pages), controller)
+                        make_selector(args.selector, args.restore_pages, args.follow_hops), controller)
         server = Server(engine, args.model, args.host, args.port, str(socket_path),
                         args.api_key or server_api_key(root), client_timeout=args.client_timeout,
                         restore_pages=args.restore_pages, stuck_after=args.stuck_after)
@@ -245,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     policy.add_argument("--restore-pages", type=int, default=8,
                        help="hybrid and attention selectors: at most this many cold pages come back per turn "
                        "(the hybrid one stops earlier when the evidence falls off)")
+    policy.add_argument("--follow-hops", type=int, default=LinkConfig.hops, metavar="N",
+                       help="hybrid and rerank selectors: after the pages the question matches, follow what they "
+                       "name to the cold pages that few others share, up to N hops (a chain of assignments, a "
+                       "definition a call names; 0: off; docs/controller.md)")
     model.add_argument("--chat-template", default=None, help="file with a Jinja chat template to use instead "
                        "of the model's own")
     place.add_argument("--root", default=str(default_root()), help="data folder (contextd lives under ROOT/contextd)")

@@ -85,6 +85,11 @@ INCOMING_IDS = 1024
 # Where a turn's restored pages sit (in RoPE positions) while its answer is read and written:
 # at their place in the timeline, or right before the new message (PageMover.place_near_question).
 PLACEMENTS = ("timeline", "question")
+# With placement "question", restored pages sit right before the turn's newest tokens, at most this
+# many: before the question at the end of a long message (RULER's one long message, a pasted
+# document), not before the message's start, which may have left attention. The span the
+# selectors read the question from (HybridConfig.incoming_tokens).
+QUESTION_TOKENS = 256
 # A new session branches from a stored one only when they share at least this many whole pages:
 # one page of system prompt saves a ~128-token prefill, less than copying a long parent's manifest.
 MIN_BRANCH_PAGES = 2
@@ -97,6 +102,10 @@ class EngineConfig:
     low_watermark: float = 0.875
     tail_tokens: int = 512
     lease_turns: int = 2
+    # Of a fresh session's first user message (the objective), the tokens hard-pinned: a first
+    # message that is a long text (a pasted document, RULER's one long message) would otherwise
+    # pin its first pages, up to the pin cap, for the whole session.
+    objective_tokens: int = 256
     prefill_chunk: int = 256
     max_new_tokens: int = 512
     fixed_point_seed: int = 1234
@@ -122,6 +131,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.prefill_chunk <= 0 or self.max_new_tokens <= 0:
             raise ValueError("prefill_chunk and max_new_tokens must be positive")
+        if self.objective_tokens < 0:
+            raise ValueError(f"objective_tokens must not be negative, got {self.objective_tokens}")
         if self.session_lease_s <= 0:
             raise ValueError(f"session_lease_s must be positive, got {self.session_lease_s}")
         if self.resident_sessions < 1:
@@ -535,13 +546,14 @@ class Engine:
 
     def selection_context(self, session: Session, new_tokens: int) -> SelectionContext:
         """What a selector reads to choose this turn's restores (the turn's, and serving.probe's)."""
-        ids = session.transcript.ids
+        ids, pages = session.transcript.ids, session.pager.pages
         return SelectionContext(session.session_id, session.pager,
                                 incoming_keys=self._incoming_keys(new_tokens, session.key_index),
                                 key_index=session.key_index, room_tokens=session.pager.room(),
                                 lexical_index=session.lexical_index,
                                 incoming_ids=ids[len(ids) - min(new_tokens, INCOMING_IDS):],
-                                scorer=self.mover.scorer(session, held=False))
+                                scorer=self.mover.scorer(session, held=False),
+                                page_ids=lambda i: ids[pages[i].token_start:pages[i].token_end])
 
     def _apply_plan(self, session: Session, request: ChatRequest, new_tokens: int
                     ) -> tuple[list[int], bool]:
@@ -573,7 +585,8 @@ class Engine:
                 session.last_selection += f"; rejected: {decision.plan_rejected}"
             restored = self.mover.execute(session, decision, scores)
         self.mover.close_gaps(session)
-        placed = self.config.placement == "question" and self.mover.place_near_question(session, restored, new_tokens)
+        placed = self.config.placement == "question" and self.mover.place_near_question(
+            session, restored, min(new_tokens, QUESTION_TOKENS))
         return restored, placed
 
     def _blend(self, session: Session, restored: list[int], new_tokens: int) -> None:
@@ -594,8 +607,10 @@ class Engine:
     def prefill(self, session: Session, segment: Segment, pin: PinKind | None, logits: bool
                 ) -> Generator[TurnEvent, int | None, None]:
         """Prefill one segment in chunks, pausing after each (another session's turn may run).
-        Only the last chunk of a segment that needs them computes logits (`Backend.extend`)."""
+        Only the last chunk of a segment that needs them computes logits (`Backend.extend`). An
+        objective pin covers the segment's first `objective_tokens` tokens (the pages they touch)."""
         chunk = self.config.prefill_chunk
+        pinned = self.config.objective_tokens if pin is PinKind.OBJECTIVE else len(segment.ids)
         for i in range(0, len(segment.ids), chunk):
             part = segment.ids[i:i + chunk]
             self.mover.make_room(session, len(part))
@@ -605,7 +620,11 @@ class Engine:
             else:
                 self.backend.extend(part)
             crashpoints.reached("serving.prefill.chunk")
-            session.pager.append(part, pin=pin)
+            split = min(max(pinned - i, 0), len(part))
+            if split:
+                session.pager.append(part[:split], pin=pin)
+            if split < len(part):
+                session.pager.append(part[split:])
             self.mover.observe_attention(session, len(part))
             self.tally.peak(session, self.backend.attention_tokens)
             yield TurnEvent()

@@ -417,11 +417,12 @@ class PageMover:
         return self.backend.drop_recomputed()
 
     def place_near_question(self, session: Session, restored: list[int], new_tokens: int) -> bool:
-        """Give this turn's restored pages the positions right before the new message (after the
-        tail's earlier messages), instead of their place in the timeline; return whether any key
-        moved. Only positions change (re-anchoring, no forward pass): the pages keep their place
-        in the cache's logical order, so the pager's bookkeeping is untouched, and `close_gaps` at
-        the end of the turn puts every position back in timeline order before anything is stored.
+        """Give this turn's restored pages the positions right before the turn's newest
+        `new_tokens` (the question; everything held before them keeps its order ahead of the
+        pages), instead of their place in the timeline; return whether any key moved. Only
+        positions change (re-anchoring, no forward pass): the pages keep their place in the
+        cache's logical order, so the pager's bookkeeping is untouched, and `close_gaps` at the
+        end of the turn puts every position back in timeline order before anything is stored.
 
         Why: a restored fact otherwise sits behind the model's own recent answers, which SmolLM2
         copies (docs/proof.md: most wrong answers repeated a value from the hot tail)."""

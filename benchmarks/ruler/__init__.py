@@ -31,5 +31,5 @@ Writes OUT/samples.jsonl (every sample's answer, scores and needles, as it finis
 (recall against length per arm) and OUT/ruler.md (the tables, also docs/results/ruler.md for a run
 that is not --quick). The last line is one JSON object: {"models": {MODEL: {"tasks": {TASK:
 {"arms": {"ARM / FORM": {"lengths": {"4k": {"recall", "recall_at_1", "needle_in_view",
-"ttft_ms_p50", "samples", "status", "needles"}}}}}}}}, ...} (null where not applicable).
+"all_in_view", "ttft_ms_p50", "samples", "status", "needles"}}}}}}}}, ...} (null where not applicable).
 """

@@ -10,6 +10,8 @@ Scores per answer:
                 values that do. With one expected value this is recall@1 among the 12 candidates.
   needle_in_view  the share of the asked-for needles whose tokens were all in attention when the
                 answer started (kv-elision's servers); each listed needle is reported in `needles`
+  all_in_view   the share of samples with every asked-for needle in attention (a chain's every
+                link, a multi-value question's every value)
 
 A cell (model, task, arm and form, length) holds the means over its samples, the median time to
 first token, the sample count and its status: "ok", "past window" (a full-context arm past the
@@ -54,13 +56,17 @@ def length_label(tokens: int) -> str:
 def cell(records: list[dict[str, Any]], status: str = "ok") -> dict[str, Any]:
     """The figures of one cell from its samples' records."""
     if not records:
-        return {"recall": None, "recall_at_1": None, "needle_in_view": None, "ttft_ms_p50": None, "samples": 0,
+        return {"recall": None, "recall_at_1": None, "needle_in_view": None, "all_in_view": None,
+                "ttft_ms_p50": None, "samples": 0,
                 "status": status, "needles": []}
     at1 = [r["recall_at_1"] for r in records if r["recall_at_1"] is not None]
     targets = [n["in_view"] for r in records for n in r["needles"] if n["target"] and n["in_view"] is not None]
+    every = [all(n["in_view"] for n in r["needles"] if n["target"]) for r in records
+             if any(n["target"] and n["in_view"] is not None for n in r["needles"])]
     return {"recall": round(fmean(r["recall"] for r in records), 3),
             "recall_at_1": round(fmean(at1), 3) if at1 else None,
             "needle_in_view": round(fmean(targets), 3) if targets else None,
+            "all_in_view": round(fmean(every), 3) if every else None,
             "ttft_ms_p50": round(percentile([r["ttft_ms"] for r in records], 50)),
             "samples": len(records), "status": status,
             "needles": [[{"target": n["target"], "in_view": n["in_view"]} for n in r["needles"]] for r in records]}
@@ -263,6 +269,10 @@ Figures are x100; "past window": a full-context sample longer than the model's t
 
 {summaries(result, "needle_in_view", plan)}
 
+## Samples with every asked-for needle in attention
+
+{summaries(result, "all_in_view", plan)}
+
 ## Per task, greedy recall
 
 {task_table(result, "recall", lengths)}
@@ -274,6 +284,10 @@ Figures are x100; "past window": a full-context sample longer than the model's t
 ## Per task, the asked-for needles in attention
 
 {task_table(result, "needle_in_view", lengths)}
+
+## Per task, samples with every asked-for needle in attention
+
+{task_table(result, "all_in_view", lengths)}
 
 ## Where this differs from RULER
 

@@ -35,7 +35,7 @@ MODEL = "smollm2-135m"
 FULL, KV = "full context", "kv-elision 2048"
 LLAMA = "llama.cpp full context"
 FORMS = ("ruler", "agent")
-CELL = {"recall", "recall_at_1", "needle_in_view", "ttft_ms_p50", "samples", "status", "needles"}
+CELL = {"recall", "recall_at_1", "needle_in_view", "all_in_view", "ttft_ms_p50", "samples", "status", "needles"}
 
 
 def ruler(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -87,12 +87,13 @@ def test_quick_run_reads_the_needles_it_was_given(tmp_path: Path) -> None:
                 assert (c["recall"] * expected) == pytest.approx(round(c["recall"] * expected), abs=0.01)
                 assert c["ttft_ms_p50"] > 0
                 if arm.startswith(LLAMA):   # llama.cpp reads no cache of ours
-                    assert c["recall_at_1"] is None and c["needle_in_view"] is None
+                    assert c["recall_at_1"] is None and c["needle_in_view"] is None and c["all_in_view"] is None
                     continue
                 # The share of the sample's values ranked first, and of its target needles in attention.
                 assert (c["recall_at_1"] * expected) == pytest.approx(round(c["recall_at_1"] * expected), abs=0.01)
                 inside = [n["in_view"] for n in c["needles"][0] if n["target"]]
                 assert c["needle_in_view"] == pytest.approx(sum(inside) / len(inside), abs=1e-3)
+                assert c["all_in_view"] == float(all(inside))
                 # Every needle of every sample, with whether it was in attention.
                 needles = 1 if task == "niah_single_1" else 5
                 assert [len(s) for s in c["needles"]] == [needles] * c["samples"]

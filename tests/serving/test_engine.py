@@ -20,9 +20,11 @@ from contextd.wire import PageState
 from controller.selectors import AttentionSelector, HybridSelector
 from serving import paging
 from serving.chat_format import ChatFormat
-from serving.engine import Engine, EngineConfig
+from serving.engine import QUESTION_TOKENS, Engine, EngineConfig
 from serving.launcher import ContextdProcess
+from serving.observe import TurnObserver
 from serving.probe import probe
+from serving.session import Session
 from serving.turn import ChatRequest, Prepared, TurnResult
 from tests.serving.engines import restarted_copy, turn
 
@@ -306,3 +308,47 @@ def test_a_cut_inside_a_cold_page_leaves_memory_and_contextd_with_the_same_lease
                    if lease.until_turn > pager.turn}
     in_memory = {page.page_id: page.lease_until_turn for page in pager.pages if page.lease_until_turn > pager.turn}
     assert in_memory == durable
+
+
+class _Placement(TurnObserver):
+    """What the answer reads: each held token's position and the pages the turn restored."""
+
+    def __init__(self) -> None:
+        self.positions: np.ndarray | None = None
+        self.restored: list[int] = []
+
+    def answer_view(self, session: Session, backend: Backend, restored: list[int]) -> None:
+        self.positions, self.restored = backend.positions().copy(), list(restored)
+
+
+def test_one_long_message_pins_its_opening_only_and_reads_restores_right_before_its_question(
+        backend: Backend, contextd: ContextdProcess) -> None:
+    """RULER's form: the fact, then filler past the budget, then the question, all one user
+    message. Only the message's first `objective_tokens` are pinned (not its first pages up to the
+    pin cap), and the page restored for the question sits right before the question's last
+    tokens, not before the message's start, which left attention while it was read."""
+    fresh = backend.fork()
+    fresh.reset()
+    config = dataclasses.replace(CONFIG, objective_tokens=64)   # under the pin cap (256 tokens) here
+    engine = Engine(fresh, ChatFormat(fresh.tokenizer), Client(contextd.socket, timeout=60.0), config,
+                    HybridSelector())
+    watch = _Placement()
+    engine.observers.append(watch)
+    filler = " ".join(f"line {n} of the log says nothing new." for n in range(260))
+    text = (f"Remember this. The passphrase of zephyrquill is 4417.\n\n{filler}\n\n"
+            "What is the passphrase of zephyrquill?")
+    turn(engine, "long", [SYSTEM, {"role": "user", "content": text}])
+    session = engine.sessions["long"]
+    pager = session.pager
+    system_tokens = len(engine.format.encode(engine.format.render([SYSTEM], None, "default", {}).text))
+    pinned_end = system_tokens + config.objective_tokens
+    assert pager.pins and all(pager.pages[i].token_start < pinned_end for i in pager.pins)
+    assert max(pager.pages[i].token_end for i in pager.pins) <= (pinned_end // 128 + 1) * 128
+    assert watch.restored and watch.positions is not None
+    restored_at = [pager.logical_start(i) for i in watch.restored]
+    restored_positions = np.concatenate([watch.positions[s:s + 128] for s in restored_at])
+    # One block of positions, followed by the message's last QUESTION_TOKENS tokens and the
+    # template's opening of the answer (a few tokens), and nothing else.
+    assert np.ptp(restored_positions) + 1 == len(restored_positions)
+    after = int((watch.positions > restored_positions.max()).sum())
+    assert QUESTION_TOKENS <= after < QUESTION_TOKENS + 16, after

@@ -16,7 +16,7 @@ from controller.hybrid import (
 )
 from controller.keyindex import KeyIndex, KeyIndexConfig
 from controller.lexical import LexicalConfig, LexicalIndex, vocabulary_bytes
-from controller.pager import PAGE_TOKENS, Pager, PagerConfig
+from controller.pager import PAGE_TOKENS, Pager, PagerConfig, Plan
 from controller.selectors import HybridSelector, SelectionContext
 
 STOP = (1, 2)  # the chat template's own ids in these tests
@@ -282,3 +282,21 @@ def test_a_term_in_more_pages_than_the_cap_is_skipped() -> None:
     assert set(uncapped.top(uncapped.match([700, 701], list(range(40))), 40)) >= set(range(40))
     with pytest.raises(ValueError):
         LexicalConfig(max_df_pages=0)
+
+
+def test_hybrid_selector_brings_nothing_back_when_every_shared_term_is_a_common_word() -> None:
+    """A question that shares only the session's common words with the cold pages (the end of a
+    long message of filler, the question's own terms found nowhere) gets no restore: under the
+    floor every match is noise. With the floor at 0 the same question brings filler back."""
+    rng = np.random.default_rng(9)
+    pager = _pager(40)
+    lexical = LexicalIndex(LexicalConfig(idf_power=3.0), stop_ids=STOP)   # the served power (DEFAULT_LEXICAL)
+    for p in range(40):   # filler of six ids: every id and every pair of them is in every page
+        lexical.add(p, rng.integers(10, 16, size=PAGE_TOKENS).tolist())
+    ctx = SelectionContext("s", pager, room_tokens=4 * PAGE_TOKENS, lexical_index=lexical,
+                           incoming_ids=[1, *rng.integers(10, 16, size=40).tolist(), 700, 701, 2])
+    assert HybridSelector().select(ctx).plan == Plan(restore=[])
+    unfloored = HybridSelector(HybridConfig(min_gain=0.0)).select(ctx)
+    assert unfloored.plan is not None and unfloored.plan.restore
+    with pytest.raises(ValueError):
+        HybridConfig(min_gain=-1.0)
