@@ -56,7 +56,7 @@ from benchmarks.answers import rank_of
 from benchmarks.stats import percentile, print_result
 from contextd.wire import PageState
 from controller.hybrid import HybridConfig
-from controller.links import LinkConfig
+from controller.links import FOLLOW_HOPS, LinkConfig
 from controller.pager import PAGE_TOKENS
 from controller.selectors import (
     AttentionSelector,
@@ -80,8 +80,8 @@ from serving.watch import AnswerWatch
 
 MODEL = "smollm2-135m"
 BASE_SELECTORS = ("recency", "attention", "bm25", "hybrid", "rerank")   # the default run
-# The last two: the hybrid without its links, without its floor (ablations).
-NAMED_SELECTORS = (*BASE_SELECTORS, "likelihood", "hybrid-links", "hybrid-floor")
+# The last two: the hybrid with links (--follow-hops), without its floor (ablations).
+NAMED_SELECTORS = (*BASE_SELECTORS, "likelihood", "hybrid+links", "hybrid-floor")
 
 
 def selectors(names: Sequence[str], ablation: bool) -> list[Selector]:
@@ -89,14 +89,14 @@ def selectors(names: Sequence[str], ablation: bool) -> list[Selector]:
         "recency": RecencySelector(), "attention": AttentionSelector(),
         "bm25": HybridSelector(HybridConfig(coverage_decay=1.0, cutoff=0.0, neighbour_tokens=0), "bm25"),
         "hybrid": HybridSelector(), "rerank": RerankSelector(), "likelihood": LikelihoodSelector(),
-        "hybrid-links": HybridSelector(HybridConfig(follow=LinkConfig(hops=0)), "hybrid - links"),
+        "hybrid+links": HybridSelector(HybridConfig(follow=LinkConfig(hops=FOLLOW_HOPS)), "hybrid + links"),
         "hybrid-floor": HybridSelector(HybridConfig(min_gain=0.0), "hybrid - floor")}
     out = [made[name] for name in names]
     if ablation:
         out += [HybridSelector(HybridConfig(coverage_decay=1.0), "hybrid - coverage"),
                 HybridSelector(HybridConfig(neighbour_tokens=0), "hybrid - neighbours"),
                 HybridSelector(HybridConfig(cutoff=0.0), "hybrid - cutoff"),
-                HybridSelector(HybridConfig(key_weight=0.5), "hybrid + keys"), made["hybrid-links"],
+                HybridSelector(HybridConfig(key_weight=0.5), "hybrid + keys"), made["hybrid+links"],
                 made["hybrid-floor"]]
     return out
 

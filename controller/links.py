@@ -46,7 +46,11 @@ from controller.pager import Page
 
 @dataclass(frozen=True)
 class LinkConfig:
-    hops: int = 4               # hops followed past the question's own matches (0: off)
+    """Off unless asked for (`--follow-hops`): on the agent sessions of benchmarks.selectors the
+    pages it finds hold no evidence and cost precision (docs/results/selectors.md); it is for
+    questions whose answer is a chain (docs/results/ruler.md, variable tracking)."""
+
+    hops: int = 0               # hops followed past the question's own matches (0: off; FOLLOW: on)
     window_tokens: int = 8      # tokens either side of a match whose link terms lead on
     max_df_pages: int = 3       # a term in more of the session's pages than this is not a link
     per_hop: int = 2            # new cold pages a hop brings at most
@@ -63,6 +67,9 @@ class LinkConfig:
         if min(self.max_df_pages, self.per_hop, self.min_terms) < 1:
             raise ValueError("max_df_pages, per_hop and min_terms must be >= 1, got "
                              f"{self.max_df_pages}, {self.per_hop} and {self.min_terms}")
+
+
+FOLLOW_HOPS = 4   # what `--follow-hops` asks for to follow a chain of RULER's length (4 hops)
 
 
 class _Session:

@@ -23,7 +23,7 @@ from contextd.errors import DaemonUnavailable
 from contextd.paths import default_root, default_socket
 from controller.blend import DEFAULT_BLEND, PARTS, BlendPolicy
 from controller.eviction import EVICTION_ORDERS
-from controller.links import LinkConfig
+from controller.links import FOLLOW_HOPS, LinkConfig
 from controller.selectors import SELECTORS, make_selector
 from serving.engine import PLACEMENTS, Engine, EngineConfig
 from serving.heap import freeze_loaded_heap
@@ -248,8 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(the hybrid one stops earlier when the evidence falls off)")
     policy.add_argument("--follow-hops", type=int, default=LinkConfig.hops, metavar="N",
                        help="hybrid and rerank selectors: after the pages the question matches, follow what they "
-                       "name to the cold pages that few others share, up to N hops (a chain of assignments, a "
-                       "definition a call names; 0: off; docs/controller.md)")
+                       f"name to the cold pages that few others share, up to N hops ({FOLLOW_HOPS} for a chain of "
+                       "assignments; default 0: off, as it costs precision on other sessions; docs/controller.md)")
     model.add_argument("--chat-template", default=None, help="file with a Jinja chat template to use instead "
                        "of the model's own")
     place.add_argument("--root", default=str(default_root()), help="data folder (contextd lives under ROOT/contextd)")

@@ -8,8 +8,9 @@ find when the text is 64 times the budget, and does the page that holds the answ
 
   tasks.py    the generator, written from the paper's task definitions (not from RULER's code)
   forms.py    the two deliveries of a sample, and its length in the served model's tokens
-  arms.py     the servers: kv-elision at budgets 2,048 and 4,096 as shipped, the full context in
-              the same runtime (up to the model's trained window), llama.cpp's full context
+  arms.py     the servers: kv-elision at budgets 2,048 and 4,096 as shipped, at 4,096 with
+              `--follow-hops` (links, controller.links: off by default), the full context in the
+              same runtime (up to the model's trained window), llama.cpp's full context
   report.py   RULER's string-match recall, likelihood recall@1, the tables, the plot, the report
 
 Models: smollm2-135m (trained window 8k) and gemma3-270m (32k). Per cell (model, task, arm and
@@ -19,7 +20,8 @@ asked-for needle was in attention when the answer started (kv-elision's servers)
 to first token; the number of samples.
 
     python -m benchmarks.ruler [--quick] [--models smollm2-135m,gemma3-270m] [--tasks niah_single_1,...]
-                               [--lengths 4k,8k,16k,32k,64k,128k] [--samples N] [--arms kv-2048,kv-4096,full,llama]
+                               [--lengths 4k,8k,16k,32k,64k,128k] [--samples N]
+                               [--arms kv-2048,kv-4096,kv-4096-links,full,llama]
                                [--forms ruler,agent] [--seed 0] [--out bench-out/ruler] [--report PATH]
                                [--print-sample TASK:LENGTH:INDEX]
 

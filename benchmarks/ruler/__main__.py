@@ -21,7 +21,7 @@ from typing import Any
 import benchmarks.ruler
 from backends.models import load_tokenizer, resolve
 from benchmarks import llamacpp
-from benchmarks.ruler.arms import KV_BUDGETS, LLAMA, WINDOWS, Arm, KvArm, LlamaArm, Reading, listed_needles
+from benchmarks.ruler.arms import LLAMA, WINDOWS, Arm, KvArm, LlamaArm, Reading, listed_needles
 from benchmarks.ruler.forms import FILE_TOKENS, FORMS, Fitter, agent_messages, ruler_messages
 from benchmarks.ruler.report import (
     NOT_BUILT,
@@ -41,7 +41,8 @@ from serving.chat_format import ChatFormat
 
 LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
 MODELS = ("smollm2-135m", "gemma3-270m")
-ARM_KEYS = ("kv-2048", "kv-4096", "full", "llama")
+# kv-4096-links: kv-elision at 4,096 with --follow-hops (controller.links), not the shipped default.
+ARM_KEYS = ("kv-2048", "kv-4096", "kv-4096-links", "full", "llama")
 # A plan: per length, the tasks run and the samples per cell.
 Plan = dict[int, tuple[tuple[str, ...], int]]
 # The full run, what fits 3 hours on 2 cores (`estimate`), one sample per cell: every task at 4k; one
@@ -126,7 +127,8 @@ class Run:
         out: list[Arm | str] = []
         for key in self.args.arms:
             if key.startswith("kv-"):
-                out.append(KvArm(model, int(key[3:]), self.work, fmt, fitter.splitter))
+                budget, _, links = key[3:].partition("-")
+                out.append(KvArm(model, int(budget), self.work, fmt, fitter.splitter, links=links == "links"))
             elif key == "full":
                 out.append(KvArm(model, WINDOWS[model], self.work, fmt, fitter.splitter, full=True))
             else:
@@ -248,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, given, known in (
             ("model", args.models, list(WINDOWS)), ("form", args.forms, FORMS),
             ("task", [t for tasks, _ in plan.values() for t in tasks], list(TASKS)),
-            ("arm", args.arms, [f"kv-{b}" for b in KV_BUDGETS] + ["full", "llama"])):
+            ("arm", args.arms, list(ARM_KEYS))):
         unknown = sorted({g for g in given if g not in known})
         if unknown:
             parser.error(f"unknown {name}: {', '.join(unknown)} (known: {', '.join(known)})")

@@ -42,11 +42,11 @@ from benchmarks.ruler.forms import (
 )
 from benchmarks.ruler.tasks import Needle, Sample
 from contextd.client import Client
+from controller.links import FOLLOW_HOPS
 from serving.chat_format import ChatFormat
 from serving.launcher import ServerProcess
 
 PAGE_TOKENS = 128
-KV_BUDGETS = (2048, 4096)
 FULL = "full context"
 LLAMA = "llama.cpp full context"
 # Trained context per model (GGUF `*.context_length`): the full-context arms stop there.
@@ -151,18 +151,20 @@ class KvArm(Arm):
     """`kv-elision serve` with `budget`: as shipped, or (`full`) a budget the sample never fills."""
 
     def __init__(self, model: str, budget: int, work: Path, chat_format: ChatFormat, splitter: Splitter,
-                 full: bool = False) -> None:
+                 full: bool = False, links: bool = False) -> None:
         self.model = model
         self.budget = budget
-        self.key = FULL if full else f"kv-elision {budget}"
+        self.key = FULL if full else f"kv-elision {budget}" + (" + links" if links else "")
+        self.extra = ("--follow-hops", str(FOLLOW_HOPS)) if links else ()
         self.window = WINDOWS[model] if full else None
-        self.root = work / f"{model}-{'full' if full else budget}"
+        self.root = work / f"{model}-{'full' if full else budget}{'-links' if links else ''}"
         self.format = chat_format
         self.splitter = splitter
         self.server: ServerProcess | None = None
 
     def start(self) -> None:
-        self.server = ServerProcess(root=self.root, model=self.model, budget=self.budget).start(timeout=900)
+        self.server = ServerProcess(root=self.root, model=self.model, budget=self.budget,
+                                    extra=self.extra).start(timeout=900)
 
     def stop(self) -> None:
         if self.server is not None:

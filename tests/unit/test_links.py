@@ -9,7 +9,7 @@ import pytest
 from contextd.wire import PageState, PinKind
 from controller.hybrid import HybridConfig
 from controller.lexical import LexicalIndex
-from controller.links import LinkConfig, follow
+from controller.links import FOLLOW_HOPS, LinkConfig, follow
 from controller.pager import PAGE_TOKENS, Pager, PagerConfig
 from controller.selectors import HybridSelector, SelectionContext
 
@@ -20,6 +20,7 @@ VALUE = [1000, 1100, 1200]
 NAMES = [[1001 + k, 1101 + k, 1201 + k] for k in range(5)]   # the chain's variables, in order
 CHAIN_PAGES = [6, 11, 17, 23, 29]        # where each link is planted (cold but 23, held: see _session)
 HELD_LINK = 23
+ON = LinkConfig(hops=FOLLOW_HOPS)   # off by default (`--follow-hops`)
 
 
 def _lines() -> list[list[int]]:
@@ -54,7 +55,7 @@ def _session(pages: int = 40, seed: int = 3, held_from: int = 32
 def test_each_hop_finds_the_page_the_last_one_names_and_reads_through_held_pages() -> None:
     pager, ids, lexical = _session()
     question = np.array(ids[len(pager.pages) - 1][-8:])
-    hops = follow(lexical, question, pager.pages, ids.__getitem__, {len(pager.pages) - 1}, LinkConfig())
+    hops = follow(lexical, question, pager.pages, ids.__getitem__, {len(pager.pages) - 1}, ON)
     # Hop 1: the page naming the first variable; hop 2 reads through the held page 23 (not found:
     # it is in attention) and finds 29; the chain ends there.
     assert [page for hop in hops for page in hop] == [11, 17, 29]
@@ -72,7 +73,7 @@ def test_a_term_many_pages_hold_is_no_link() -> None:
     for page in pager.pages[2:32]:
         lexical.add(page.index, ids[page.index])
     question = np.array(ids[len(pager.pages) - 1][-8:])
-    hops = follow(lexical, question, pager.pages, ids.__getitem__, {len(pager.pages) - 1}, LinkConfig())
+    hops = follow(lexical, question, pager.pages, ids.__getitem__, {len(pager.pages) - 1}, ON)
     assert [page for hop in hops for page in hop] == []
 
 
@@ -81,7 +82,7 @@ def test_the_question_own_pages_are_never_sources() -> None:
     last = len(pager.pages) - 1
     ids[last][:9] = [VAR, 1099, 1199, 1299, EQUALS, VAR, *NAMES[-1]]  # the question's page names the chain's end
     question = np.array(ids[last][-8:])
-    found = [p for hop in follow(lexical, question, pager.pages, ids.__getitem__, {last}, LinkConfig()) for p in hop]
+    found = [p for hop in follow(lexical, question, pager.pages, ids.__getitem__, {last}, ON) for p in hop]
     assert found == [11, 17, 29]
 
 
@@ -91,15 +92,15 @@ def test_the_hybrid_selector_brings_the_chain_back_within_its_limit_and_the_room
     question = ids[last][-8:]
     ctx = SelectionContext("s", pager, room_tokens=8 * PAGE_TOKENS, lexical_index=lexical,
                            incoming_ids=question, page_ids=ids.__getitem__)
-    selection = HybridSelector().select(ctx)
+    selection = HybridSelector(HybridConfig(follow=ON)).select(ctx)
     assert selection.plan is not None
     assert set(CHAIN_PAGES) - {HELD_LINK} <= set(selection.plan.restore)
-    without = HybridSelector(HybridConfig(follow=LinkConfig(hops=0))).select(ctx)
+    without = HybridSelector().select(ctx)   # the default: no links
     assert without.plan is not None and set(without.plan.restore) & {11, 17, 29} == set()
-    tight = HybridSelector(HybridConfig(max_pages=2)).select(ctx)
+    tight = HybridSelector(HybridConfig(max_pages=2, follow=ON)).select(ctx)
     assert tight.plan is not None and len(tight.plan.restore) <= 2 and 6 in tight.plan.restore
     no_ids = SelectionContext("s", pager, room_tokens=8 * PAGE_TOKENS, lexical_index=lexical, incoming_ids=question)
-    unlinked = HybridSelector().select(no_ids)   # without the held pages' ids nothing is followed
+    unlinked = HybridSelector(HybridConfig(follow=ON)).select(no_ids)   # no held pages' ids: nothing followed
     assert unlinked.plan is not None and set(unlinked.plan.restore) & {11, 17, 29} == set()
 
 
