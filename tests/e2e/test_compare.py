@@ -67,7 +67,8 @@ def test_compare_quick_run_prints_table_and_json(tmp_path: Path) -> None:
     # kv-elision's prompt tokens are its own prefill counter, and the accounting invariant holds.
     final = summary["kv_final"]["7"][f"{HYBRID} [s0]"]
     assert final["prompt"] == arms[HYBRID]["prompt_tokens"]
-    assert final["forward"] == final["prompt"] + final["decoded"] and final["historical"] == 0
+    assert final["forward"] == final["prompt"] + final["decoded"] + final["blend"] and final["historical"] == 0
+    assert final["blend"] > 0   # the shipped default recomputes part of each turn's view
     assert final["rebuilds"] == 0 and final["reprefilled"] == 0
     # This llama-server refuses a prompt over -c even with --context-shift: reported, not run.
     assert "status" in arms[TRUNCATION]
