@@ -25,11 +25,14 @@ are the next hop.
             a held page is read through (it needs no restore, what it names is followed), a
             cold page is found unless an earlier hop had it. Of each hop's new cold
             pages, the `per_hop` with the most link weight come back.
+  edges     the window reads across a page's edges into the pages beside it (a line a page
+            boundary cuts); a found page whose window reached a cold neighbour brings it too.
   stop      after `hops` hops, or when a hop finds no link term no earlier hop used.
 
-The host decides the rest: the selector puts what is found after its own choice, within its page
-limit and the room (controller.hybrid). Nothing here knows a language: hashes, counts and positions.
-Depends on numpy, controller.lexical and contextd.wire (PageState).
+The host decides the rest: the hybrid puts what is found after its own choice, within its page
+limit and the room (controller.selectors.hybrid_groups). Nothing here knows a language: hashes,
+counts and positions. Depends on numpy, contextd.wire (PageState), controller.pager (Page) and
+controller.lexical.
 """
 
 from __future__ import annotations
@@ -47,10 +50,10 @@ from controller.pager import Page
 @dataclass(frozen=True)
 class LinkConfig:
     """Off unless asked for (`--follow-hops`): on the agent sessions of benchmarks.selectors the
-    pages it finds hold no evidence and cost precision (docs/results/selectors.md); it is for
+    pages it finds hold no evidence and cost precision (docs/journal/2026-12-07-links.md); it is for
     questions whose answer is a chain (docs/results/ruler.md, variable tracking)."""
 
-    hops: int = 0               # hops followed past the question's own matches (0: off; FOLLOW: on)
+    hops: int = 0               # hops followed past the question's own matches (0: off; FOLLOW_HOPS: on)
     window_tokens: int = 8      # tokens either side of a match whose link terms lead on
     max_df_pages: int = 3       # a term in more of the session's pages than this is not a link
     per_hop: int = 2            # new cold pages a hop brings at most
