@@ -106,7 +106,7 @@ def choose_groups(evidence: np.ndarray, candidates: list[int], room_pages: int, 
         return []
     cold = set(candidates) if cold is None else cold
     order, gains = coverage_order(evidence, config.coverage_decay, limit)
-    if not gains or gains[0] <= max(config.min_gain, 0.0):
+    if not gains or gains[0] <= config.min_gain:
         return []
     groups: list[list[int]] = []
     taken: set[int] = set()

@@ -53,6 +53,7 @@ from controller.eviction import (
     EvictionAdviceConfig,
     EvictionAdvisor,
 )
+from controller.hybrid import HybridConfig
 from controller.keyindex import KeyIndex, KeyIndexConfig
 from controller.lexical import DEFAULT_LEXICAL, LexicalConfig, LexicalIndex
 from controller.pager import Pager, PagerConfig, Plan, PrefixChain
@@ -87,9 +88,9 @@ INCOMING_IDS = 1024
 PLACEMENTS = ("timeline", "question")
 # With placement "question", restored pages sit right before the turn's newest tokens, at most this
 # many: before the question at the end of a long message (RULER's one long message, a pasted
-# document), not before the message's start, which may have left attention. The span the
-# selectors read the question from (HybridConfig.incoming_tokens).
-QUESTION_TOKENS = 256
+# document), not before the message's start, which may have left attention: the span the
+# selectors read the question from.
+QUESTION_TOKENS = HybridConfig.incoming_tokens
 # A new session branches from a stored one only when they share at least this many whole pages:
 # one page of system prompt saves a ~128-token prefill, less than copying a long parent's manifest.
 MIN_BRANCH_PAGES = 2
