@@ -282,6 +282,9 @@ def test_a_client_that_leaves_ends_its_turn_and_the_next_turn_is_served(server_f
         assert line, "the stream ended before its first token"
     stream.close()  # the response holds the socket open too
     conn.close()
+    # The server notices once the answer fills the connection's send buffer; until then the first
+    # turn is still decoding, and a phase read now would be its phase, not the next turn's.
+    wait_until(lambda: server.stats("gone")["counters"]["cancelled_turns"] == 1, 120, "the first turn to end")
     # Not streaming: the client sends the request and hangs up while the answer is being decoded.
     follow = [*messages, {"role": "assistant", "content": "…"}, {"role": "user", "content": "Again, longer. " * 10}]
     raw = json.dumps({**body, "messages": follow}).encode()
@@ -290,7 +293,8 @@ def test_a_client_that_leaves_ends_its_turn_and_the_next_turn_is_served(server_f
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Authorization: " + key + b"\r\nX-KV-Session: gone\r\nContent-Length: "
                      + str(len(raw)).encode() + b"\r\n\r\n" + raw)
-        wait_until(lambda: server.stats("gone").get("turn_phase") == "decode", 120, "the turn to decode")
+        wait_until(lambda: (stats := server.stats("gone"))["counters"]["turns"] == 2
+                   and stats.get("turn_phase") == "decode", 120, "the second turn to decode")
     started = time.monotonic()
     reply = server.request("POST", "/v1/chat/completions",
                            {"model": "tiny-llama", "messages": [SYSTEM, {"role": "user", "content": "hi"}],
