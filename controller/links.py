@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from contextd.wire import PageState
-from controller.lexical import LexicalIndex, Terms
+from controller.lexical import LexicalIndex
 from controller.pager import Page
 
 
@@ -85,15 +85,8 @@ class _Session:
         self.pages = pages
         self.held_ids = held_ids
         self.skip = skip
-        self._terms: dict[int, Terms] = {}
-        self.unindexed = {p.index: np.unique(self.terms(p.index).hashes) for p in pages
+        self.unindexed = {p.index: np.unique(lexical.terms(list(held_ids(p.index))).hashes) for p in pages
                           if p.resident and p.index not in lexical.pages and p.index not in skip}
-
-    def terms(self, page: int) -> Terms:
-        if page not in self._terms:
-            ids = self.lexical.pages.get(page)
-            self._terms[page] = self.lexical.terms(ids if ids is not None else list(self.held_ids(page)))
-        return self._terms[page]
 
     def holders(self, terms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(index into sorted unique `terms`, page) for every page of the session that holds one;
