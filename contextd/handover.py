@@ -41,8 +41,9 @@ are not this module's: the daemon deletes a payload object only after a publish 
 it, so an adopter finds every payload its state names.
 
 Leases are wall-clock times: the servers' clocks must agree to well within a lease (NTP keeps
-them within milliseconds; a lease is 30 s by default). A server that stalls past its lease
-(a pause, a partition) may find its session taken: its next write is refused, never merged.
+them within milliseconds; a lease is 30 s by default), read on the object store's clock (the
+daemon's, contextd.clock, which a test moves). A server that stalls past its lease (a pause, a
+partition) may find its session taken: its next write is refused, never merged.
 
 Dependency rules: msgpack, xxhash, contextd.objects, contextd.errors; called by the daemon only.
 """
@@ -50,7 +51,6 @@ Dependency rules: msgpack, xxhash, contextd.objects, contextd.errors; called by 
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -141,7 +141,7 @@ class Handover:
         key = self._holder_key(session_id)
         for _ in range(CLAIM_ATTEMPTS):
             current = self.holder(session_id)
-            now = time.time()
+            now = self.objects.clock.time()
             try:
                 if (current is None or current.deleted) and renew:
                     raise SessionHeld(f"session {session_id} was deleted by another server")

@@ -65,7 +65,7 @@ class Sweeper:
     def _droppable(self, txn: Txn, session_id: str) -> list[tuple[int, float, str, str, int]]:
         """Cold payloads that may go (of one session, or of all), least recently used first:
         (last_used_turn, updated, session, page, size)."""
-        now = time.time()
+        now = self.clock.time()
         candidates = []
         scope = [session_row(txn, session_id)] if session_id else [s for _, s in txn.scan(SESSIONS, EVERYTHING)]
         for session in scope:
@@ -108,7 +108,7 @@ class Sweeper:
                 return 0, []
 
             def op(txn: Txn) -> list[tuple[str, int]]:
-                now = time.time()
+                now = self.clock.time()
                 locators = []
                 recorded: dict[str, set[int]] = {}
                 for sid, page_id in chosen:
@@ -175,7 +175,7 @@ class Sweeper:
                     path.unlink(missing_ok=True)
 
         def op(txn: Txn) -> int:
-            now = time.time()
+            now = self.clock.time()
             expired = 0
             for _, session in txn.scan(SESSIONS, EVERYTHING):
                 for lease_key, lease in list(txn.scan(LEASES, session_scope(session.session_id))):
