@@ -286,10 +286,12 @@ class Backend(Protocol):
         ...
 
     def attention_weights(self) -> np.ndarray | None:
-        """The last forward's reported weights, float64 [attention_tokens] in held order: per held
-        token, the weight a watched query put on it, averaged over watched layers, heads and
-        queries (the rest of a query's weight is on sliding-window keys or a sink). None when that
-        forward was not watched, or a forward or page operation came after it."""
+        """The last forward's reported weights, float64 [watched layers, query heads,
+        attention_tokens], tokens in held order: the weight each watched layer's head put on each
+        held token, averaged over the watched queries (the rest of a query's weight is on
+        sliding-window keys or a sink; heads are kept apart because a page one head reads hard
+        is read, where the mean over heads blurs it with pages many heads touch lightly). None
+        when that forward was not watched, or a forward or page operation came after it."""
         ...
 
     def compact_positions(self) -> int:

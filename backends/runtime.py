@@ -171,7 +171,7 @@ class SlotBackend(SlotSession):
         if self._watch is not None:
             per_slot = self._store.take_watched()
             if per_slot is not None:
-                self._weights = per_slot[self._store.order]
+                self._weights = per_slot[..., self._store.order]
         return out
 
     # -- the model's own attention, read off the forward a prefill makes anyway -----------------

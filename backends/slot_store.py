@@ -114,10 +114,10 @@ class SlotStore(abc.ABC):
         self.exact_values: np.ndarray | None = None
         # Set for the duration of one watched forward (`SlotBackend.observe_attention`): which paged
         # layers, and how many of the forward's last queries, report their softmax weights. The
-        # runtime's attention adds each watched layer's weights, summed over heads and queries, to
-        # `watched` (per slot, in its tensors) and the rows it summed to `watched_rows`.
+        # runtime's attention appends each watched layer's weights, per query head and slot and
+        # summed over queries, to `watched` (in its tensors), and the rows it summed to `watched_rows`.
         self.watch: Watch | None = None
-        self.watched: Any = None
+        self.watched: list[Any] = []
         self.watched_rows = 0
         self.grow(capacity)
 
@@ -139,20 +139,20 @@ class SlotStore(abc.ABC):
             free = np.flatnonzero(~self.occupied)
         return pick_free_slots(free, n, self.high_water())
 
-    def accumulate_weights(self, summed: Any, rows: int) -> None:
-        """Add one watched layer's weights (a runtime vector per slot, summed over `rows` query
-        rows: heads times queries) to the forward's accumulator."""
-        self.watched = summed if self.watched is None else self.watched + summed
-        self.watched_rows += rows
+    def accumulate_weights(self, per_head: Any, rows: int) -> None:
+        """Add one watched layer's weights (a runtime [heads, slots] array, summed over `rows`
+        query rows: batch times queries) to the forward's accumulator."""
+        self.watched.append(per_head)
+        self.watched_rows = rows
 
     def take_watched(self) -> np.ndarray | None:
-        """The watched forward's mean attention weight on each slot below its high-water mark
-        (float64; None when no watched layer ran), and the accumulator emptied."""
+        """The watched forward's mean attention weights over its watched queries, float64
+        [layers, heads, slots] (None when no watched layer ran), and the accumulator emptied."""
         watched, rows = self.watched, self.watched_rows
-        self.watched, self.watched_rows = None, 0
-        if watched is None or rows == 0:
+        self.watched, self.watched_rows = [], 0
+        if not watched or rows == 0:
             return None
-        return self._weights_to_host(watched) / rows
+        return np.stack([self._weights_to_host(layer) for layer in watched]) / rows
 
     @abc.abstractmethod
     def _weights_to_host(self, t: Any) -> np.ndarray:

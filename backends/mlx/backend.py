@@ -122,7 +122,7 @@ class MlxBackend(SlotBackend):
             # layer past its keys and values (mlx-lm's prefill does the same; a quarter of the tiny
             # hybrid's prefill, docs/backends.md), and the states' bits are the same either way.
             # A watched forward's weights are evaluated with it, under the runtime's lock.
-            watched = [] if self._store.watched is None else [self._store.watched]
+            watched = list(self._store.watched)
             if not logits:
                 mx.eval(self._state(), *watched)
                 return None

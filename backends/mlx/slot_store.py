@@ -215,8 +215,8 @@ class MlxSlotStore(SlotStore):
 
     def add_watched(self, queries: mx.array, keys: mx.array, mask: mx.array | str | None, scale: float,
                     sinks: mx.array | None) -> None:
-        """Add one watched layer's softmax weights of the last watched queries, summed over heads
-        and queries, to the per-slot accumulator: the scores mlx-lm's SDPA computes (`mask` as it
+        """Add one watched layer's softmax weights of the last watched queries, per head and summed
+        over queries, to the per-slot accumulator: the scores mlx-lm's SDPA computes (`mask` as it
         takes it: None, "causal" or an array, boolean or additive), for those queries only."""
         assert self.watch is not None
         n = min(self.watch.queries, int(queries.shape[2]))
@@ -236,7 +236,7 @@ class MlxSlotStore(SlotStore):
             weights = mx.softmax(mx.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
         else:
             weights = mx.softmax(logits, axis=-1)
-        self.accumulate_weights(weights.sum(axis=(0, 1, 2)), int(weights.shape[0] * weights.shape[1] * n))
+        self.accumulate_weights(weights.sum(axis=(0, 2)), int(weights.shape[0] * n))
 
     def _from_host(self, a: np.ndarray) -> Any:
         with mx.stream(self.rt.device):

@@ -49,8 +49,8 @@ WATCHED = threading.local()
 
 def _watch_weights(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor,
                    scaling: float | None, s_aux: torch.Tensor | None) -> None:
-    """Add this layer's softmax weights of the watched queries, summed over heads and queries, to
-    the store's per-slot accumulator: the same scores the layer's SDPA computes, for the last few
+    """Add this layer's softmax weights of the watched queries, per head and summed over queries,
+    to the store's per-slot accumulator: the same scores the layer's SDPA computes, for the last few
     queries only (SDPA does not hand its weights out)."""
     st: TorchSlotStore | None = getattr(WATCHED, "store", None)
     if st is None or st.watch is None:
@@ -68,7 +68,7 @@ def _watch_weights(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         weights = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
     else:
         weights = torch.softmax(logits, dim=-1)
-    st.accumulate_weights(weights.sum(dim=(0, 1, 2)), int(weights.shape[0] * weights.shape[1] * n))
+    st.accumulate_weights(weights.sum(dim=(0, 2)), int(weights.shape[0] * n))
 
 
 def _slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

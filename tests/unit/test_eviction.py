@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from contextd.wire import PinKind
-from controller.eviction import AttentionOrder, AttentionOrderConfig, EvictionAdviceConfig, EvictionAdvisor
+from controller.eviction import (
+    AttentionOrder,
+    AttentionOrderConfig,
+    EvictionAdviceConfig,
+    EvictionAdvisor,
+    page_votes,
+)
 from controller.pager import PAGE_TOKENS, Decision, Pager, PagerConfig, Plan
 
 TEMPLATE = (1, 2)
@@ -142,11 +148,26 @@ def test_a_window_the_scorer_could_not_score_is_not_ordered() -> None:
 # ---------------------------------------------------------------- the attention order
 
 def weights_on(pager: Pager, per_page: dict[int, float]) -> np.ndarray:
-    """Weights over the held tokens (held order) that put `per_page[p]` on page p, spread evenly."""
-    weights = np.zeros(pager.hot_tokens)
+    """Weights of one layer's one head over the held tokens (held order) that put `per_page[p]`
+    on page p, spread evenly: [1, 1, tokens] as `Backend.attention_weights` has them."""
+    weights = np.zeros((1, 1, pager.hot_tokens))
     for k, page in enumerate(pager.resident):
-        weights[k * PAGE_TOKENS:(k + 1) * PAGE_TOKENS] = per_page.get(page, 0.0) / PAGE_TOKENS
+        weights[..., k * PAGE_TOKENS:(k + 1) * PAGE_TOKENS] = per_page.get(page, 0.0) / PAGE_TOKENS
     return weights
+
+
+def test_a_pages_vote_is_what_the_head_that_read_it_most_gave_it_averaged_over_layers() -> None:
+    """One head reading a page hard is a read; many heads touching every page lightly are not:
+    the mean over heads would rank the two pages alike."""
+    weights = np.zeros((2, 3, 4))          # 2 layers, 3 heads, 4 tokens: pages [0, 2) and [2, 4)
+    weights[0, 0] = [0.05, 0.05, 0.45, 0.45]   # layer 0: head 0 reads the second page
+    weights[0, 1:] = [0.4, 0.4, 0.1, 0.1]      # its other heads lean on the first one
+    weights[1, :] = [0.25, 0.25, 0.25, 0.25]   # layer 1: every head alike
+    votes = page_votes(weights, [(0, 2), (2, 4)])
+    np.testing.assert_allclose(votes, [(0.8 + 0.5) / 2, (0.9 + 0.5) / 2])
+    over_heads = weights.mean(axis=1)          # the mean over heads ranks them the other way round
+    assert over_heads[:, :2].sum() > over_heads[:, 2:].sum()
+    assert page_votes(weights, []).shape == (0,)
 
 
 def test_the_attention_config_is_validated_and_reads_layers_inside_the_stack() -> None:
@@ -163,8 +184,10 @@ def test_the_least_attended_of_the_oldest_evictable_pages_leave_first() -> None:
     pager = full_pager(16)
     order = AttentionOrder(AttentionOrderConfig(window=4))
     order.begin_message(from_user=True)
-    order.observe(pager, weights_on(pager, {1: 0.5, 2: 0.01, 3: 0.2, 4: 0.0, 5: 0.9}), new_tokens=0)
-    # The window is the four oldest evictable pages (1-4); page 5's weight does not matter yet.
+    order.observe(pager, weights_on(pager, {0: 9.0, 1: 0.5, 2: 0.01, 3: 0.2, 4: 0.0, 5: 0.9}), new_tokens=0)
+    # The pinned page 0, where the attention sink is, never leaves and is not scored. The window
+    # is the four oldest evictable pages (1-4); page 5's weight does not matter yet.
+    assert 0 not in order.scores
     assert order.order(pager, incoming_tokens=PAGE_TOKENS) == [4, 2, 3, 1]
     decision = pager.decide(Plan(evict_first=order.order(pager, PAGE_TOKENS)), incoming_tokens=PAGE_TOKENS)
     assert decision.evict[:2] == [4, 2] and 1 not in decision.evict
@@ -191,8 +214,8 @@ def test_weights_of_a_shorter_view_score_only_the_pages_they_cover() -> None:
     pager = full_pager(6)
     order = AttentionOrder(AttentionOrderConfig())
     order.begin_message(from_user=True)
-    order.observe(pager, np.full(3 * PAGE_TOKENS, 1 / (3 * PAGE_TOKENS)), new_tokens=0)
-    assert set(order.scores) == {0, 1, 2}
+    order.observe(pager, np.full((1, 1, 3 * PAGE_TOKENS), 1 / (3 * PAGE_TOKENS)), new_tokens=0)
+    assert set(order.scores) == {1, 2}   # page 0 is pinned
 
 
 def test_a_user_message_votes_on_the_pages_before_it_and_a_tool_result_does_not() -> None:
