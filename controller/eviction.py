@@ -41,9 +41,9 @@ observation window, at page granularity):
   vote      a user message's chunks, and the answer's opening after one, vote on each unpinned
             held page from before the message: its vote is the weight the page's tokens got from
             the head of each watched layer that read it most, averaged over the layers
-            (`page_votes`; the mean over heads ranked the page a question asks about third among
-            seven to fourteen on tuning sessions where the best head ranked it first in five of
-            six). The vote is added to the page's score, and the message's own pages get its
+            (`page_votes`; at six task questions of tuning sessions the best head ranked the page
+            the question asks about first of 7-14 five times, the mean over heads three times).
+            The vote is added to the page's score, and the message's own pages get its
             largest vote (the message is the observation window, kept as SnapKV keeps it). A
             tool result does not vote: what a file's lines put on the text before them is mostly
             nearness (every file would vote for the one read before it).
