@@ -25,8 +25,8 @@ to first token; the number of samples.
                                [--forms ruler,agent] [--seed 0] [--out bench-out/ruler] [--report PATH]
                                [--print-sample TASK:LENGTH:INDEX]
 
---quick: niah_single_1 and vt at 4k, one sample per cell, SmolLM2-135M only (the e2e test's
-run). Needs Debian's word list (/usr/share/dict/words: `apt-get install wamerican`); llama.cpp's
+--quick: niah_single_1 and vt at 4k, one sample per cell, SmolLM2-135M only, the arms
+kv-2048, full and llama unless --arms names others (the e2e test's run, without llama). Needs Debian's word list (/usr/share/dict/words: `apt-get install wamerican`); llama.cpp's
 arm runs once `python -m benchmarks.llamacpp` has built `llama-server`.
 
 Writes OUT/samples.jsonl (every sample's answer, scores and needles, as it finishes), OUT/ruler.png

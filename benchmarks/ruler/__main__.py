@@ -219,13 +219,13 @@ def main(argv: list[str] | None = None) -> int:
                                      description=(benchmarks.ruler.__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help=f"{describe(QUICK_PLAN)} ({', '.join(QUICK_PLAN[4096][0])}); arms "
-                        f"{', '.join(QUICK_ARMS)}; {MODELS[0]} only")
+                        f"{', '.join(QUICK_ARMS)} unless --arms names others; {MODELS[0]} only")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--tasks", help=f"of {', '.join(TASKS)} (with --lengths and --samples: in place of the "
                         f"plan, {describe(PLAN)})")
     parser.add_argument("--lengths", help=f"of {', '.join(length_label(n) for n in LENGTHS)}")
     parser.add_argument("--samples", type=int, help="samples per cell")
-    parser.add_argument("--arms", default=",".join(ARM_KEYS), help=f"of {', '.join(ARM_KEYS)}")
+    parser.add_argument("--arms", help=f"of {', '.join(ARM_KEYS)} (default: all)")
     parser.add_argument("--forms", default=",".join(FORMS), help=f"of {', '.join(FORMS)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench-out/ruler")
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="print one sample of the first model in both forms, as JSON, and exit")
     args = parser.parse_args(argv)
     if args.quick:
-        args.models, args.arms, plan = MODELS[0], ",".join(QUICK_ARMS), QUICK_PLAN
+        args.models, args.arms, plan = MODELS[0], args.arms or ",".join(QUICK_ARMS), QUICK_PLAN
     elif args.tasks or args.lengths or args.samples:
         tasks = tuple(args.tasks.split(",")) if args.tasks else tuple(TASKS)
         lengths = sorted(parse_length(n) for n in args.lengths.split(",")) if args.lengths else LENGTHS
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = PLAN
     args.plan = plan
     args.models = args.models.split(",")
-    args.arms = args.arms.split(",")
+    args.arms = (args.arms or ",".join(ARM_KEYS)).split(",")
     args.forms = args.forms.split(",")
     for name, given, known in (
             ("model", args.models, list(WINDOWS)), ("form", args.forms, FORMS),
