@@ -26,8 +26,9 @@ to first token; the number of samples.
                                [--print-sample TASK:LENGTH:INDEX]
 
 --quick: niah_single_1 and vt at 4k, one sample per cell, SmolLM2-135M only, the arms
-kv-2048, full and llama unless --arms names others (the e2e test's run, without llama). Needs Debian's word list (/usr/share/dict/words: `apt-get install wamerican`); llama.cpp's
-arm runs once `python -m benchmarks.llamacpp` has built `llama-server`.
+kv-2048, full and llama unless --arms names others (the e2e test's run, without llama). Needs
+Debian's word list (/usr/share/dict/words: `apt-get install wamerican`); llama.cpp's arm runs
+once `python -m benchmarks.llamacpp` has built `llama-server`.
 
 Writes OUT/samples.jsonl (every sample's answer, scores and needles, as it finishes), OUT/ruler.png
 (recall against length per arm) and OUT/ruler.md (the tables, also docs/results/ruler.md for a run
