@@ -40,10 +40,8 @@ def test_script_is_deterministic_and_codes_are_unique() -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not PI_BIN.exists(), reason=f"Pi is not installed at {PI_BIN} (cd extension && npm ci)")
+@pytest.mark.usefixtures("llama_server_built")
 def test_compare_quick_run_prints_table_and_json(tmp_path: Path) -> None:
-    located = subprocess.run([sys.executable, "-m", "benchmarks.llamacpp", "--locate"], cwd=REPO, capture_output=True)
-    if located.returncode != 0:
-        pytest.skip("llama-server is not built (python -m benchmarks.llamacpp, or make compare)")
     out = tmp_path / "out"
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.compare", "--quick", "--files", "3", "--questions", "2",

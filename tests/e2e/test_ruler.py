@@ -65,12 +65,14 @@ def test_a_sample_is_the_same_from_the_same_seed_and_fits_its_length() -> None:
     assert len(sample["candidates"]) == 12 and sample["candidates"][0].endswith(value)
 
 
-def string_match(c: dict[str, object]) -> None:
-    """RULER's string match over one sample: the share of its expected values the answer spells."""
+def string_match(c: dict[str, object]) -> int:
+    """RULER's string match over one sample: the share of its expected values the answer spells.
+    Returns how many values the sample expects."""
     needles = c["needles"]
     assert isinstance(needles, list) and isinstance(c["recall"], float)
     expected = sum(1 for n in needles[0] if n["target"])
     assert (c["recall"] * expected) == pytest.approx(round(c["recall"] * expected), abs=0.01)
+    return expected
 
 
 @pytest.mark.timeout(3000)
@@ -87,8 +89,7 @@ def test_quick_run_reads_the_needles_it_was_given(tmp_path: Path) -> None:
             for length, c in per_arm["lengths"].items():
                 assert set(c) == CELL, (task, arm, length)
                 assert c["status"] == "ok" and c["samples"] == 1, (task, arm, length, c)
-                string_match(c)
-                expected = sum(1 for n in c["needles"][0] if n["target"])
+                expected = string_match(c)
                 assert c["ttft_ms_p50"] > 0
                 # The share of the sample's values ranked first, and of its target needles in attention.
                 assert (c["recall_at_1"] * expected) == pytest.approx(round(c["recall_at_1"] * expected), abs=0.01)
@@ -118,12 +119,9 @@ def test_quick_run_reads_the_needles_it_was_given(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(1200)
+@pytest.mark.usefixtures("llama_server_built")
 def test_llama_cpp_arm_reads_the_same_text_and_answers_the_agents_question_from_its_prompt_cache(
         tmp_path: Path) -> None:
-    located = subprocess.run([sys.executable, "-m", "benchmarks.llamacpp", "--locate"], cwd=REPO,
-                             capture_output=True, timeout=120)
-    if located.returncode != 0:
-        pytest.skip("llama-server is not built (python -m benchmarks.llamacpp, or make compare)")
     run = ruler("--models", MODEL, "--tasks", "niah_single_1", "--lengths", "4k", "--samples", "1", "--arms", "llama",
                 "--out", str(tmp_path), "--report", str(tmp_path / "ruler.md"), timeout=1100)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
